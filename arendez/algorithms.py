@@ -1,0 +1,415 @@
+"""Collectives as pure algorithms over point-to-point messages.
+
+Every function takes a ``Comm`` (the ranks of one group and tagged send/receive within one
+collective) and numpy arrays. Nothing here knows about sockets, so the algorithms run as well
+over an in-memory transport in unit tests as over TCP.
+
+Latency-bound sizes use direct exchange (every rank talks to every other in one round) or
+recursive doubling; bandwidth-bound sizes a ring, cut into *lanes* that run concurrently so
+the reduction of one lane overlaps the transfer of the next. Reductions combine contributions
+in a fixed order, so every rank ends with bit-identical results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from .arrays import ReduceOp, ufunc_for
+
+Array = np.ndarray[Any, Any]
+
+#: Arrays up to this many bytes take the latency-bound path.
+SMALL_BYTES = 64 * 1024
+#: Bytes of one block of one ring lane; lanes of ``size`` blocks pipeline large messages.
+LANE_BYTES = 512 * 1024
+#: Ring lanes in flight at once (bounds scratch memory to a fixed chunk budget).
+LANES_IN_FLIGHT = 4
+
+
+class Comm(Protocol):
+    """What an algorithm needs: its place in the group and tagged messages."""
+
+    rank: int
+    size: int
+
+    def send(self, peer: int, tag: int, data: Array) -> Awaitable[None] | None:
+        """Start sending ``data``; await the result before modifying ``data``."""
+
+    def recv_into(self, peer: int, tag: int, out: Array) -> Awaitable[None]:
+        """Receive exactly ``out.nbytes`` bytes into ``out``."""
+
+    def recv_any(self, peer: int, tag: int) -> Awaitable[memoryview]:
+        """Receive a message of any size into a buffer the transport allocates."""
+
+
+def choose(collective: str, nbytes: int, size: int) -> str:
+    """Pick the algorithm by message size and group size (``ARENDEZ_ALGORITHM`` overrides)."""
+    forced = os.environ.get("ARENDEZ_ALGORITHM")
+    if forced:
+        if forced == "rdb" and size & (size - 1):
+            return "direct"
+        return forced
+    if nbytes <= SMALL_BYTES or size == 2 and collective == "broadcast":
+        if collective == "all_reduce" and size > 8 and not size & (size - 1):
+            return "rdb"
+        return "direct"
+    return "ring"
+
+
+async def wait_all(awaitables: Sequence[Awaitable[Any] | None]) -> list[Any]:
+    pending = [a for a in awaitables if a is not None]
+    if not pending:
+        return []
+    if len(pending) == 1:
+        return [await pending[0]]
+    return list(await asyncio.gather(*pending))
+
+
+def _view(buf: memoryview, dtype: np.dtype[Any]) -> Array:
+    return np.frombuffer(buf, dtype=dtype) if buf.nbytes else np.empty(0, dtype)
+
+
+def _others(comm: Comm) -> list[int]:
+    return [p for p in range(comm.size) if p != comm.rank]
+
+
+def _lanes(size: int, itemsize: int, parts: int) -> list[slice]:
+    """Slices of ``size`` elements, each about ``parts * LANE_BYTES`` bytes."""
+    per_lane = max(1, LANE_BYTES // max(1, itemsize)) * parts
+    return [slice(i, min(i + per_lane, size)) for i in range(0, size, per_lane)] or [slice(0, 0)]
+
+
+async def _run_lanes(count: int, lane: Callable[[int], Awaitable[None]]) -> None:
+    """Run ``lane(0..count-1)``, at most ``LANES_IN_FLIGHT`` at a time, in order."""
+    gate = asyncio.Semaphore(LANES_IN_FLIGHT)
+
+    async def gated(i: int) -> None:
+        async with gate:
+            await lane(i)
+
+    if count == 1:
+        await lane(0)
+    else:
+        await asyncio.gather(*(gated(i) for i in range(count)))
+
+
+# -- reductions ------------------------------------------------------------------------------
+def _combine_in_rank_order(
+    comm: Comm, mine: Array, received: dict[int, Array], ufunc: np.ufunc, out: Array
+) -> None:
+    """``out = c0 op c1 op ... op c(n-1)``, the same on every rank (contribution ``rank`` is
+    ``mine``)."""
+    parts = [mine if p == comm.rank else received[p] for p in range(comm.size)]
+    if out is mine and comm.rank == 0:
+        acc = out
+    else:
+        acc = np.array(parts[0], copy=True) if parts[0] is mine else parts[0]
+        if not acc.flags.writeable:
+            acc = acc.copy()
+    for part in parts[1:]:
+        ufunc(acc, part, out=acc)
+    if acc is not out:
+        np.copyto(out, acc)
+
+
+async def all_reduce(comm: Comm, x: Array, op: ReduceOp, algorithm: str | None = None) -> None:
+    """Reduce ``x`` across the group in place."""
+    ufunc = ufunc_for(op, x.dtype)
+    if comm.size > 1 and x.size:
+        algo = algorithm or choose("all_reduce", x.nbytes, comm.size)
+        if algo == "direct":
+            await _direct_all_reduce(comm, x, ufunc)
+        elif algo == "rdb":
+            await _recursive_doubling(comm, x, ufunc)
+        else:
+            await _ring_all_reduce(comm, x, ufunc)
+    if op is ReduceOp.AVG and comm.size > 1:
+        np.divide(x, comm.size, out=x)
+
+
+async def _direct_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
+    peers = _others(comm)
+    recvs = [comm.recv_any(p, 0) for p in peers]
+    await wait_all([comm.send(p, 0, x) for p in peers])
+    got = await wait_all(recvs)
+    received = {p: _view(buf, x.dtype) for p, buf in zip(peers, got, strict=True)}
+    _combine_in_rank_order(comm, x, received, ufunc, x)
+
+
+async def _recursive_doubling(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
+    mask, step = 1, 0
+    while mask < comm.size:
+        partner = comm.rank ^ mask
+        recv = comm.recv_any(partner, step)
+        await wait_all([comm.send(partner, step, x)])
+        other = _view(await recv, x.dtype)
+        ufunc(x, other, out=x)  # IEEE +, *, min, max commute exactly: both partners agree
+        mask, step = mask << 1, step + 1
+
+
+def _ring_schedule(comm: Comm) -> tuple[int, int, int, int]:
+    n, r = comm.size, comm.rank
+    return n, r, (r + 1) % n, (r - 1) % n
+
+
+async def _ring_reduce_scatter_lane(
+    comm: Comm, blocks: list[Array], ufunc: np.ufunc, out: Array | None, tag: int
+) -> None:
+    """Ring reduce-scatter of one lane: afterwards block ``rank`` is reduced.
+
+    ``out is None`` reduces in place into ``blocks``; otherwise the inputs stay untouched and
+    the result lands in ``out`` (two scratch blocks carry the partial sums around).
+    """
+    n, r, right, left = _ring_schedule(comm)
+    scratch: list[Array] = []
+    sending = comm.send(right, tag, blocks[(r - 1) % n])
+    for s in range(n - 1):
+        b = (r - s - 2) % n
+        partial = _view(await comm.recv_any(left, tag + s), blocks[b].dtype)
+        await wait_all([sending])
+        if out is None:
+            target = blocks[b]
+        elif s == n - 2:
+            target = out
+        else:
+            if len(scratch) < 2:
+                scratch.append(np.empty_like(blocks[b]))
+            target = scratch[s % 2][: blocks[b].size]
+        ufunc(blocks[b], partial, out=target)
+        sending = comm.send(right, tag + s + 1, target) if s < n - 2 else None
+    await wait_all([sending])
+
+
+def _post_all_gather(comm: Comm, blocks: list[Array], tag: int) -> list[Awaitable[None]]:
+    """Post the receives of a ring all-gather lane, so its frames land in place.
+
+    Safe before the lane's reduce-scatter: a final block can only come back around after
+    this rank has sent its own partial of it.
+    """
+    n, r, _, left = _ring_schedule(comm)
+    return [comm.recv_into(left, tag + s, blocks[(r - s - 1) % n]) for s in range(n - 1)]
+
+
+async def _ring_all_gather_lane(
+    comm: Comm, blocks: list[Array], tag: int, recvs: list[Awaitable[None]] | None = None
+) -> None:
+    """Ring all-gather of one lane: block ``rank`` is ours, the rest arrive in place."""
+    n, r, right, _ = _ring_schedule(comm)
+    if recvs is None:
+        recvs = _post_all_gather(comm, blocks, tag)
+    for s in range(n - 1):
+        sending = comm.send(right, tag + s, blocks[(r - s) % n])
+        await recvs[s]
+        await wait_all([sending])
+
+
+async def _ring_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
+    n = comm.size
+    lanes = _lanes(x.size, x.itemsize, n)
+
+    async def lane(i: int) -> None:
+        blocks = np.array_split(x[lanes[i]], n)
+        gathering = _post_all_gather(comm, blocks, 4 * n * i + 2 * n)
+        await _ring_reduce_scatter_lane(comm, blocks, ufunc, None, 4 * n * i)
+        await _ring_all_gather_lane(comm, blocks, 4 * n * i + 2 * n, gathering)
+
+    await _run_lanes(len(lanes), lane)
+
+
+async def reduce(comm: Comm, x: Array, dst: int, op: ReduceOp, algorithm: str | None = None) -> None:
+    """Reduce into ``x`` on ``dst``. Small arrays leave the other ranks' ``x`` untouched; large
+    ones use it as scratch (as torch's NCCL backend does)."""
+    ufunc = ufunc_for(op, x.dtype)
+    n = comm.size
+    if n > 1 and x.size:
+        algo = algorithm or choose("reduce", x.nbytes, n)
+        if algo == "ring":
+            await _ring_reduce(comm, x, dst, ufunc)
+        elif comm.rank == dst:
+            peers = _others(comm)
+            got = await wait_all([comm.recv_any(p, 0) for p in peers])
+            received = {p: _view(b, x.dtype) for p, b in zip(peers, got, strict=True)}
+            _combine_in_rank_order(comm, x, received, ufunc, x)
+        else:
+            await wait_all([comm.send(dst, 0, x)])
+    if op is ReduceOp.AVG and comm.rank == dst and n > 1:
+        np.divide(x, n, out=x)
+
+
+async def _ring_reduce(comm: Comm, x: Array, dst: int, ufunc: np.ufunc) -> None:
+    n, r = comm.size, comm.rank
+    lanes = _lanes(x.size, x.itemsize, n)
+
+    async def lane(i: int) -> None:
+        blocks = np.array_split(x[lanes[i]], n)
+        await _ring_reduce_scatter_lane(comm, blocks, ufunc, None, 4 * n * i)
+        tag = 4 * n * i + 2 * n
+        if r == dst:
+            await wait_all([comm.recv_into(p, tag, blocks[p]) for p in range(n) if p != r])
+        else:
+            await wait_all([comm.send(dst, tag, blocks[r])])
+
+    await _run_lanes(len(lanes), lane)
+
+
+async def reduce_scatter(
+    comm: Comm, out: Array, inputs: list[Array], op: ReduceOp, algorithm: str | None = None
+) -> None:
+    """``out`` on rank ``r`` = the reduction of every rank's ``inputs[r]`` (inputs untouched)."""
+    n, r = comm.size, comm.rank
+    ufunc = ufunc_for(op, out.dtype)
+    if n == 1:
+        np.copyto(out, inputs[0])
+    elif out.size:
+        algo = algorithm or choose("reduce_scatter", out.nbytes * n, n)
+        if algo == "ring":
+            lanes = _lanes(out.size, out.itemsize, 1)
+
+            async def lane(i: int) -> None:
+                part = lanes[i]
+                await _ring_reduce_scatter_lane(
+                    comm, [blk[part] for blk in inputs], ufunc, out[part], 4 * n * i
+                )
+
+            await _run_lanes(len(lanes), lane)
+        else:
+            peers = _others(comm)
+            recvs = [comm.recv_any(p, 0) for p in peers]
+            await wait_all([comm.send(p, 0, inputs[p]) for p in peers])
+            got = await wait_all(recvs)
+            received = {p: _view(b, out.dtype) for p, b in zip(peers, got, strict=True)}
+            _combine_in_rank_order(comm, inputs[r], received, ufunc, out)
+    if op is ReduceOp.AVG and n > 1:
+        np.divide(out, n, out=out)
+
+
+# -- data movement ---------------------------------------------------------------------------
+async def broadcast(comm: Comm, x: Array, src: int, algorithm: str | None = None) -> None:
+    """Copy ``src``'s ``x`` into every rank's ``x``."""
+    n, r = comm.size, comm.rank
+    if n == 1 or not x.size:
+        return
+    algo = algorithm or choose("broadcast", x.nbytes, n)
+    if algo != "ring":
+        if r == src:
+            await wait_all([comm.send(p, 0, x) for p in _others(comm)])
+        else:
+            await comm.recv_into(src, 0, x)
+        return
+    # pipelined chain src -> src+1 -> ... : each chunk is forwarded as soon as it lands
+    chunks = [x[s] for s in _lanes(x.size, x.itemsize, 1)]
+    nxt, prev = (r + 1) % n, (r - 1) % n
+    last = nxt == src
+    if r == src:
+        await wait_all([comm.send(nxt, i, c) for i, c in enumerate(chunks)])
+        return
+    recvs = [comm.recv_into(prev, i, c) for i, c in enumerate(chunks)]
+    sends: list[Awaitable[None] | None] = []
+    for i, c in enumerate(chunks):
+        await recvs[i]
+        if not last:
+            sends.append(comm.send(nxt, i, c))
+    await wait_all(sends)
+
+
+async def all_gather(comm: Comm, blocks: list[Array], algorithm: str | None = None) -> None:
+    """Fill every ``blocks[p]`` with rank ``p``'s block (``blocks[rank]`` already holds ours).
+
+    Blocks are flat uint8 arrays of equal size.
+    """
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return
+    algo = algorithm or choose("all_gather", blocks[r].nbytes * n, n)
+    if algo != "ring":
+        peers = _others(comm)
+        recvs = [comm.recv_into(p, 0, blocks[p]) for p in peers]
+        await wait_all([comm.send(p, 0, blocks[r]) for p in peers])
+        await wait_all(recvs)
+        return
+    lanes = _lanes(blocks[r].size, 1, 1)
+
+    async def lane(i: int) -> None:
+        await _ring_all_gather_lane(comm, [b[lanes[i]] for b in blocks], 2 * n * i)
+
+    await _run_lanes(len(lanes), lane)
+
+
+async def gather(comm: Comm, x: Array, outs: list[Array] | None, dst: int) -> None:
+    """``outs[p]`` on ``dst`` = rank ``p``'s ``x``."""
+    if comm.rank != dst:
+        await wait_all([comm.send(dst, 0, x)])
+        return
+    assert outs is not None
+    np.copyto(outs[dst], x)
+    await wait_all([comm.recv_into(p, 0, outs[p]) for p in _others(comm)])
+
+
+async def scatter(comm: Comm, out: Array, ins: list[Array] | None, src: int) -> None:
+    """``out`` on rank ``p`` = ``ins[p]`` on ``src``."""
+    if comm.rank != src:
+        await comm.recv_into(src, 0, out)
+        return
+    assert ins is not None
+    np.copyto(out, ins[src])
+    await wait_all([comm.send(p, 0, ins[p]) for p in _others(comm)])
+
+
+async def all_to_all(comm: Comm, outs: list[Array], ins: list[Array]) -> None:
+    """``outs[p]`` on rank ``r`` = ``ins[r]`` on rank ``p``."""
+    peers = _others(comm)
+    recvs = [comm.recv_into(p, 0, outs[p]) for p in peers]
+    np.copyto(outs[comm.rank], ins[comm.rank])
+    await wait_all([comm.send(p, 0, ins[p]) for p in peers])
+    await wait_all(recvs)
+
+
+# -- variable-size byte messages (object collectives) ----------------------------------------
+async def all_gather_bytes(comm: Comm, mine: bytes) -> list[bytes]:
+    peers = _others(comm)
+    recvs = [comm.recv_any(p, 0) for p in peers]
+    data = np.frombuffer(mine, np.uint8)
+    await wait_all([comm.send(p, 0, data) for p in peers])
+    got = await wait_all(recvs)
+    out = [b""] * comm.size
+    out[comm.rank] = mine
+    for p, buf in zip(peers, got, strict=True):
+        out[p] = bytes(buf)
+    return out
+
+
+async def broadcast_bytes(comm: Comm, mine: bytes | None, src: int) -> bytes:
+    if comm.rank == src:
+        assert mine is not None
+        data = np.frombuffer(mine, np.uint8)
+        await wait_all([comm.send(p, 0, data) for p in _others(comm)])
+        return mine
+    return bytes(await comm.recv_any(src, 0))
+
+
+async def gather_bytes(comm: Comm, mine: bytes, dst: int) -> list[bytes] | None:
+    if comm.rank != dst:
+        await wait_all([comm.send(dst, 0, np.frombuffer(mine, np.uint8))])
+        return None
+    peers = _others(comm)
+    got = await wait_all([comm.recv_any(p, 0) for p in peers])
+    out = [b""] * comm.size
+    out[dst] = mine
+    for p, buf in zip(peers, got, strict=True):
+        out[p] = bytes(buf)
+    return out
+
+
+async def scatter_bytes(comm: Comm, parts: list[bytes] | None, src: int) -> bytes:
+    if comm.rank != src:
+        return bytes(await comm.recv_any(src, 0))
+    assert parts is not None
+    await wait_all(
+        [comm.send(p, 0, np.frombuffer(parts[p], np.uint8)) for p in _others(comm)]
+    )
+    return parts[src]

@@ -1,0 +1,100 @@
+"""Turning user buffers into flat numpy views, and the reduction operators."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+    AVG = "avg"
+
+    # torch spells a few of them differently; accept both
+    @classmethod
+    def parse(cls, op: Any) -> ReduceOp:
+        if isinstance(op, ReduceOp):
+            return op
+        name = getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown reduce op {op!r}; use one of {[m.name for m in cls]}") from None
+
+
+_UFUNCS: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
+
+
+def ufunc_for(op: ReduceOp, dtype: np.dtype[Any]) -> np.ufunc:
+    """The numpy ufunc that combines two contributions, after checking it fits ``dtype``."""
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dtype.kind not in "iub":
+        raise ValueError(f"ReduceOp.{op.name} needs an integer or bool array, got {dtype}")
+    if op is ReduceOp.AVG and dtype.kind not in "fc":
+        raise ValueError(f"ReduceOp.AVG needs a floating-point array, got {dtype}")
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "c":
+        raise ValueError(f"ReduceOp.{op.name} is undefined for complex arrays")
+    if dtype.kind not in "biufc":
+        raise ValueError(f"cannot reduce arrays of dtype {dtype}")
+    return _UFUNCS[op]
+
+
+def _torch_numpy(obj: Any) -> np.ndarray[Any, Any] | None:
+    module = type(obj).__module__
+    if not module.startswith("torch"):
+        return None
+    if getattr(obj, "device", None) is not None and obj.device.type != "cpu":
+        raise ValueError(f"only CPU tensors are supported, got a tensor on {obj.device}")
+    if not obj.is_contiguous():
+        raise ValueError("tensor is not contiguous; call .contiguous() first")
+    array: np.ndarray[Any, Any] = obj.detach().numpy()  # shares memory with the tensor
+    return array
+
+
+def as_array(obj: Any, *, writable: bool = True, what: str = "tensor") -> np.ndarray[Any, Any]:
+    """A flat numpy view of ``obj`` sharing its memory (never a copy).
+
+    Accepts numpy arrays, CPU torch tensors and C-contiguous buffers. Non-contiguous or
+    (when ``writable``) read-only input is a ``ValueError``.
+    """
+    array = obj if isinstance(obj, np.ndarray) else _torch_numpy(obj)
+    if array is None:
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise TypeError(
+                f"{what} must be a numpy array, CPU torch tensor or buffer, not {type(obj).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise ValueError(f"{what} is not C-contiguous")
+        array = np.asarray(view)
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{what} is not C-contiguous; pass np.ascontiguousarray(...) explicitly")
+    if writable and not array.flags.writeable:
+        raise ValueError(f"{what} is read-only; collectives write their result in place")
+    return array.reshape(-1)
+
+
+def as_bytes(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The same memory as a flat uint8 array."""
+    return array.view(np.uint8) if array.size else np.empty(0, np.uint8)
+
+
+def describe(array: np.ndarray[Any, Any]) -> str:
+    return f"{array.dtype.str}x{array.size}"

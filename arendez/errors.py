@@ -1,0 +1,90 @@
+"""The arendez error hierarchy: everything raised on purpose is an ``ArendezError``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class ArendezError(RuntimeError):
+    """Base of every error arendez raises on purpose."""
+
+
+class ProtocolError(ArendezError):
+    """A peer or server sent bytes that break the wire protocol."""
+
+
+class StoreError(ArendezError):
+    """A key-value store operation failed (server unreachable, deadline passed, bad request)."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A store ``get``/``wait`` did not see its keys before the deadline."""
+
+
+class RendezvousError(ArendezError):
+    """Joining a job failed: bad URL, full job, inconsistent world size, deadline passed."""
+
+
+class AuthenticationError(ArendezError):
+    """The other side did not prove it knows the job's token (or we could not)."""
+
+
+class NotInitializedError(ArendezError):
+    """A collective was called with no process group initialized."""
+
+
+class GroupDestroyedError(ArendezError):
+    """The group was destroyed (or is being destroyed) while the collective was pending."""
+
+
+class CollectiveMismatchError(ArendezError):
+    """Ranks started different collectives (op, dtype or count) at the same sequence number."""
+
+
+class RankFailedError(ArendezError):
+    """A rank the collective depends on died, left or lost its connection."""
+
+    def __init__(self, rank: int, collective: str, reason: str) -> None:
+        self.rank = rank
+        self.collective = collective
+        self.reason = reason
+        super().__init__(f"rank {rank} failed during {collective}: {reason}")
+
+
+class CollectiveTimeoutError(ArendezError, TimeoutError):
+    """A collective did not finish before its deadline; names the ranks that never arrived."""
+
+    def __init__(
+        self,
+        collective: str,
+        timeout: float,
+        missing: Iterable[int] = (),
+        unresponsive: Iterable[int] = (),
+    ) -> None:
+        self.collective = collective
+        self.timeout = timeout
+        self.missing = sorted(missing)
+        self.unresponsive = sorted(unresponsive)
+        parts = [f"{collective} timed out after {timeout:.3g}s"]
+        if self.missing:
+            parts.append(f"ranks that never arrived: {self.missing}")
+        if self.unresponsive:
+            parts.append(f"ranks that did not answer: {self.unresponsive}")
+        if not self.missing and not self.unresponsive:
+            parts.append("every rank had started it (slow peer or network)")
+        super().__init__("; ".join(parts))
+
+
+__all__ = [
+    "ArendezError",
+    "AuthenticationError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "GroupDestroyedError",
+    "NotInitializedError",
+    "ProtocolError",
+    "RankFailedError",
+    "RendezvousError",
+    "StoreError",
+    "StoreTimeoutError",
+]

@@ -1,0 +1,576 @@
+"""Process groups over a world's peer mesh: sequencing, matching, failure and destroy.
+
+A ``World`` is what one ``init_process_group`` built: its rank, the store, the mesh and every
+group over it. Incoming frames are matched to receives by ``(sender, group, seq, tag, segment)``;
+a receive posted before its frame arrives gets the payload written straight into its buffer.
+
+Each collective is an ``Op``: it has the group's next sequence number and a fingerprint
+(collective, op, dtype, count) carried by every frame, so ranks that started different
+collectives at the same sequence number fail with ``CollectiveMismatchError`` instead of
+exchanging garbage. An ``Op`` fails as a unit: a dead peer, a deadline or a destroy wakes every
+future it waits on with the same error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from . import wire
+from .errors import (
+    ArendezError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    GroupDestroyedError,
+    NotInitializedError,
+    RankFailedError,
+)
+from .mesh import Mesh
+
+log = logging.getLogger("arendez.group")
+
+T = TypeVar("T")
+Array = np.ndarray[Any, Any]
+
+# frame kinds on the mesh (headers are short lists)
+DATA, MISMATCH, BYE, QUERY, ANSWER, P2P = range(6)
+
+#: How long a timed-out collective waits for peers to report their progress.
+DIAGNOSE_SECONDS = 1.0
+
+
+class _Slot:
+    """A receive: where the payload goes (``out``), who waits (``fut``), or data that came early."""
+
+    __slots__ = ("out", "fut", "data", "fp")
+
+    def __init__(self) -> None:
+        self.out: memoryview | None = None
+        self.fut: asyncio.Future[Any] | None = None
+        self.data: memoryview | None = None
+        self.fp = ""
+
+
+def _settle(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+        fut.exception()  # mark retrieved: the op reports the error once, through its caller
+
+
+@dataclass
+class _P2PRecv:
+    src: int | None
+    gid: int
+    tag: int
+    out: memoryview
+    fut: asyncio.Future[int]
+    error: BaseException | None = None
+
+
+@dataclass
+class Stats:
+    """Counters a benchmark or test can read: payload bytes the receive path had to copy."""
+
+    copied_bytes: int = 0
+    copied_messages: int = 0
+    received_bytes: int = 0
+
+
+class World:
+    """One initialised process group world: rank, store, mesh and groups."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.mesh: Mesh | None = None
+        self.store: Any = None
+        self.server: Any = None  # the embedded server this rank hosts, if any
+        self.groups: dict[int, ProcessGroup] = {}
+        self.next_gid = 0
+        self.dead: dict[int, str] = {}
+        self.stats = Stats()
+        self._mail: dict[tuple[Any, ...], _Slot] = {}
+        self._p2p_posted: list[_P2PRecv] = []
+        self._p2p_receiving: dict[int, _P2PRecv] = {}
+        self._p2p_stash: collections.deque[tuple[int, int, int, memoryview | None]] = collections.deque()
+        self._queries: dict[int, tuple[dict[int, int], asyncio.Future[None], int]] = {}
+        self._qids = itertools.count()
+        self.closed = False
+
+    # -- frames from the mesh --------------------------------------------------------------
+    def sink(self, peer: int, header: Any, nbytes: int) -> memoryview | None:
+        kind = header[0]
+        if kind == DATA:
+            slot = self._mail.get((peer, header[1], header[2], header[3], header[4]))
+            if slot is not None and slot.out is not None and slot.out.nbytes == nbytes:
+                return slot.out
+        elif kind == P2P:
+            for i, posted in enumerate(self._p2p_posted):
+                if posted.gid == header[1] and posted.tag == header[2] and posted.src in (None, peer):
+                    del self._p2p_posted[i]
+                    self._p2p_receiving[peer] = posted
+                    if posted.out.nbytes != nbytes:
+                        posted.error = CollectiveMismatchError(
+                            f"recv of {posted.out.nbytes} bytes from rank {peer} got a send of {nbytes}"
+                        )
+                        return None
+                    return posted.out
+        return None
+
+    def route(self, peer: int, header: Any, payload: memoryview | None) -> None:
+        if not isinstance(header, list) or not header or not isinstance(header[0], int):
+            return
+        if payload is not None:
+            self.stats.received_bytes += payload.nbytes
+        kind = header[0]
+        if kind == DATA:
+            self._on_data(peer, header, payload)
+        elif kind == P2P:
+            self._on_p2p(peer, header, payload)
+        elif kind == MISMATCH:
+            group = self.groups.get(header[1])
+            if group is not None:
+                group.poison(header[2], str(header[3]), tell=False)
+        elif kind == BYE:
+            self.peer_lost(peer, "it destroyed its process group", left=True)
+        elif kind == QUERY:
+            group = self.groups.get(header[1])
+            started = group.next_seq if group is not None else -1
+            if self.mesh is not None and peer in self.mesh.conns:
+                self.mesh.send(peer, [ANSWER, header[2], started])
+        elif kind == ANSWER:
+            entry = self._queries.get(header[1])
+            if entry is not None:
+                answers, done, expected = entry
+                answers[peer] = int(header[2])
+                if len(answers) >= expected and not done.done():
+                    done.set_result(None)
+
+    def _on_data(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
+        gid, seq, fp = header[1], header[2], header[5]
+        key = (peer, gid, seq, header[3], header[4])
+        group = self.groups.get(gid)
+        if group is not None:
+            op = group.active.get(seq)
+            if op is None and seq < group.next_seq:
+                return  # a late frame of a collective that already ended (failed)
+            if op is not None and op.fp != fp:
+                group.mismatch(seq, op.fp, fp, peer)
+                return
+            if op is None:
+                group.early_fps.setdefault(seq, (peer, fp))
+        elif gid < self.next_gid:
+            return  # a group this rank destroyed or is not a member of
+        slot = self._mail.get(key)
+        if slot is None or slot.fut is None:
+            stash = _Slot()
+            stash.data = payload if payload is not None else memoryview(b"")
+            stash.fp = fp
+            self._mail[key] = stash
+            if group is not None and seq in group.active:
+                group.active[seq].keys.append(key)
+            elif group is not None:
+                group.early_keys.setdefault(seq, []).append(key)
+            return
+        del self._mail[key]
+        fut = slot.fut
+        if fut.done():
+            return
+        if slot.out is None:
+            fut.set_result(payload if payload is not None else memoryview(b""))
+            return
+        if payload is not None and payload.obj is not slot.out.obj:
+            if payload.nbytes != slot.out.nbytes:
+                fut.set_exception(
+                    CollectiveMismatchError(f"expected {slot.out.nbytes} bytes, got {payload.nbytes}")
+                )
+                return
+            slot.out[:] = payload
+            self.stats.copied_bytes += payload.nbytes
+            self.stats.copied_messages += 1
+        fut.set_result(None)
+
+    def _on_p2p(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
+        posted = self._p2p_receiving.pop(peer, None)
+        if posted is None:
+            self._p2p_stash.append((peer, header[1], header[2], payload))
+            return
+        if posted.fut.done():
+            return
+        if posted.error is not None:
+            posted.fut.set_exception(posted.error)
+            return
+        if payload is not None and payload.obj is not posted.out.obj:
+            posted.out[:] = payload
+            self.stats.copied_bytes += payload.nbytes
+        posted.fut.set_result(peer)
+
+    # -- point to point --------------------------------------------------------------------
+    def post_p2p(self, src: int | None, gid: int, tag: int, out: memoryview) -> asyncio.Future[int]:
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        for i, (sender, g, t, data) in enumerate(self._p2p_stash):
+            if g == gid and t == tag and src in (None, sender):
+                del self._p2p_stash[i]
+                size = 0 if data is None else data.nbytes
+                if size != out.nbytes:
+                    fut.set_exception(
+                        CollectiveMismatchError(
+                            f"recv of {out.nbytes} bytes from rank {sender} got a send of {size}"
+                        )
+                    )
+                else:
+                    if data is not None:
+                        out[:] = data
+                        self.stats.copied_bytes += size
+                    fut.set_result(sender)
+                return fut
+        if src is not None and src in self.dead:
+            fut.set_exception(RankFailedError(src, "recv", self.dead[src]))
+            return fut
+        self._p2p_posted.append(_P2PRecv(src, gid, tag, out, fut))
+        return fut
+
+    def cancel_p2p(self, fut: asyncio.Future[int]) -> None:
+        self._p2p_posted = [p for p in self._p2p_posted if p.fut is not fut]
+
+    # -- failures --------------------------------------------------------------------------
+    def peer_lost(self, peer: int, reason: str, *, left: bool = False) -> None:
+        """``peer`` died, left or was declared failed: fail everything that depends on it."""
+        if peer in self.dead or peer == self.rank or self.closed:
+            return
+        self.dead[peer] = reason
+        (log.info if left else log.warning)("rank %d: peer rank %d %s", self.rank, peer, reason)
+        for group in list(self.groups.values()):
+            if peer in group.ranks:
+                for op in list(group.active.values()):
+                    # A rank that left said goodbye after its last frame: only what we still
+                    # expect from it is lost. A rank that died may hold up anyone: fail all.
+                    if not left or op.expects_from(peer):
+                        op.fail(RankFailedError(peer, op.name, reason))
+        for posted in self._p2p_posted:
+            if posted.src == peer:
+                _settle(posted.fut, RankFailedError(peer, "recv", reason))
+        receiving = self._p2p_receiving.pop(peer, None)
+        if receiving is not None:
+            _settle(receiving.fut, RankFailedError(peer, "recv", reason))
+
+    async def progress(self, group: ProcessGroup, timeout: float) -> dict[int, int]:
+        """Ask every live member of ``group`` how many of its collectives it has started."""
+        assert self.mesh is not None
+        peers = [g for g in group.ranks if g != self.rank and g in self.mesh.conns]
+        qid = next(self._qids)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        answers: dict[int, int] = {}
+        self._queries[qid] = (answers, done, len(peers))
+        try:
+            for peer in peers:
+                try:
+                    self.mesh.send(peer, [QUERY, group.gid, qid])
+                except ConnectionError:
+                    pass
+            if peers:
+                try:
+                    async with asyncio.timeout(timeout):
+                        await done
+                except TimeoutError:
+                    pass
+            return dict(answers)
+        finally:
+            del self._queries[qid]
+
+
+@dataclass
+class _Trivial:
+    """The ``Comm`` of a one-rank group: nothing to send."""
+
+    rank: int = 0
+    size: int = 1
+
+
+class Op:
+    """One collective in flight: the ``Comm`` its algorithm runs over."""
+
+    def __init__(self, group: ProcessGroup, seq: int, name: str, fp: str) -> None:
+        self.group = group
+        self.world = group.world
+        self.seq = seq
+        self.name = name
+        self.fp = fp
+        self.rank = group.rank
+        self.size = group.size
+        self.error: BaseException | None = None
+        self.keys: list[tuple[Any, ...]] = []
+        self._waiting: list[asyncio.Future[Any]] = []
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = exc
+        waiting, self._waiting = self._waiting, []
+        for fut in waiting:
+            _settle(fut, exc)
+
+    def expects_from(self, peer: int) -> bool:
+        """True if this op still waits for a frame from global rank ``peer``."""
+        mail = self.world._mail
+        for key in self.keys:
+            if key[0] == peer:
+                slot = mail.get(key)
+                if slot is not None and slot.fut is not None and not slot.fut.done():
+                    return True
+        return False
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _conn(self, peer: int) -> Any:
+        world = self.world
+        target = self.group.ranks[peer]
+        assert world.mesh is not None
+        conn = world.mesh.conns.get(target)
+        if conn is None or not conn.is_open:
+            reason = world.dead.get(target, "no connection")
+            exc = RankFailedError(target, self.name, reason)
+            self.fail(exc)
+            raise exc
+        return conn
+
+    def send(self, peer: int, tag: int, data: Array) -> Awaitable[None] | None:
+        self._check()
+        conn = self._conn(peer)
+        raw = memoryview(data.view(np.uint8) if data.size else b"")
+        gid = self.group.gid
+        if raw.nbytes <= wire.MAX_SEGMENT:
+            conn.send([DATA, gid, self.seq, tag, 0, self.fp], raw if raw.nbytes else None)
+        else:
+            for seg, start in enumerate(range(0, raw.nbytes, wire.MAX_SEGMENT)):
+                part = raw[start : start + wire.MAX_SEGMENT]
+                conn.send([DATA, gid, self.seq, tag, seg, self.fp], part)
+        fut = conn.drain_future()
+        if fut is None:
+            return None
+        self._waiting.append(fut)
+        return fut
+
+    def _slot(self, peer: int, tag: int, seg: int) -> tuple[tuple[Any, ...], _Slot | None]:
+        key = (self.group.ranks[peer], self.group.gid, self.seq, tag, seg)
+        slot = self.world._mail.get(key)
+        if slot is not None and slot.data is not None and slot.fp != self.fp:
+            self.group.mismatch(self.seq, self.fp, slot.fp, key[0])
+            self._check()
+        return key, slot
+
+    def _wait_slot(self, key: tuple[Any, ...], out: memoryview | None) -> asyncio.Future[Any]:
+        slot = _Slot()
+        slot.out = out
+        slot.fut = fut = asyncio.get_running_loop().create_future()
+        self.world._mail[key] = slot
+        self.keys.append(key)
+        self._waiting.append(fut)
+        target = key[0]
+        if target in self.world.dead:
+            self.fail(RankFailedError(target, self.name, self.world.dead[target]))
+        return fut
+
+    def recv_into(self, peer: int, tag: int, out: Array) -> Awaitable[None]:
+        self._check()
+        raw = memoryview(out.view(np.uint8) if out.size else bytearray(0))
+        parts = [raw[i : i + wire.MAX_SEGMENT] for i in range(0, raw.nbytes, wire.MAX_SEGMENT)]
+        futs: list[asyncio.Future[Any]] = []
+        for seg, part in enumerate(parts or [raw]):
+            key, slot = self._slot(peer, tag, seg)
+            if slot is not None and slot.data is not None:  # it came before we asked
+                del self.world._mail[key]
+                if slot.data.nbytes != part.nbytes:
+                    exc = CollectiveMismatchError(
+                        f"{self.name}: expected {part.nbytes} bytes, rank {key[0]} sent {slot.data.nbytes}"
+                    )
+                    self.fail(exc)
+                    raise exc
+                if part.nbytes:
+                    part[:] = slot.data
+                    self.world.stats.copied_bytes += part.nbytes
+                    self.world.stats.copied_messages += 1
+                continue
+            futs.append(self._wait_slot(key, part))
+        if not futs:
+            return _done()
+        return futs[0] if len(futs) == 1 else _gather(futs)
+
+    def recv_any(self, peer: int, tag: int) -> Awaitable[memoryview]:
+        self._check()
+        key, slot = self._slot(peer, tag, 0)
+        if slot is not None and slot.data is not None:
+            del self.world._mail[key]
+            return _done(slot.data)
+        return self._wait_slot(key, None)
+
+
+async def _gather(futs: list[asyncio.Future[Any]]) -> None:
+    await asyncio.gather(*futs)
+
+
+def _done(value: Any = None) -> asyncio.Future[Any]:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut
+
+
+class GroupMember:
+    """Markers shared with torch: a rank outside a group gets ``NON_GROUP_MEMBER``."""
+
+    WORLD: ProcessGroup | None = None
+    NON_GROUP_MEMBER = object()
+
+
+@dataclass(eq=False)
+class ProcessGroup:
+    """A set of ranks of one world that run collectives together."""
+
+    world: World
+    gid: int
+    ranks: list[int]
+    timeout: float
+    active: dict[int, Op] = field(default_factory=dict)
+    next_seq: int = 0
+    closing: bool = False
+    destroyed: bool = False
+    early_fps: dict[int, tuple[int, str]] = field(default_factory=dict)
+    early_keys: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
+    poisoned: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(self.world.rank)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def group_rank(self, global_rank: int, what: str = "rank") -> int:
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(f"{what} {global_rank} is not in this group (ranks {self.ranks})") from None
+
+    def check_usable(self) -> None:
+        if self.destroyed:
+            raise NotInitializedError(
+                "this process group was destroyed; call init_process_group() (or new_group()) again"
+            )
+        if self.closing:
+            raise GroupDestroyedError("the process group is being destroyed")
+        for peer in self.ranks:
+            if peer in self.world.dead:
+                raise RankFailedError(peer, "this group", self.world.dead[peer])
+
+    async def run(self, name: str, fp: str, body: Callable[[Any], Awaitable[T]], timeout: float | None = None) -> T:
+        """Run ``body(op)`` as the group's next collective, under its deadline."""
+        self.check_usable()
+        seq = self.next_seq
+        self.next_seq += 1
+        if self.size == 1:
+            return await body(_Trivial())
+        op = Op(self, seq, name, fp)
+        self.active[seq] = op
+        op.keys.extend(self.early_keys.pop(seq, ()))
+        early = self.early_fps.pop(seq, None)
+        if early is not None and early[1] != fp:
+            self.mismatch(seq, fp, early[1], early[0])
+        reason = self.poisoned.pop(seq, None)
+        if reason is not None:
+            op.fail(CollectiveMismatchError(reason))
+        loop = asyncio.get_running_loop()
+        limit = self.timeout if timeout is None else timeout
+        timer = loop.call_later(limit, self._expire, op, limit)
+        try:
+            op._check()
+            result = await body(op)
+            op._check()
+            return result
+        except ArendezError as exc:
+            op.fail(exc)
+            raise
+        except ConnectionError as exc:
+            peer = self._peer_of(exc)
+            err = RankFailedError(peer, name, f"connection lost ({exc})")
+            op.fail(err)
+            raise err from None
+        except BaseException as exc:
+            op.fail(exc)
+            raise
+        finally:
+            timer.cancel()
+            del self.active[seq]
+            mail = self.world._mail
+            for key in op.keys:
+                mail.pop(key, None)
+            if not op.done.done():
+                op.done.set_result(None)
+
+    def _peer_of(self, exc: BaseException) -> int:
+        for peer in self.ranks:
+            if peer in self.world.dead:
+                return peer
+        return -1
+
+    def _expire(self, op: Op, limit: float) -> None:
+        async def diagnose() -> None:
+            progress = await self.world.progress(self, min(DIAGNOSE_SECONDS, limit))
+            peers = [g for g in self.ranks if g != self.world.rank]
+            missing = [g for g in peers if g in progress and progress[g] <= op.seq]
+            silent = [g for g in peers if g not in progress]
+            op.fail(CollectiveTimeoutError(f"{op.name} (seq {op.seq})", limit, missing, silent))
+
+        if op.error is None and op.seq in self.active:
+            task = asyncio.get_running_loop().create_task(diagnose())
+            op.done.add_done_callback(lambda _: task.cancel())
+
+    def mismatch(self, seq: int, mine: str, theirs: str, peer: int) -> None:
+        """Fail collective ``seq`` here and tell every other member why."""
+        message = f"collective #{seq}: this rank runs {mine}, rank {peer} runs {theirs}"
+        self.poison(seq, message, tell=True)
+
+    def poison(self, seq: int, message: str, *, tell: bool) -> None:
+        op = self.active.get(seq)
+        if op is not None:
+            if op.error is not None:
+                return
+            op.fail(CollectiveMismatchError(message))
+        elif seq >= self.next_seq:
+            if seq in self.poisoned:
+                return
+            self.poisoned[seq] = message
+        else:
+            return
+        mesh = self.world.mesh
+        if tell and mesh is not None:
+            for peer in self.ranks:
+                if peer != self.world.rank and peer in mesh.conns:
+                    try:
+                        mesh.send(peer, [MISMATCH, self.gid, seq, message])
+                    except ConnectionError:
+                        pass
+
+    async def drain(self, timeout: float) -> None:
+        """Mark closing, let in-flight collectives finish within ``timeout``, fail the rest."""
+        self.closing = True
+        pending = [op.done for op in self.active.values()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        leftovers = list(self.active.values())
+        for op in leftovers:
+            op.fail(GroupDestroyedError(f"{op.name} cancelled: the process group was destroyed"))
+        if leftovers:
+            await asyncio.wait([op.done for op in leftovers], timeout=1.0)
+        self.destroyed = True

@@ -1,0 +1,184 @@
+"""The peer mesh: one authenticated connection between every pair of ranks of a world.
+
+Rank ``i`` connects to every lower rank and accepts from every higher one. The listener is
+opened before the rendezvous (its address is what the rank advertises); connections that
+arrive before our own rendezvous answer wait for it, then must present the round's nonce,
+so a stranger or a rank of another round cannot join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl as _ssl
+from collections.abc import Callable
+from typing import Any
+
+from . import transport, wire
+from .errors import AuthenticationError, ProtocolError, RendezvousError
+
+log = logging.getLogger("arendez.mesh")
+
+FrameRouter = Callable[[int, Any, memoryview | None], None]
+SinkRouter = Callable[[int, Any, int], memoryview | None]
+LossHandler = Callable[[int, str], None]
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Mesh:
+    """Connections to every other rank, keyed by rank."""
+
+    def __init__(
+        self,
+        *,
+        token: str | None,
+        server_ssl: _ssl.SSLContext | None = None,
+        client_ssl: _ssl.SSLContext | None = None,
+        handshake_timeout: float = 10.0,
+    ) -> None:
+        self.rank = -1
+        self.world_size = 0
+        self.conns: dict[int, transport.Connection] = {}
+        self._token = token
+        self._server_ssl = server_ssl
+        self._client_ssl = client_ssl
+        self._handshake_timeout = handshake_timeout
+        self._listener: asyncio.Server | None = None
+        self._round: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._all_connected = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._route: FrameRouter | None = None
+        self._sink: SinkRouter | None = None
+        self._on_lost: LossHandler | None = None
+        self._closing = False
+
+    async def listen(self, host: str, port: int = 0) -> int:
+        """Open the listener; return its port."""
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(
+            lambda: self._accepted(transport.Connection(wire.Limits(max_header=4096, max_payload=0))),
+            host,
+            port,
+            ssl=self._server_ssl,
+        )
+        port_: int = self._listener.sockets[0].getsockname()[1]
+        return port_
+
+    def _accepted(self, conn: transport.Connection) -> transport.Connection:
+        task = asyncio.get_running_loop().create_task(self._admit(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return conn
+
+    async def _admit(self, conn: transport.Connection) -> None:
+        try:
+            async with asyncio.timeout(self._handshake_timeout):
+                await asyncio.shield(conn._made)
+                hello = await transport.server_handshake(conn, self._token, self._handshake_timeout)
+                nonce = await asyncio.shield(self._round)
+                peer = hello.get("rank")
+                if hello.get("round") != nonce:
+                    raise AuthenticationError("peer belongs to another job or round")
+                if not isinstance(peer, int) or not self.rank < peer < self.world_size:
+                    raise ProtocolError(f"unexpected peer rank {peer!r}")
+                if peer in self.conns:
+                    raise ProtocolError(f"rank {peer} is already connected")
+                conn.send({"rank": self.rank})
+            self._adopt(peer, conn)
+        except (ProtocolError, AuthenticationError) as exc:
+            log.warning("refused a peer connection from %s: %s", conn.peer, exc)
+            conn.fail(exc, tell_peer=True)
+        except (TimeoutError, ConnectionError, asyncio.CancelledError):
+            conn.abort()
+
+    async def connect(
+        self,
+        rank: int,
+        world_size: int,
+        nonce: bytes,
+        peers: list[str],
+        route: FrameRouter,
+        sink: SinkRouter,
+        on_lost: LossHandler,
+        timeout: float,
+    ) -> None:
+        """Connect to the lower ranks, wait for the higher ones, all within ``timeout``."""
+        self.rank, self.world_size = rank, world_size
+        self._route, self._sink, self._on_lost = route, sink, on_lost
+        self._check_complete()
+        self._round.set_result(nonce)
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(self._dial(r, peers[r], nonce, timeout) for r in range(rank)))
+                await self._all_connected.wait()
+        except TimeoutError:
+            missing = sorted(set(range(world_size)) - set(self.conns) - {rank})
+            raise RendezvousError(f"peer connections to ranks {missing} not made in {timeout:g}s") from None
+
+    async def _dial(self, peer: int, address: str, nonce: bytes, timeout: float) -> None:
+        host, port = split_address(address)
+        delay = 0.02
+        while True:
+            try:
+                conn = await transport.open_connection(host, port, ssl=self._client_ssl, timeout=timeout)
+                break
+            except OSError:  # the peer's listener may be momentarily saturated
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        try:
+            hello = {"rank": self.rank, "round": nonce}
+            await transport.client_handshake(conn, self._token, hello, self._handshake_timeout)
+            answer, _ = await conn.recv(self._handshake_timeout)
+            if not isinstance(answer, dict) or answer.get("rank") != peer:
+                raise ProtocolError(f"{address} is not rank {peer}: {answer!r:.80}")
+        except BaseException:
+            conn.abort()
+            raise
+        self._adopt(peer, conn)
+
+    def _adopt(self, peer: int, conn: transport.Connection) -> None:
+        assert self._route is not None and self._sink is not None
+        route, sink = self._route, self._sink
+        conn.set_limits(wire.Limits())
+        self.conns[peer] = conn
+        conn.set_handlers(
+            lambda header, payload: route(peer, header, payload),
+            lambda exc: self._lost(peer, exc),
+            sink=lambda header, nbytes: sink(peer, header, nbytes),
+        )
+        self._check_complete()
+
+    def _check_complete(self) -> None:
+        if self.world_size and len(self.conns) == self.world_size - 1:
+            self._all_connected.set()
+
+    def _lost(self, peer: int, exc: BaseException | None) -> None:
+        if self.conns.get(peer) is not None and not self._closing and self._on_lost is not None:
+            self._on_lost(peer, f"connection lost ({exc or 'closed by peer'})")
+
+    def send(self, peer: int, header: Any, payload: memoryview | None = None) -> transport.Connection:
+        conn = self.conns[peer]
+        conn.send(header, payload)
+        return conn
+
+    async def close(self, timeout: float) -> None:
+        """Close the listener and every connection (flushing first) within ``timeout``."""
+        self._closing = True
+        if self._listener is not None:
+            self._listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        conns = list(self.conns.values())
+        self.conns.clear()
+        if not self._round.done():
+            self._round.cancel()
+        await asyncio.gather(*(c.wait_closed(timeout) for c in conns), return_exceptions=True)
+        if self._listener is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._listener.wait_closed()

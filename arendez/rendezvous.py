@@ -1,0 +1,111 @@
+"""``init_method`` URLs -> where the store is, who hosts it, and this rank's place."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import RendezvousError
+
+DEFAULT_PORT = 29400
+DEFAULT_JOB = "default"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``init_process_group`` must do to join."""
+
+    world_size: int
+    rank: int
+    host: str = ""
+    port: int = 0
+    job: str = DEFAULT_JOB
+    token: str | None = None
+    host_server: bool = False  # tcp:// semantics: rank 0 runs the server in its own loop
+
+    @property
+    def local(self) -> bool:
+        return not self.host
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise RendezvousError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _hostport(netloc: str, url: str) -> tuple[str, int, str | None]:
+    parsed = urllib.parse.urlsplit(f"//{netloc}")
+    if not parsed.hostname:
+        raise RendezvousError(f"{url!r} names no host")
+    try:
+        port = parsed.port or DEFAULT_PORT
+    except ValueError:
+        raise RendezvousError(f"{url!r} has an invalid port") from None
+    token = urllib.parse.unquote(parsed.username) if parsed.username else None
+    return parsed.hostname, port, token
+
+
+def plan(
+    init_method: str | None,
+    world_size: int,
+    rank: int,
+    env: Mapping[str, str] | None = None,
+) -> Plan:
+    """Resolve ``init_method`` and the torchrun-style environment into a ``Plan``."""
+    env = os.environ if env is None else env
+    if init_method is None:
+        env_world = _int_env(env, "WORLD_SIZE")
+        if world_size in (-1, 1) and (env_world in (None, 1)) and not env.get("ARENDEZ_URL"):
+            if rank not in (-1, 0):
+                raise RendezvousError(f"rank {rank} is impossible in a world of size 1")
+            return Plan(world_size=1, rank=0)
+        init_method = "env://"
+    url = urllib.parse.urlsplit(init_method)
+    token = env.get("ARENDEZ_TOKEN") or None
+    if url.scheme == "env":
+        world_size = world_size if world_size != -1 else (_int_env(env, "WORLD_SIZE") or -1)
+        if rank == -1:
+            env_rank = _int_env(env, "RANK")
+            rank = -1 if env_rank is None else env_rank  # -1: the server assigns ranks
+        if env.get("ARENDEZ_URL"):
+            return plan(env["ARENDEZ_URL"], world_size, rank, env)
+        addr, port = env.get("MASTER_ADDR"), _int_env(env, "MASTER_PORT")
+        if not addr or port is None:
+            raise RendezvousError(
+                "env:// needs ARENDEZ_URL, or MASTER_ADDR and MASTER_PORT (with RANK and WORLD_SIZE)"
+            )
+        return plan(f"tcp://{addr}:{port}", world_size, rank, env)
+    if world_size < 1 and url.scheme == "tcp":
+        raise RendezvousError(f"{init_method} needs world_size (argument or WORLD_SIZE)")
+    if url.scheme == "tcp":
+        host, port, _ = _hostport(url.netloc, init_method)
+        if rank < 0:
+            raise RendezvousError("tcp:// needs an explicit rank (argument or RANK): rank 0 hosts the store")
+        return Plan(world_size, rank, host, port, DEFAULT_JOB, token, host_server=rank == 0)
+    if url.scheme == "arendez":
+        host, port, url_token = _hostport(url.netloc, init_method)
+        job = url.path.strip("/") or DEFAULT_JOB
+        if world_size < 1:
+            raise RendezvousError(f"{init_method} needs world_size (argument or WORLD_SIZE)")
+        return Plan(world_size, rank, host, port, job, url_token or token)
+    raise RendezvousError(
+        f"unsupported init_method {init_method!r}: use None, env://, tcp://host:port or "
+        "arendez://[token@]host:port[/job]"
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

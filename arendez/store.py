@@ -1,0 +1,353 @@
+"""Async client of the arendez store: set/get/add/compare_set/wait/delete/num_keys.
+
+The client keeps one connection to the server and reconnects when it drops. A call made
+while the server is away waits for the reconnection until its own deadline and then raises
+``StoreError``; a call whose request was in flight when the connection dropped fails at once
+(its outcome is unknown). Members of a job also keep their lease alive with heartbeats and
+re-attach after a reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import ssl as _ssl
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from . import transport
+from .errors import (
+    AuthenticationError,
+    ProtocolError,
+    RendezvousError,
+    StoreError,
+    StoreTimeoutError,
+)
+
+log = logging.getLogger("arendez.store")
+
+EventHandler = Callable[[dict[str, Any]], None]
+
+#: Extra time a blocking request waits for the server's answer past its own timeout.
+_REPLY_SLACK = 2.0
+_CALL_TIMEOUT = 30.0
+
+transport.register_remote_errors(
+    StoreError, StoreTimeoutError, RendezvousError, ProtocolError, AuthenticationError
+)
+
+
+def _to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"store values are str or bytes, not {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What the server answered to a join: our place in the job."""
+
+    rank: int
+    world_size: int
+    peers: list[str]
+    nonce: bytes
+
+
+class Store:
+    """A connection to one job's namespace on an arendez server."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        job: str = "",
+        *,
+        token: str | None = None,
+        ssl: _ssl.SSLContext | None = None,
+        timeout: float = 300.0,
+        heartbeat_interval: float = 0.5,
+    ) -> None:
+        self.host, self.port, self.job = host, port, job
+        self.timeout = timeout
+        self.on_event: EventHandler | None = None
+        self._token = token
+        self._ssl = ssl
+        self._heartbeat_interval = heartbeat_interval
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._conn: transport.Connection | None = None
+        self._connected = asyncio.Event()
+        self._fatal: BaseException | None = None
+        self._membership: Membership | None = None
+        self._address = ""
+        self._closed = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- connection management -------------------------------------------------------------
+    async def connect(self, timeout: float | None = None) -> Store:
+        """Connect (retrying until ``timeout``) and start keeping the connection alive."""
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._maintain()))
+        self._tasks.append(loop.create_task(self._heartbeat()))
+        try:
+            await self._wait_connected(loop.time() + (timeout or self.timeout))
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def _open(self) -> transport.Connection:
+        conn = await transport.open_connection(self.host, self.port, ssl=self._ssl, timeout=5.0)
+        try:
+            await transport.client_handshake(conn, self._token, {"job": self.job}, 5.0)
+            conn.set_handlers(self._on_frame, lambda exc: None)
+            if self._membership is not None:
+                m = self._membership
+                rid = next(self._ids)
+                fut = asyncio.get_running_loop().create_future()
+                self._pending[rid] = fut
+                conn.send(
+                    {
+                        "op": "attach",
+                        "id": rid,
+                        "rank": m.rank,
+                        "world_size": m.world_size,
+                        "nonce": m.nonce,
+                        "address": self._address,
+                    }
+                )
+                async with asyncio.timeout(5.0):
+                    await fut
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    async def _maintain(self) -> None:
+        delay = 0.05
+        while not self._closed:
+            try:
+                conn = await self._open()
+            except (AuthenticationError, RendezvousError) as exc:
+                self._fatal = exc
+                self._connected.set()
+                return
+            except (OSError, TimeoutError, ProtocolError, StoreError) as exc:
+                log.debug("store %s:%s unreachable: %s", self.host, self.port, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            delay = 0.05
+            self._conn = conn
+            self._connected.set()
+            await asyncio.shield(conn.closed)
+            self._connected.clear()
+            self._conn = None
+            self._fail_pending(StoreError(f"lost the connection to the store at {self.host}:{self.port}"))
+            if not self._closed:
+                log.warning("lost the store at %s:%s; reconnecting", self.host, self.port)
+
+    async def _wait_connected(self, deadline: float) -> transport.Connection:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._fatal is not None:
+                raise self._fatal
+            if self._closed:
+                raise StoreError("the store client is closed")
+            conn = self._conn
+            if conn is not None and conn.is_open:
+                return conn
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._connected.wait()
+            except TimeoutError:
+                raise StoreError(
+                    f"store at {self.host}:{self.port} unreachable until the deadline"
+                ) from None
+            if self._conn is None and self._fatal is None:
+                await asyncio.sleep(0)
+            if loop.time() >= deadline and self._conn is None:
+                raise StoreError(f"store at {self.host}:{self.port} unreachable until the deadline")
+
+    async def _heartbeat(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self._heartbeat_interval)
+            conn = self._conn
+            if self._membership is not None and conn is not None and conn.is_open:
+                conn.send({"op": "heartbeat"})
+
+    def _on_frame(self, header: Any, payload: memoryview | None) -> None:
+        if not isinstance(header, dict):
+            return
+        rid = header.get("id")
+        if rid is None:
+            if "event" in header:
+                if self.on_event is not None:
+                    self.on_event(header)
+            elif "error" in header:  # the server is about to drop us for a protocol error
+                self._fail_pending(transport.remote_error(header, StoreError))
+            return
+        fut = self._pending.pop(rid, None)
+        if fut is None or fut.done():
+            return
+        if "error" in header:
+            fut.set_exception(transport.remote_error(header, StoreError))
+        else:
+            fut.set_result(header.get("ok"))
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    async def close(self) -> None:
+        """Stop reconnecting and heartbeating; close the connection."""
+        self._closed = True
+        self._connected.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._conn is not None:
+            await self._conn.wait_closed(1.0)
+            self._conn = None
+        self._fail_pending(StoreError("the store client is closed"))
+
+    def sockname(self) -> Any:
+        """The local address of the store connection (what the server sees us as)."""
+        conn = self._conn
+        transport_ = getattr(conn, "_transport", None)
+        return transport_.get_extra_info("sockname") if transport_ is not None else None
+
+    # -- requests --------------------------------------------------------------------------
+    async def _call(self, op: str, timeout: float | None = None, wait: bool = False, **fields: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        budget = self.timeout if timeout is None else float(timeout)
+        deadline = loop.time() + (budget if wait else min(budget, _CALL_TIMEOUT))
+        conn = await self._wait_connected(deadline)
+        rid = next(self._ids)
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._pending[rid] = fut
+        request = {"op": op, "id": rid, **fields}
+        if wait:
+            request["timeout"] = max(0.0, deadline - loop.time())
+        try:
+            conn.send(request)
+        except ConnectionError as exc:
+            self._pending.pop(rid, None)
+            raise StoreError(f"store {op} failed: {exc}") from None
+        try:
+            async with asyncio.timeout_at(deadline + (_REPLY_SLACK if wait else 0.0)):
+                return await fut
+        except TimeoutError:
+            raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
+        finally:
+            self._pending.pop(rid, None)
+
+    async def set(self, key: str, value: str | bytes) -> None:
+        """Store ``value`` under ``key``."""
+        await self._call("set", key=key, value=_to_bytes(value))
+
+    async def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` for it to be set."""
+        value: bytes = await self._call("get", timeout, wait=True, key=key)
+        return value
+
+    async def add(self, key: str, amount: int = 1) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (missing = 0); return the sum."""
+        total: int = await self._call("add", key=key, amount=int(amount))
+        return total
+
+    async def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """Set ``desired`` if ``key`` holds ``expected`` (or is missing and ``expected`` is
+        empty); return the value the key holds afterwards."""
+        value: bytes = await self._call(
+            "compare_set", key=key, expected=_to_bytes(expected), desired=_to_bytes(desired)
+        )
+        return value
+
+    async def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
+        await self._call("wait", timeout, wait=True, keys=list(keys))
+
+    async def check(self, keys: Iterable[str]) -> bool:
+        """True if every key in ``keys`` is set (no waiting)."""
+        found: bool = await self._call("check", keys=list(keys))
+        return found
+
+    async def delete(self, key: str) -> bool:
+        """Delete ``key``; True if it existed."""
+        existed: bool = await self._call("delete", key=key)
+        return existed
+
+    async def num_keys(self) -> int:
+        """How many keys the job's store holds."""
+        count: int = await self._call("num_keys")
+        return count
+
+    # -- membership ------------------------------------------------------------------------
+    async def join(self, world_size: int, rank: int, address: str, timeout: float | None = None) -> Membership:
+        """Join the job's rendezvous round; returns once all ``world_size`` ranks are in."""
+        self._address = address
+        answer = await self._call(
+            "join", timeout, wait=True, world_size=world_size, rank=rank, address=address
+        )
+        self._membership = Membership(
+            int(answer["rank"]), int(answer["world_size"]), list(answer["peers"]), bytes(answer["nonce"])
+        )
+        return self._membership
+
+    async def leave(self, timeout: float = 2.0) -> None:
+        """Leave the round (best effort: a store that is gone is not an error here)."""
+        if self._membership is None:
+            return
+        self._membership = None
+        with contextlib.suppress(StoreError):
+            await self._call("leave", timeout)
+
+    async def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = await self._call("status")
+        return status
+
+
+class PrefixStore:
+    """A view of ``store`` whose keys all start with ``prefix/``."""
+
+    def __init__(self, prefix: str, store: Store | PrefixStore) -> None:
+        self.prefix = prefix
+        self.store = store
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    async def set(self, key: str, value: str | bytes) -> None:
+        await self.store.set(self._k(key), value)
+
+    async def get(self, key: str, timeout: float | None = None) -> bytes:
+        return await self.store.get(self._k(key), timeout)
+
+    async def add(self, key: str, amount: int = 1) -> int:
+        return await self.store.add(self._k(key), amount)
+
+    async def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return await self.store.compare_set(self._k(key), expected, desired)
+
+    async def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        await self.store.wait([self._k(k) for k in keys], timeout)
+
+    async def check(self, keys: Iterable[str]) -> bool:
+        return await self.store.check([self._k(k) for k in keys])
+
+    async def delete(self, key: str) -> bool:
+        return await self.store.delete(self._k(key))
+
+
+__all__ = ["Membership", "PrefixStore", "Store"]

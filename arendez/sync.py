@@ -1,0 +1,140 @@
+"""Blocking facade: ``import arendez.sync as dist`` gives the async API's names, blocking.
+
+The coroutines run on a private event loop (uvloop when available) in a daemon thread that
+holds the peer connections, so a torch.distributed script ports by changing its import line.
+``async_op=True`` returns a ``Work`` whose ``wait()`` blocks, as in torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from . import api
+from .arrays import ReduceOp
+from .errors import *  # noqa: F403 - the same error names as the async API
+from .group import GroupMember, ProcessGroup
+from .loop import loop_factory
+
+
+class _LoopThread:
+    """One event loop in a daemon thread, started on first use."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                loop = loop_factory()()
+                ready = threading.Event()
+
+                def serve() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                threading.Thread(target=serve, name="arendez-loop", daemon=True).start()
+                ready.wait()
+                self._loop = loop
+            return self._loop
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop())
+
+
+_thread = _LoopThread()
+
+
+class Work:
+    """Handle of a collective started with ``async_op=True``."""
+
+    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the collective is done; re-raises its error."""
+        self._future.result(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        return self._future.result()
+
+
+def _blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        future = _thread.submit(fn(*args, **kwargs))
+        if async_op:
+            return Work(future)
+        return future.result()
+
+    return call
+
+
+init_process_group = _blocking(api.init_process_group)
+destroy_process_group = _blocking(api.destroy_process_group)
+new_group = _blocking(api.new_group)
+barrier = _blocking(api.barrier)
+all_reduce = _blocking(api.all_reduce)
+reduce = _blocking(api.reduce)
+broadcast = _blocking(api.broadcast)
+all_gather = _blocking(api.all_gather)
+all_gather_into_tensor = _blocking(api.all_gather_into_tensor)
+gather = _blocking(api.gather)
+scatter = _blocking(api.scatter)
+reduce_scatter = _blocking(api.reduce_scatter)
+reduce_scatter_tensor = _blocking(api.reduce_scatter_tensor)
+all_to_all = _blocking(api.all_to_all)
+all_to_all_single = _blocking(api.all_to_all_single)
+send = _blocking(api.send)
+recv = _blocking(api.recv)
+all_gather_object = _blocking(api.all_gather_object)
+broadcast_object_list = _blocking(api.broadcast_object_list)
+gather_object = _blocking(api.gather_object)
+scatter_object_list = _blocking(api.scatter_object_list)
+
+is_initialized = api.is_initialized
+get_rank = api.get_rank
+get_world_size = api.get_world_size
+get_process_group_ranks = api.get_process_group_ranks
+
+__all__ = [
+    "GroupMember",
+    "ProcessGroup",
+    "ReduceOp",
+    "Work",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "gather_object",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+]

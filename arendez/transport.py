@@ -1,0 +1,308 @@
+"""Framed asyncio connections: zero-copy receive, writelines send, flow control, auth handshake.
+
+One ``Connection`` wraps one stream (TCP, optionally TLS). Incoming frames are decoded by
+``wire.Decoder`` straight into buffers the owner picks (its *sink*); outgoing frames go out with
+``writelines`` and ``drain`` waits until the transport has handed every byte to the kernel, so a
+caller may reuse its array as soon as ``drain`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import hmac
+import os
+import socket
+import ssl as _ssl
+from collections.abc import Callable
+from typing import Any, cast
+
+from . import wire
+from .errors import ArendezError, AuthenticationError, ProtocolError
+
+FrameHandler = Callable[[Any, memoryview | None], None]
+CloseHandler = Callable[[BaseException | None], None]
+
+PROTOCOL_VERSION = 1
+
+
+def _tune_socket(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    except OSError:  # pragma: no cover - platform without these options
+        pass
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One framed stream. Frames queue up for ``recv`` until a handler is installed."""
+
+    def __init__(self, limits: wire.Limits = wire.Limits()) -> None:
+        self._decoder = wire.Decoder(limits=limits)
+        self._transport: asyncio.Transport | None = None
+        self._queue: collections.deque[tuple[Any, memoryview | None]] = collections.deque()
+        self._queue_waiter: asyncio.Future[None] | None = None
+        self._on_frame: FrameHandler | None = None
+        self._on_close: CloseHandler | None = None
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._paused = False
+        self._made = asyncio.get_running_loop().create_future()
+        self.closed = asyncio.get_running_loop().create_future()
+        self.error: BaseException | None = None
+        self.peer: Any = None
+
+    # -- asyncio protocol callbacks ---------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.peer = transport.get_extra_info("peername")
+        _tune_socket(transport)
+        transport.set_write_buffer_limits(high=0)
+        if not self._made.done():
+            self._made.set_result(None)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            frames = self._decoder.feed(nbytes)
+            for header, payload in frames:
+                if self._on_frame is not None:
+                    self._on_frame(header, payload)
+                else:
+                    self._queue.append((header, payload))
+                    if self._queue_waiter is not None and not self._queue_waiter.done():
+                        self._queue_waiter.set_result(None)
+        except ProtocolError as exc:
+            self.fail(exc, tell_peer=True)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.error is None:
+            self.error = exc or ConnectionResetError("connection closed by peer")
+        self._transport = None
+        self._wake_drainers()
+        if self._queue_waiter is not None and not self._queue_waiter.done():
+            self._queue_waiter.set_result(None)
+        if not self.closed.done():
+            self.closed.set_result(None)
+        if self._on_close is not None:
+            handler, self._on_close = self._on_close, None
+            handler(exc)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drainers()
+
+    def _wake_drainers(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    # -- owner API -------------------------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing()
+
+    def set_handlers(
+        self, on_frame: FrameHandler, on_close: CloseHandler, sink: wire.Sink | None = None
+    ) -> None:
+        """Deliver frames (queued ones first) to ``on_frame``; payloads go where ``sink`` says."""
+        if sink is not None:
+            self._decoder.set_sink(sink)
+        self._on_frame = on_frame
+        self._on_close = on_close
+        while self._queue:
+            on_frame(*self._queue.popleft())
+        if self._transport is None and self.error is not None:
+            handler, self._on_close = self._on_close, None
+            handler(self.error if isinstance(self.error, Exception) else None)
+
+    def set_limits(self, limits: wire.Limits) -> None:
+        self._decoder.set_limits(limits)
+
+    def send(self, header: Any, payload: memoryview | bytes | None = None) -> None:
+        """Queue one frame for sending (the payload is referenced, not copied)."""
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
+        self._transport.writelines(wire.encode(header, payload))
+
+    async def drain(self) -> None:
+        """Wait until every queued byte is in the kernel (or the connection is gone)."""
+        if self._transport is None:
+            raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
+        if not self._paused or self._transport.get_write_buffer_size() == 0:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._drain_waiters.append(fut)
+        await fut
+        if self._transport is None:
+            raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
+
+    def drain_future(self) -> asyncio.Future[None] | None:
+        """A future that resolves once the send queue is empty; ``None`` if it already is."""
+        if self._transport is None or not self._paused:
+            return None
+        if self._transport.get_write_buffer_size() == 0:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._drain_waiters.append(fut)
+        return fut
+
+    async def recv(self, timeout: float) -> tuple[Any, memoryview | None]:
+        """Next queued frame (only before handlers are set, e.g. during a handshake)."""
+        async with asyncio.timeout(timeout):
+            while not self._queue:
+                if self._transport is None:
+                    raise ConnectionResetError(f"connection to {self.peer} closed") from self.error
+                self._queue_waiter = asyncio.get_running_loop().create_future()
+                await self._queue_waiter
+            return self._queue.popleft()
+
+    def fail(self, exc: BaseException, *, tell_peer: bool = False) -> None:
+        """Close because of ``exc``; with ``tell_peer`` first send it as an error frame."""
+        if self.error is None:
+            self.error = exc
+        transport = self._transport
+        if transport is None:
+            return
+        if tell_peer and not transport.is_closing():
+            try:
+                transport.writelines(wire.encode(error_frame(exc)))
+            except Exception:  # pragma: no cover - best effort on a broken stream
+                pass
+        transport.close()
+
+    def close(self) -> None:
+        """Flush what is queued, then close."""
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    async def wait_closed(self, timeout: float) -> None:
+        """Close gracefully within ``timeout``, aborting if the peer does not let go."""
+        self.close()
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self.closed)
+        except TimeoutError:
+            self.abort()
+
+
+def error_frame(exc: BaseException) -> dict[str, Any]:
+    return {"error": type(exc).__name__, "message": str(exc)}
+
+
+_ERRORS: dict[str, type[ArendezError]] = {}
+
+
+def register_remote_errors(*classes: type[ArendezError]) -> None:
+    for cls in classes:
+        _ERRORS[cls.__name__] = cls
+
+
+def remote_error(header: dict[str, Any], default: type[ArendezError]) -> ArendezError:
+    """Rebuild an error the other side reported with ``error_frame``."""
+    cls = _ERRORS.get(str(header.get("error")), default)
+    message = str(header.get("message", "remote error"))
+    try:
+        return cls(message)
+    except TypeError:
+        return default(f"{header.get('error')}: {message}")
+
+
+def _proof(token: str, nonce: bytes, role: bytes) -> bytes:
+    return hmac.new(token.encode(), role + nonce, hashlib.sha256).digest()
+
+
+async def open_connection(
+    host: str,
+    port: int,
+    *,
+    ssl: _ssl.SSLContext | None = None,
+    timeout: float = 10.0,
+    limits: wire.Limits = wire.Limits(),
+) -> Connection:
+    """Connect to ``host:port`` and return the framed connection."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout):
+        _, conn = await loop.create_connection(
+            lambda: Connection(limits),
+            host,
+            port,
+            ssl=ssl,
+            server_hostname=host if ssl is not None else None,
+        )
+    return conn
+
+
+async def client_handshake(
+    conn: Connection, token: str | None, hello: dict[str, Any], timeout: float
+) -> dict[str, Any]:
+    """Prove we know ``token`` (HMAC of the acceptor's nonce) and check that the acceptor does.
+
+    Returns the acceptor's welcome frame. The token itself never crosses the wire.
+    """
+    challenge, _ = await conn.recv(timeout)
+    if not isinstance(challenge, dict) or challenge.get("hello") != "arendez":
+        raise ProtocolError(f"{conn.peer} is not an arendez endpoint")
+    if challenge.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"{conn.peer} speaks protocol {challenge.get('v')}, not {PROTOCOL_VERSION}")
+    if challenge.get("auth") and not token:
+        raise AuthenticationError(f"{conn.peer} requires a token and none was given")
+    nonce = os.urandom(16)
+    reply = dict(hello)
+    reply["nonce"] = nonce
+    if token:
+        reply["proof"] = _proof(token, bytes(challenge["nonce"]), b"client")
+    conn.send(reply)
+    welcome, _ = await conn.recv(timeout)
+    if not isinstance(welcome, dict):
+        raise ProtocolError(f"{conn.peer} sent a malformed handshake")
+    if "error" in welcome:
+        raise remote_error(welcome, AuthenticationError)
+    if challenge.get("auth"):
+        assert token
+        expected = _proof(token, nonce, b"server")
+        if not hmac.compare_digest(expected, bytes(welcome.get("proof", b""))):
+            raise AuthenticationError(f"{conn.peer} could not prove it knows the token")
+    return welcome
+
+
+async def server_handshake(
+    conn: Connection, token: str | None, timeout: float, welcome: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Challenge the connector; on success return its hello frame and send ``welcome``."""
+    nonce = os.urandom(16)
+    conn.send({"hello": "arendez", "v": PROTOCOL_VERSION, "nonce": nonce, "auth": bool(token)})
+    hello, _ = await conn.recv(timeout)
+    if not isinstance(hello, dict) or not isinstance(hello.get("nonce"), bytes):
+        raise ProtocolError("malformed handshake")
+    answer = dict(welcome or {})
+    if token:
+        proof = hello.get("proof")
+        if not isinstance(proof, bytes) or not hmac.compare_digest(
+            proof, _proof(token, nonce, b"client")
+        ):
+            raise AuthenticationError("wrong or missing token")
+        answer["proof"] = _proof(token, hello["nonce"], b"server")
+    answer.setdefault("ok", True)
+    conn.send(answer)
+    return hello

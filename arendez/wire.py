@@ -1,0 +1,138 @@
+"""Sans-I/O frame codec.
+
+A frame is ``prefix | header | payload``: the prefix packs the header length (u32) and the
+payload length (u64), the header is one msgpack object, the payload raw bytes. The encoder
+returns buffers for ``writelines`` without copying the payload; the incremental decoder says
+where the next bytes should go (its header scratch, or a slice of the destination buffer the
+receiver chose for the payload), so large payloads land straight in their final place.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .errors import ProtocolError
+
+PREFIX = struct.Struct("<IQ")
+#: Largest payload one frame may carry; bigger messages are split by the sender.
+MAX_SEGMENT = (1 << 30) - 1
+_SCRATCH = 256 * 1024
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds a decoder enforces on what the other side may send."""
+
+    max_header: int = 1 << 20
+    max_payload: int = MAX_SEGMENT
+
+
+def encode(header: Any, payload: memoryview | bytes | None = None) -> list[bytes | memoryview]:
+    """Return the buffers of one frame, ready for ``transport.writelines`` (payload not copied)."""
+    raw = _packer.pack(header)
+    size = 0 if payload is None else memoryview(payload).nbytes
+    head = PREFIX.pack(len(raw), size) + raw
+    if not size:
+        return [head]
+    assert payload is not None
+    return [head, payload]
+
+
+#: ``sink(header, nbytes)`` picks the buffer a payload goes into; ``None`` lets the decoder
+#: allocate one.
+Sink = Callable[[Any, int], memoryview | None]
+
+
+def _default_sink(header: Any, nbytes: int) -> memoryview | None:
+    return None
+
+
+class Decoder:
+    """Incremental frame decoder: ``get_buffer`` to read into, ``feed`` to parse what arrived."""
+
+    def __init__(self, sink: Sink = _default_sink, limits: Limits = Limits()) -> None:
+        self._sink = sink
+        self._limits = limits
+        self._scratch = bytearray(_SCRATCH)
+        self._view = memoryview(self._scratch)
+        self._filled = 0
+        self._header: Any = None
+        self._dest: memoryview | None = None
+        self._got = 0
+
+    def set_sink(self, sink: Sink) -> None:
+        """Route future payloads through ``sink``."""
+        self._sink = sink
+
+    def set_limits(self, limits: Limits) -> None:
+        self._limits = limits
+
+    def get_buffer(self) -> memoryview:
+        """Where the next bytes from the stream should be written."""
+        if self._dest is not None:
+            return self._dest[self._got :]
+        if self._filled == len(self._scratch):  # a header larger than the scratch
+            self._scratch.extend(bytes(len(self._scratch)))
+            self._view = memoryview(self._scratch)
+        return self._view[self._filled :]
+
+    def feed(self, nbytes: int) -> list[tuple[Any, memoryview | None]]:
+        """Account for ``nbytes`` written into the last buffer; return the completed frames."""
+        frames: list[tuple[Any, memoryview | None]] = []
+        if self._dest is not None:
+            self._got += nbytes
+            if self._got < len(self._dest):
+                return frames
+            frames.append((self._header, self._dest))
+            self._dest = None
+            self._header = None
+            return frames
+        self._filled += nbytes
+        self._parse(frames)
+        return frames
+
+    def _parse(self, frames: list[tuple[Any, memoryview | None]]) -> None:
+        view, start, end = self._view, 0, self._filled
+        while end - start >= PREFIX.size:
+            hlen, plen = PREFIX.unpack_from(view, start)
+            if hlen > self._limits.max_header:
+                raise ProtocolError(f"frame header of {hlen} bytes exceeds {self._limits.max_header}")
+            if plen > self._limits.max_payload:
+                raise ProtocolError(f"frame payload of {plen} bytes exceeds {self._limits.max_payload}")
+            body = start + PREFIX.size
+            if end - body < hlen:
+                break
+            try:
+                header = msgpack.unpackb(view[body : body + hlen], raw=False)
+            except Exception as exc:  # msgpack raises several unrelated types
+                raise ProtocolError(f"undecodable frame header: {exc}") from None
+            start = body + hlen
+            if plen == 0:
+                frames.append((header, None))
+                continue
+            dest = self._sink(header, plen)
+            if dest is None:
+                dest = memoryview(np.empty(plen, np.uint8))  # no zero-fill
+            elif dest.nbytes != plen:
+                raise ProtocolError(f"payload of {plen} bytes for a {dest.nbytes}-byte buffer")
+            dest = dest.cast("B")
+            have = min(end - start, plen)
+            dest[:have] = view[start : start + have]
+            start += have
+            if have == plen:
+                frames.append((header, dest))
+                continue
+            self._header, self._dest, self._got = header, dest, have
+            break
+        rest = end - start
+        if rest and start:
+            view[:rest] = view[start:end]
+        self._filled = rest

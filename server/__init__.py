@@ -1,0 +1,5 @@
+"""The arendez rendezvous/store server (standalone, or embedded in rank 0's event loop)."""
+
+from .app import Server, ServerConfig
+
+__all__ = ["Server", "ServerConfig"]

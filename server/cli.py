@@ -1,0 +1,86 @@
+"""``arendez-server``: run the rendezvous/store server until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import ssl
+import sys
+
+from arendez import loop as _loop
+
+from .app import Server, ServerConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="arendez-server", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=29400, help="port (0 picks a free one)")
+    p.add_argument("--token-file", help="file holding the shared token (or set ARENDEZ_TOKEN)")
+    p.add_argument("--tls-cert", help="PEM certificate chain for TLS")
+    p.add_argument("--tls-key", help="PEM private key for TLS")
+    p.add_argument("--tls-client-ca", help="require client certificates signed by this CA")
+    p.add_argument("--lease", type=float, default=3.0, help="seconds without heartbeat = failed")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    return p
+
+
+def read_token(path: str | None) -> str | None:
+    """The token from ``path`` (stripped), else ``ARENDEZ_TOKEN``, else None."""
+    if path:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+        if not token:
+            raise SystemExit(f"arendez-server: token file {path} is empty")
+        return token
+    return os.environ.get("ARENDEZ_TOKEN") or None
+
+
+def server_ssl_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    if client_ca:
+        ctx.load_verify_locations(client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+async def _run(config: ServerConfig) -> None:
+    server = Server(config)
+    await server.start()
+    print(f"arendez-server listening on {server.url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.getLogger("arendez.server").info("shutting down")
+    await server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("arendez-server: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        token=read_token(args.token_file),
+        ssl=server_ssl_context(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if args.tls_cert
+        else None,
+        lease=args.lease,
+    )
+    _loop.run(_run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
