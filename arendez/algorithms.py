@@ -54,7 +54,7 @@ def choose(collective: str, nbytes: int, size: int) -> str:
         if forced == "rdb" and size & (size - 1):
             return "direct"
         return forced
-    if nbytes <= SMALL_BYTES or size == 2 and collective == "broadcast":
+    if nbytes <= SMALL_BYTES or (size == 2 and collective == "broadcast"):
         if collective == "all_reduce" and size > 8 and not size & (size - 1):
             return "rdb"
         return "direct"
@@ -409,7 +409,5 @@ async def scatter_bytes(comm: Comm, parts: list[bytes] | None, src: int) -> byte
     if comm.rank != src:
         return bytes(await comm.recv_any(src, 0))
     assert parts is not None
-    await wait_all(
-        [comm.send(p, 0, np.frombuffer(parts[p], np.uint8)) for p in _others(comm)]
-    )
+    await wait_all([comm.send(p, 0, np.frombuffer(parts[p], np.uint8)) for p in _others(comm)])
     return parts[src]

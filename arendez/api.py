@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import datetime
 import hashlib
+import importlib
 import logging
 import os
 import socket
@@ -16,7 +17,7 @@ import msgpack
 import numpy as np
 
 from . import algorithms as algo
-from .arrays import ReduceOp, as_array, as_bytes, ufunc_for
+from .arrays import ReduceOp, as_array, as_bytes, byte_view, ufunc_for
 from .errors import (
     CollectiveTimeoutError,
     NotInitializedError,
@@ -61,9 +62,7 @@ def _resolve(group: Any) -> ProcessGroup | None:
         return None
     if group is None or group is GroupMember.WORLD:
         if _registry.default is None:
-            raise NotInitializedError(
-                "no default process group: call `await init_process_group(...)` first"
-            )
+            raise NotInitializedError("no default process group: call init_process_group() first")
         return _registry.default
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup, got {type(group).__name__}")
@@ -154,8 +153,8 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
 
 
 async def _host_server(where: Plan) -> Any:
-    from arendez_server import Server, ServerConfig
-
+    server = importlib.import_module("arendez_server")  # installed from server/
+    Server, ServerConfig = server.Server, server.ServerConfig
     for host in (where.host, "0.0.0.0"):
         srv = Server(ServerConfig(host=host, port=where.port, token=where.token))
         try:
@@ -184,9 +183,7 @@ def _on_server_event(world: World, event: dict[str, Any]) -> None:
         world.peer_lost(rank, f"declared failed by the server ({event.get('reason')})")
 
 
-async def destroy_process_group(
-    group: Any = None, timeout: float | datetime.timedelta | None = None
-) -> None:
+async def destroy_process_group(group: Any = None, timeout: float | datetime.timedelta | None = None) -> None:
     """Drain in-flight collectives within ``timeout``, cancel the rest, close, leave.
 
     ``group=None`` destroys the default group and every subgroup; a subgroup leaves the
@@ -230,7 +227,8 @@ async def _linger(world: World, deadline: float) -> None:
     """The hosting rank keeps its embedded server up until the other ranks have left."""
     loop = asyncio.get_running_loop()
     until = min(deadline, loop.time() + 10.0)
-    while world.server.members_active(world.store.job) and loop.time() < until:
+    nonce = world.mesh.nonce if world.mesh is not None else b""
+    while world.server.members_active(world.store.job, nonce) and loop.time() < until:
         await asyncio.sleep(0.02)
 
 
@@ -283,7 +281,9 @@ async def new_group(
     if any(not 0 <= r < world.world_size for r in members) or not members:
         raise ValueError(f"ranks must be distinct ranks in 0..{world.world_size - 1}, got {ranks!r}")
     fp = f"new_group|{_digest(repr(members))}"
-    await default.run("new_group", fp, lambda comm: algo.all_reduce(comm, np.zeros(1, np.uint8), ReduceOp.MAX))
+    await default.run(
+        "new_group", fp, lambda comm: algo.all_reduce(comm, np.zeros(1, np.uint8), ReduceOp.MAX)
+    )
     gid = world.next_gid
     world.next_gid += 1
     if world.rank not in members:
@@ -343,13 +343,17 @@ async def broadcast(tensor: Any, src: int, group: Any = None, *, algorithm: str 
     await g.run("broadcast", _fp("broadcast", x, src), lambda c: algo.broadcast(c, x, root, algorithm))
 
 
-def _blocks(arrays: Sequence[Any], size: int, like: np.ndarray[Any, Any], what: str) -> list[np.ndarray[Any, Any]]:
+def _blocks(
+    arrays: Sequence[Any], size: int, like: np.ndarray[Any, Any], what: str
+) -> list[np.ndarray[Any, Any]]:
     if len(arrays) != size:
         raise ValueError(f"{what} must hold {size} tensors (one per rank), got {len(arrays)}")
     out = [as_array(a, what=what) for a in arrays]
     for a in out:
         if a.dtype != like.dtype or a.size != like.size:
-            raise ValueError(f"every tensor in {what} must be {like.dtype} x {like.size}, got {a.dtype} x {a.size}")
+            raise ValueError(
+                f"every tensor in {what} must be {like.dtype} x {like.size}, got {a.dtype} x {a.size}"
+            )
     return out
 
 
@@ -397,7 +401,9 @@ async def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int = 0
     await g.run("gather", _fp("gather", x, dst), lambda c: algo.gather(c, x, outs, root))
 
 
-async def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int = 0, group: Any = None) -> None:
+async def scatter(
+    tensor: Any, scatter_list: list[Any] | None = None, src: int = 0, group: Any = None
+) -> None:
     """Rank ``i`` receives ``scatter_list[i]`` of ``src`` into ``tensor``."""
     g = _resolve(group)
     if g is None:
@@ -413,7 +419,9 @@ async def scatter(tensor: Any, scatter_list: list[Any] | None = None, src: int =
     await g.run("scatter", _fp("scatter", out, src), lambda c: algo.scatter(c, out, ins, root))
 
 
-async def reduce_scatter(output: Any, input_list: list[Any], op: Any = ReduceOp.SUM, group: Any = None) -> None:
+async def reduce_scatter(
+    output: Any, input_list: list[Any], op: Any = ReduceOp.SUM, group: Any = None
+) -> None:
     """``output`` on rank ``i`` = reduction over ranks of their ``input_list[i]``."""
     g = _resolve(group)
     if g is None:
@@ -423,7 +431,9 @@ async def reduce_scatter(output: Any, input_list: list[Any], op: Any = ReduceOp.
     ufunc_for(rop, out.dtype)
     ins = _blocks([as_array(a, writable=False) for a in input_list], g.size, out, "input_list")
     await g.run(
-        "reduce_scatter", _fp("reduce_scatter", out, rop.name), lambda c: algo.reduce_scatter(c, out, ins, rop)
+        "reduce_scatter",
+        _fp("reduce_scatter", out, rop.name),
+        lambda c: algo.reduce_scatter(c, out, ins, rop),
     )
 
 
@@ -440,7 +450,9 @@ async def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM,
         raise ValueError(f"input must be {out.dtype} x {out.size * g.size}, got {x.dtype} x {x.size}")
     ins = [x[i * out.size : (i + 1) * out.size] for i in range(g.size)]
     await g.run(
-        "reduce_scatter", _fp("reduce_scatter", out, rop.name), lambda c: algo.reduce_scatter(c, out, ins, rop)
+        "reduce_scatter",
+        _fp("reduce_scatter", out, rop.name),
+        lambda c: algo.reduce_scatter(c, out, ins, rop),
     )
 
 
@@ -467,7 +479,9 @@ async def _exchange(comm: Any, outs: list[np.ndarray[Any, Any]], ins: list[np.nd
         await algo.all_to_all(comm, outs, ins)
 
 
-def _split(array: np.ndarray[Any, Any], shape: tuple[int, ...], sizes: Sequence[int] | None, n: int, what: str) -> list[np.ndarray[Any, Any]]:
+def _split(
+    array: np.ndarray[Any, Any], shape: tuple[int, ...], sizes: Sequence[int] | None, n: int, what: str
+) -> list[np.ndarray[Any, Any]]:
     rows = shape[0] if shape else array.size
     row = array.size // rows if rows else 0
     if sizes is None:
@@ -515,7 +529,7 @@ async def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
     conn = world.mesh.conns.get(dst)
     if conn is None or not conn.is_open:
         raise RankFailedError(dst, "send", world.dead.get(dst, "no connection"))
-    raw = memoryview(as_bytes(x))
+    raw = byte_view(x)
     try:
         conn.send([P2P, g.gid, int(tag), _fp("send", x)], raw if raw.nbytes else None)
         async with asyncio.timeout(g.timeout):
@@ -535,7 +549,7 @@ async def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int 
     out = as_array(tensor)
     if src is not None:
         g.group_rank(src, "src")
-    fut = g.world.post_p2p(src, g.gid, int(tag), memoryview(as_bytes(out)))
+    fut = g.world.post_p2p(src, g.gid, int(tag), byte_view(out))
     try:
         async with asyncio.timeout(g.timeout):
             return await fut
@@ -548,7 +562,8 @@ async def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int 
 # -- object collectives (msgpack, never pickle) ----------------------------------------------
 def _pack(obj: Any) -> bytes:
     try:
-        return msgpack.packb(obj, use_bin_type=True)
+        packed: bytes = msgpack.packb(obj, use_bin_type=True)
+        return packed
     except TypeError as exc:
         raise TypeError(f"object collectives carry msgpack-serialisable values only: {exc}") from None
 
@@ -589,7 +604,9 @@ async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any
     object_list[:] = _unpack(data)
 
 
-async def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None) -> None:
+async def gather_object(
+    obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None
+) -> None:
     """On ``dst``, fill ``object_gather_list[i]`` with rank ``i``'s ``obj``."""
     g = _resolve(group)
     if g is None:
@@ -639,4 +656,3 @@ def _stats() -> Any:
     if world is None:
         raise NotInitializedError("no process group: call init_process_group() first")
     return world.stats
-

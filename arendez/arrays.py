@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -94,6 +94,13 @@ def as_array(obj: Any, *, writable: bool = True, what: str = "tensor") -> np.nda
 def as_bytes(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The same memory as a flat uint8 array."""
     return array.view(np.uint8) if array.size else np.empty(0, np.uint8)
+
+
+def byte_view(array: np.ndarray[Any, Any]) -> memoryview:
+    """A flat byte memoryview of ``array``'s memory (empty arrays give an empty view)."""
+    if not array.size:
+        return memoryview(bytearray(0))
+    return memoryview(cast(Any, array.view(np.uint8)))
 
 
 def describe(array: np.ndarray[Any, Any]) -> str:

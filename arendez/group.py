@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from . import wire
+from .arrays import byte_view
 from .errors import (
     ArendezError,
     CollectiveMismatchError,
@@ -49,7 +51,7 @@ DIAGNOSE_SECONDS = 1.0
 class _Slot:
     """A receive: where the payload goes (``out``), who waits (``fut``), or data that came early."""
 
-    __slots__ = ("out", "fut", "data", "fp")
+    __slots__ = ("data", "fp", "fut", "out")
 
     def __init__(self) -> None:
         self.out: memoryview | None = None
@@ -272,10 +274,8 @@ class World:
         self._queries[qid] = (answers, done, len(peers))
         try:
             for peer in peers:
-                try:
+                with contextlib.suppress(ConnectionError):
                     self.mesh.send(peer, [QUERY, group.gid, qid])
-                except ConnectionError:
-                    pass
             if peers:
                 try:
                     async with asyncio.timeout(timeout):
@@ -348,7 +348,7 @@ class Op:
     def send(self, peer: int, tag: int, data: Array) -> Awaitable[None] | None:
         self._check()
         conn = self._conn(peer)
-        raw = memoryview(data.view(np.uint8) if data.size else b"")
+        raw = byte_view(data)
         gid = self.group.gid
         if raw.nbytes <= wire.MAX_SEGMENT:
             conn.send([DATA, gid, self.seq, tag, 0, self.fp], raw if raw.nbytes else None)
@@ -356,10 +356,9 @@ class Op:
             for seg, start in enumerate(range(0, raw.nbytes, wire.MAX_SEGMENT)):
                 part = raw[start : start + wire.MAX_SEGMENT]
                 conn.send([DATA, gid, self.seq, tag, seg, self.fp], part)
-        fut = conn.drain_future()
-        if fut is None:
-            return None
-        self._waiting.append(fut)
+        fut: asyncio.Future[None] | None = conn.drain_future()
+        if fut is not None:
+            self._waiting.append(fut)
         return fut
 
     def _slot(self, peer: int, tag: int, seg: int) -> tuple[tuple[Any, ...], _Slot | None]:
@@ -384,7 +383,7 @@ class Op:
 
     def recv_into(self, peer: int, tag: int, out: Array) -> Awaitable[None]:
         self._check()
-        raw = memoryview(out.view(np.uint8) if out.size else bytearray(0))
+        raw = byte_view(out)
         parts = [raw[i : i + wire.MAX_SEGMENT] for i in range(0, raw.nbytes, wire.MAX_SEGMENT)]
         futs: list[asyncio.Future[Any]] = []
         for seg, part in enumerate(parts or [raw]):
@@ -474,7 +473,9 @@ class ProcessGroup:
             if peer in self.world.dead:
                 raise RankFailedError(peer, "this group", self.world.dead[peer])
 
-    async def run(self, name: str, fp: str, body: Callable[[Any], Awaitable[T]], timeout: float | None = None) -> T:
+    async def run(
+        self, name: str, fp: str, body: Callable[[Any], Awaitable[T]], timeout: float | None = None
+    ) -> T:
         """Run ``body(op)`` as the group's next collective, under its deadline."""
         self.check_usable()
         seq = self.next_seq
@@ -557,10 +558,8 @@ class ProcessGroup:
         if tell and mesh is not None:
             for peer in self.ranks:
                 if peer != self.world.rank and peer in mesh.conns:
-                    try:
+                    with contextlib.suppress(ConnectionError):
                         mesh.send(peer, [MISMATCH, self.gid, seq, message])
-                    except ConnectionError:
-                        pass
 
     async def drain(self, timeout: float) -> None:
         """Mark closing, let in-flight collectives finish within ``timeout``, fail the rest."""

@@ -43,6 +43,7 @@ class Mesh:
     ) -> None:
         self.rank = -1
         self.world_size = 0
+        self.nonce = b""
         self.conns: dict[int, transport.Connection] = {}
         self._token = token
         self._server_ssl = server_ssl
@@ -108,7 +109,7 @@ class Mesh:
         timeout: float,
     ) -> None:
         """Connect to the lower ranks, wait for the higher ones, all within ``timeout``."""
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.nonce = rank, world_size, nonce
         self._route, self._sink, self._on_lost = route, sink, on_lost
         self._check_complete()
         self._round.set_result(nonce)

@@ -166,9 +166,7 @@ class Store:
                 async with asyncio.timeout_at(deadline):
                     await self._connected.wait()
             except TimeoutError:
-                raise StoreError(
-                    f"store at {self.host}:{self.port} unreachable until the deadline"
-                ) from None
+                raise StoreError(f"store at {self.host}:{self.port} unreachable until the deadline") from None
             if self._conn is None and self._fatal is None:
                 await asyncio.sleep(0)
             if loop.time() >= deadline and self._conn is None:
@@ -294,12 +292,32 @@ class Store:
         return count
 
     # -- membership ------------------------------------------------------------------------
-    async def join(self, world_size: int, rank: int, address: str, timeout: float | None = None) -> Membership:
+    async def join(
+        self, world_size: int, rank: int, address: str, timeout: float | None = None
+    ) -> Membership:
         """Join the job's rendezvous round; returns once all ``world_size`` ranks are in."""
         self._address = address
-        answer = await self._call(
-            "join", timeout, wait=True, world_size=world_size, rank=rank, address=address
-        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.timeout if timeout is None else timeout)
+        while True:
+            try:
+                answer = await self._call(
+                    "join",
+                    deadline - loop.time(),
+                    wait=True,
+                    world_size=world_size,
+                    rank=rank,
+                    address=address,
+                )
+                break
+            except StoreTimeoutError:
+                raise
+            except StoreError:
+                # the server went away mid-rendezvous (e.g. rank 0 restarting its embedded
+                # server on the same port): join again wherever the reconnection lands
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
         self._membership = Membership(
             int(answer["rank"]), int(answer["world_size"]), list(answer["peers"]), bytes(answer["nonce"])
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import hmac
 import os
@@ -45,7 +46,7 @@ def _tune_socket(transport: asyncio.BaseTransport) -> None:
 class Connection(asyncio.BufferedProtocol):
     """One framed stream. Frames queue up for ``recv`` until a handler is installed."""
 
-    def __init__(self, limits: wire.Limits = wire.Limits()) -> None:
+    def __init__(self, limits: wire.Limits = wire.DEFAULT_LIMITS) -> None:
         self._decoder = wire.Decoder(limits=limits)
         self._transport: asyncio.Transport | None = None
         self._queue: collections.deque[tuple[Any, memoryview | None]] = collections.deque()
@@ -64,7 +65,7 @@ class Connection(asyncio.BufferedProtocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.peer = transport.get_extra_info("peername")
         _tune_socket(transport)
-        transport.set_write_buffer_limits(high=0)
+        self._transport.set_write_buffer_limits(high=0)
         if not self._made.done():
             self._made.set_result(None)
 
@@ -181,10 +182,8 @@ class Connection(asyncio.BufferedProtocol):
         if transport is None:
             return
         if tell_peer and not transport.is_closing():
-            try:
+            with contextlib.suppress(Exception):  # best effort on a broken stream
                 transport.writelines(wire.encode(error_frame(exc)))
-            except Exception:  # pragma: no cover - best effort on a broken stream
-                pass
         transport.close()
 
     def close(self) -> None:
@@ -238,7 +237,7 @@ async def open_connection(
     *,
     ssl: _ssl.SSLContext | None = None,
     timeout: float = 10.0,
-    limits: wire.Limits = wire.Limits(),
+    limits: wire.Limits = wire.DEFAULT_LIMITS,
 ) -> Connection:
     """Connect to ``host:port`` and return the framed connection."""
     loop = asyncio.get_running_loop()
@@ -298,9 +297,7 @@ async def server_handshake(
     answer = dict(welcome or {})
     if token:
         proof = hello.get("proof")
-        if not isinstance(proof, bytes) or not hmac.compare_digest(
-            proof, _proof(token, nonce, b"client")
-        ):
+        if not isinstance(proof, bytes) or not hmac.compare_digest(proof, _proof(token, nonce, b"client")):
             raise AuthenticationError("wrong or missing token")
         answer["proof"] = _proof(token, hello["nonce"], b"server")
     answer.setdefault("ok", True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -33,6 +33,9 @@ class Limits:
 
     max_header: int = 1 << 20
     max_payload: int = MAX_SEGMENT
+
+
+DEFAULT_LIMITS = Limits()
 
 
 def encode(header: Any, payload: memoryview | bytes | None = None) -> list[bytes | memoryview]:
@@ -120,7 +123,7 @@ class Decoder:
                 continue
             dest = self._sink(header, plen)
             if dest is None:
-                dest = memoryview(np.empty(plen, np.uint8))  # no zero-fill
+                dest = memoryview(cast(Any, np.empty(plen, np.uint8)))  # no zero-fill
             elif dest.nbytes != plen:
                 raise ProtocolError(f"payload of {plen} bytes for a {dest.nbytes}-byte buffer")
             dest = dest.cast("B")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import ssl as _ssl
 import time
@@ -20,7 +21,7 @@ from arendez.errors import (
     StoreTimeoutError,
 )
 
-from .state import Departure, Job, ServerState, StateLimits
+from .state import Departure, Job, Round, ServerState, StateLimits
 
 log = logging.getLogger("arendez.server")
 
@@ -48,7 +49,8 @@ class _Session:
         self.server = server
         self.conn = conn
         self.job = job
-        self.rank: int | None = None  # set once this connection is a member of its job's round
+        self.rank: int | None = None  # set once this connection is a member of a round
+        self.round: Round | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
     def reply(self, rid: Any, value: Any) -> None:
@@ -124,9 +126,11 @@ class Server:
             except TimeoutError:
                 pass
 
-    def members_active(self, job: str) -> bool:
+    def members_active(self, job: str, nonce: bytes) -> bool:
+        """True while a rank of round ``nonce`` of ``job`` has not left or failed."""
         found = self.state.jobs.get(job)
-        return found is not None and found.in_use
+        round_ = found.rounds.get(nonce) if found is not None else None
+        return round_ is not None and round_.in_use
 
     # -- connections -----------------------------------------------------------------------
     def _accepted(self, conn: transport.Connection) -> transport.Connection:
@@ -187,8 +191,8 @@ class Server:
         if peers is not None:
             peers.discard(session)
         job = self.state.jobs.get(session.job)
-        if job is not None and session.rank is not None:
-            job.withdraw(session.rank)  # no-op once the round is complete: the lease decides
+        if job is not None and session.round is not None and session.rank is not None:
+            job.withdraw(session.round, session.rank)  # once complete, the lease decides
         if peers is not None and not peers:
             del self._sessions[session.job]
             self.state.drop_if_idle(session.job, 0)
@@ -249,10 +253,8 @@ class Server:
             fut = self._changed.get(session.job)
             if fut is None or fut.done():
                 fut = self._changed[session.job] = loop.create_future()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(fut), remaining)
-            except TimeoutError:
-                pass
 
     def _depart(self, departures: list[Departure]) -> None:
         for gone in departures:
@@ -263,7 +265,8 @@ class Server:
                 "reason": gone.reason,
             }
             for session in self._sessions.get(gone.job, ()):
-                if session.rank is not None and session.rank != gone.rank and session.conn.is_open:
+                same_round = session.round is not None and session.round.nonce == gone.nonce
+                if same_round and session.rank != gone.rank and session.conn.is_open:
                     session.conn.send(event)
             self._notify(gone.job)
 
@@ -300,8 +303,8 @@ def _check(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bool:
 
 
 def _heartbeat(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
-    if s.rank is not None:
-        job.heartbeat(s.rank, time.monotonic())
+    if s.round is not None and s.rank is not None:
+        job.heartbeat(s.round, s.rank, time.monotonic())
 
 
 def _attach(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
@@ -309,23 +312,26 @@ def _attach(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
     nonce, address = h.get("nonce"), h.get("address", "")
     if not isinstance(rank, int) or not isinstance(world_size, int) or not isinstance(nonce, bytes):
         raise RendezvousError("attach needs an integer rank, world_size and a nonce")
-    job.attach(rank, world_size, nonce, str(address), time.monotonic())
+    s.round = job.attach(rank, world_size, nonce, str(address), time.monotonic())
     s.rank = rank
 
 
 def _leave(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
-    if s.rank is None:
+    if s.round is None or s.rank is None:
         return
-    gone = job.leave(s.rank)
-    s.rank = None
+    gone = job.leave(s.round, s.rank)
+    s.rank = s.round = None
     if gone is not None:
         server._depart([gone])
 
 
 def _status(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[str, Any]:
+    round_ = s.round
+    if round_ is None:
+        return {"world_size": 0, "members": {}}
     return {
-        "world_size": job.world_size,
-        "members": {m.rank: m.state.value for m in job.members.values()},
+        "world_size": round_.world_size,
+        "members": {m.rank: m.state.value for m in round_.members.values()},
     }
 
 
@@ -350,25 +356,25 @@ async def _wait(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Non
 
 
 async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[str, Any]:
-    if s.rank is not None:
+    if s.round is not None:
         raise RendezvousError("this connection already joined the job")
-    rank = job.join(
+    round_, rank = job.join(
         h.get("rank", -1), h.get("world_size", 0), str(h.get("address", "")), time.monotonic()
     )
-    s.rank = rank
+    s.round, s.rank = round_, rank
     server._notify(s.job)
     try:
-        await server._until(s, lambda: job.complete, h.get("timeout"), "rendezvous")
+        await server._until(s, lambda: round_.complete, h.get("timeout"), "rendezvous")
     except StoreTimeoutError:
-        job.withdraw(rank)
-        s.rank = None
+        job.withdraw(round_, rank)
+        s.round = s.rank = None
         raise RendezvousError(
-            f"job {s.job!r}: only {len(job.members)} of {job.world_size} ranks joined in time"
+            f"job {s.job!r}: only {len(round_.members)} of {round_.world_size} ranks joined in time"
         ) from None
     except asyncio.CancelledError:
-        job.withdraw(rank)
+        job.withdraw(round_, rank)
         raise
-    return {"rank": rank, "world_size": job.world_size, "peers": job.peers(), "nonce": job.nonce}
+    return {"rank": rank, "world_size": round_.world_size, "peers": round_.peers(), "nonce": round_.nonce}
 
 
 _HANDLERS: dict[str, Any] = {

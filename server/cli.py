@@ -63,9 +63,7 @@ async def _run(config: ServerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if bool(args.tls_cert) != bool(args.tls_key):
         print("arendez-server: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
@@ -73,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         token=read_token(args.token_file),
-        ssl=server_ssl_context(args.tls_cert, args.tls_key, args.tls_client_ca)
-        if args.tls_cert
-        else None,
+        ssl=server_ssl_context(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
         lease=args.lease,
     )
     _loop.run(_run(config))

@@ -40,21 +40,41 @@ class Departure:
     """A member that stopped being active: told to every other member of its job."""
 
     job: str
+    nonce: bytes
     rank: int
     failed: bool
     reason: str
 
 
 @dataclass
+class Round:
+    """One rendezvous round: ``world_size`` ranks that joined together and share a nonce."""
+
+    world_size: int
+    members: dict[int, Member] = field(default_factory=dict)
+    nonce: bytes = b""
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) == self.world_size
+
+    @property
+    def in_use(self) -> bool:
+        return any(m.state is MemberState.ACTIVE for m in self.members.values())
+
+    def peers(self) -> list[str]:
+        return [self.members[r].address for r in range(self.world_size)]
+
+
+@dataclass
 class Job:
-    """One job: its store and its current rendezvous round."""
+    """One job: its store, the round being formed and the completed rounds still in use."""
 
     name: str
     limits: StateLimits
     kv: dict[str, bytes] = field(default_factory=dict)
-    world_size: int = 0
-    members: dict[int, Member] = field(default_factory=dict)
-    nonce: bytes = b""
+    forming: Round | None = None
+    rounds: dict[bytes, Round] = field(default_factory=dict)
     version: int = 0  # bumped on every write, so waiters know something changed
 
     # -- key-value store -------------------------------------------------------------------
@@ -119,90 +139,88 @@ class Job:
 
     # -- rendezvous ------------------------------------------------------------------------
     @property
-    def complete(self) -> bool:
-        return self.world_size > 0 and len(self.members) == self.world_size
-
-    @property
     def in_use(self) -> bool:
-        return any(m.state is MemberState.ACTIVE for m in self.members.values())
+        return self.forming is not None or any(r.in_use for r in self.rounds.values())
 
-    def join(self, rank: int, world_size: int, address: str, now: float) -> int:
-        """Add a member to the current round; return its rank (assigned if ``rank`` is -1)."""
+    def join(self, rank: int, world_size: int, address: str, now: float) -> tuple[Round, int]:
+        """Add a member to the round being formed; return it and the rank (assigned if -1)."""
         if not isinstance(world_size, int) or not 1 <= world_size <= self.limits.max_world_size:
             raise RendezvousError(f"world_size must be in 1..{self.limits.max_world_size}")
-        if self.members and not self.in_use and self.complete:
-            self._reset_round()  # every member of the last round is gone: start afresh
-        if self.world_size and world_size != self.world_size:
+        forming = self.forming
+        if forming is None:
+            forming = self.forming = Round(world_size)
+        elif world_size != forming.world_size:
             raise RendezvousError(
-                f"job {self.name!r} has world_size {self.world_size}, this rank asked for {world_size}"
+                f"job {self.name!r} is forming a world of {forming.world_size}, "
+                f"this rank asked for {world_size}"
             )
-        if self.complete:
-            raise RendezvousError(f"job {self.name!r} already has all {self.world_size} ranks")
         if rank == -1:
-            rank = next(r for r in range(world_size) if r not in self.members)
+            rank = next(r for r in range(world_size) if r not in forming.members)
         elif not isinstance(rank, int) or not 0 <= rank < world_size:
             raise RendezvousError(f"rank {rank!r} is outside 0..{world_size - 1}")
-        elif rank in self.members:
+        elif rank in forming.members:
             raise RendezvousError(f"rank {rank} of job {self.name!r} has already joined")
-        self.world_size = world_size
-        self.members[rank] = Member(rank, address, now)
-        if self.complete:
-            self.nonce = os.urandom(16)
-        return rank
+        forming.members[rank] = Member(rank, address, now)
+        if forming.complete:
+            forming.nonce = os.urandom(16)
+            self.rounds[forming.nonce] = forming
+            self.forming = None
+        return forming, rank
 
-    def _reset_round(self) -> None:
-        self.members.clear()
-        self.world_size = 0
-        self.nonce = b""
+    def withdraw(self, round_: Round, rank: int) -> None:
+        """Undo a join whose round never completed (the joiner gave up or vanished)."""
+        if round_ is self.forming:
+            round_.members.pop(rank, None)
+            if not round_.members:
+                self.forming = None
 
-    def withdraw(self, rank: int) -> None:
-        """Undo a join that never completed (the joiner gave up or vanished)."""
-        if not self.complete:
-            self.members.pop(rank, None)
-            if not self.members:
-                self.world_size = 0
-
-    def attach(self, rank: int, world_size: int, nonce: bytes, address: str, now: float) -> None:
+    def attach(self, rank: int, world_size: int, nonce: bytes, address: str, now: float) -> Round:
         """Re-bind a member of a completed round (after a reconnect or a server restart)."""
-        if not self.members:
-            self.world_size, self.nonce = world_size, nonce
-        if nonce != self.nonce or world_size != self.world_size:
-            raise RendezvousError(f"job {self.name!r} has moved on to another round")
-        member = self.members.get(rank)
+        round_ = self.rounds.get(nonce)
+        if round_ is None:  # the server restarted: rebuild the round from who comes back
+            round_ = self.rounds[nonce] = Round(world_size, nonce=nonce)
+        if world_size != round_.world_size or not 0 <= rank < world_size:
+            raise RendezvousError(f"job {self.name!r}: rank {rank} does not fit that round")
+        member = round_.members.get(rank)
         if member is None:
-            self.members[rank] = Member(rank, address, now)
+            round_.members[rank] = Member(rank, address, now)
         elif member.state is not MemberState.ACTIVE:
             raise RendezvousError(f"rank {rank} of job {self.name!r} was declared {member.state.value}")
         else:
             member.last_seen = now
+        return round_
 
-    def peers(self) -> list[str]:
-        return [self.members[r].address for r in range(self.world_size)]
-
-    def heartbeat(self, rank: int, now: float) -> None:
-        member = self.members.get(rank)
+    def heartbeat(self, round_: Round, rank: int, now: float) -> None:
+        member = round_.members.get(rank)
         if member is not None:
             member.last_seen = now
 
-    def leave(self, rank: int) -> Departure | None:
-        member = self.members.get(rank)
+    def leave(self, round_: Round, rank: int) -> Departure | None:
+        member = round_.members.get(rank)
+        if not round_.complete:
+            self.withdraw(round_, rank)
+            return None
         if member is None or member.state is not MemberState.ACTIVE:
             return None
-        if not self.complete:
-            self.withdraw(rank)
-            return None
         member.state = MemberState.LEFT
-        return Departure(self.name, rank, False, "left the job")
+        self._forget_if_done(round_)
+        return Departure(self.name, round_.nonce, rank, False, "left the job")
+
+    def _forget_if_done(self, round_: Round) -> None:
+        if not round_.in_use:
+            self.rounds.pop(round_.nonce, None)
 
     def expire(self, now: float, lease: float) -> list[Departure]:
         """Declare failed every active member of a complete round silent for over ``lease`` s."""
-        if not self.complete:
-            return []
         gone = []
-        for member in self.members.values():
-            if member.state is MemberState.ACTIVE and now - member.last_seen > lease:
-                member.state = MemberState.FAILED
-                gone.append(Departure(self.name, member.rank, True, f"no heartbeat for {lease:g}s"))
+        for round_ in list(self.rounds.values()):
+            for member in round_.members.values():
+                if member.state is MemberState.ACTIVE and now - member.last_seen > lease:
+                    member.state = MemberState.FAILED
+                    gone.append(
+                        Departure(self.name, round_.nonce, member.rank, True, f"no heartbeat for {lease:g}s")
+                    )
+            self._forget_if_done(round_)
         return gone
 
 

@@ -1,0 +1,147 @@
+"""Real processes for tests: a standalone server and N ranks running a named scenario.
+
+A scenario is an async function in ``tests/scenarios.py`` taking ``(rank, world_size, url,
+*args)`` and returning something JSON-serialisable; each rank prints it as its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ARENDEZ_URL"):
+        env.pop(name, None)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[str]
+    url: str
+    port: int
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(*args: str, port: int = 0, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start ``python -m arendez_server`` and wait for the URL it prints."""
+    proc = subprocess.Popen(
+        [PY, "-m", "arendez_server", "--port", str(port), "--log-level", "WARNING", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(env),
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        _, err = proc.communicate(timeout=5)
+        raise RuntimeError(f"server did not start: {line!r} {err}")
+    url = line.strip().rsplit(" ", 1)[-1]
+    return ServerProcess(proc, url, int(url.rsplit(":", 1)[1]))
+
+
+@contextmanager
+def server(*args: str, port: int = 0) -> Iterator[ServerProcess]:
+    srv = start_server(*args, port=port)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def value(self) -> Any:
+        lines = [ln for ln in self.stdout.splitlines() if ln.startswith("RESULT ")]
+        if not lines:
+            raise AssertionError(
+                f"rank {self.rank} printed no result (rc={self.returncode}):\n{self.stderr[-3000:]}"
+            )
+        return json.loads(lines[-1][len("RESULT ") :])
+
+
+def spawn_rank(
+    scenario: str, rank: int, world_size: int, url: str, *args: Any, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [PY, "-m", "tests.scenarios", scenario, str(rank), str(world_size), url, json.dumps(list(args))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(env),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+
+
+def collect(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[RankResult]:
+    """Wait for every rank (killing all on timeout) and return their outputs."""
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                out, err = proc.communicate()
+                raise AssertionError(f"rank {rank} hung past {timeout}s:\n{err[-3000:]}") from None
+            results.append(RankResult(rank, proc.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def run_ranks(
+    scenario: str,
+    world_size: int,
+    url: str,
+    *args: Any,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``scenario`` on ``world_size`` ranks; every rank must succeed; return their values."""
+    procs = [spawn_rank(scenario, r, world_size, url, *args, env=env) for r in range(world_size)]
+    results = collect(procs, timeout)
+    for res in results:
+        assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}:\n{res.stderr[-4000:]}"
+    return [res.value for res in results]

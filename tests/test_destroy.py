@@ -1,0 +1,52 @@
+"""destroy_process_group as DESIGN §1 specifies, between real processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import run_ranks
+
+
+@pytest.mark.timeout(60)
+def test_destroy_drains_in_flight_and_cancels_the_rest(arendez_server):
+    drain = 1.0
+    r0, r1 = run_ranks("destroy_in_flight", 2, f"{arendez_server.url}/inflight", drain)
+    assert r0["outcomes"][:2] == ["ok", "ok"]
+    assert r0["outcomes"][2].startswith("GroupDestroyedError")
+    assert r0["sums"][:2] == [3.0, 3.0] and r1["sums"] == [3.0, 3.0]
+    assert r0["sums"][2] == 1.0  # the cancelled collective left its input alone
+    assert drain - 0.05 <= r0["elapsed"] <= drain + 1.0
+    assert r0["initialized"] is False
+
+
+@pytest.mark.timeout(60)
+def test_subgroup_destroy_keeps_default_group(arendez_server):
+    results = run_ranks("subgroup_destroy", 3, f"{arendez_server.url}/subgroup")
+    for rank, res in enumerate(results):
+        assert res["world_sum"] == 3 and res["initialized"] is True
+        if rank < 2:
+            assert res["member"] and res["sub_rank"] == rank and res["sub_size"] == 2
+            assert res["sub_sum"] == 2
+            assert res["after"].startswith("NotInitializedError") and "init_process_group" in res["after"]
+        else:
+            assert not res["member"] and res["sub_rank"] == -1 and res["sub_size"] == -1
+
+
+@pytest.mark.timeout(60)
+def test_destroy_then_reinit_and_error_after(arendez_server):
+    results = run_ranks("reinit", 2, f"{arendez_server.url}/reinit", 3)
+    for res in results:
+        assert res[:3] == [1.0, 3.0, 5.0]
+        assert "init_process_group" in res[3]
+
+
+@pytest.mark.timeout(60)
+def test_reinit_over_embedded_tcp_server():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = run_ranks("reinit", 3, f"tcp://127.0.0.1:{port}", 2)
+    for res in results:
+        assert res[:2] == [3.0, 6.0]

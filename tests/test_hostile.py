@@ -1,0 +1,82 @@
+"""The server survives garbage from one client while a real job proceeds on it."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+import pytest
+
+import arendez as dist
+from tests.harness import collect, spawn_rank
+
+
+def _closed_by_server(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """Read until EOF; return everything the server sent before closing."""
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def _frame(obj: object) -> bytes:
+    raw = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack("<IQ", len(raw), 0) + raw
+
+
+def _handshake(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.recv(65536)  # the challenge
+    sock.sendall(_frame({"job": "evil", "nonce": b"0123456789abcdef"}))
+    sock.recv(65536)  # welcome
+    return sock
+
+
+GARBAGE = [
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 3,
+    struct.pack("<IQ", 1 << 30, 0),  # absurd header length
+    struct.pack("<IQ", 4, 1 << 40) + b"abcd",  # absurd payload length
+    struct.pack("<IQ", 5, 0) + b"\xc1\xc1\xc1\xc1\xc1",  # undecodable msgpack
+    bytes(range(256)) * 8,
+]
+
+
+@pytest.mark.timeout(60)
+def test_garbage_closes_only_that_connection(arendez_server):
+    url = f"{arendez_server.url}/victim"
+    procs = [spawn_rank("store_and_reduce", r, 2, url, 40) for r in range(2)]
+    try:
+        for junk in GARBAGE:
+            with socket.create_connection(("127.0.0.1", arendez_server.port), timeout=5) as sock:
+                sock.sendall(junk)
+                _closed_by_server(sock)  # the server hangs up on us ...
+        for request in ([1, 2, 3], {"op": 7}, {"op": "no-such-op", "id": 1}):
+            with _handshake(arendez_server.port) as sock:
+                sock.sendall(_frame(request))
+                reply = _closed_by_server(sock)
+                assert b"ProtocolError" in reply  # ... saying why, when it can
+        half = _frame({"op": "set", "id": 1, "key": "k", "value": b"v" * 1000})[:-500]
+        with _handshake(arendez_server.port) as sock:  # a truncated stream
+            sock.sendall(half)
+    finally:
+        results = collect(procs, 50)
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.value == [3] * 40  # ranks add 1 and 2 each round
+    assert arendez_server.proc.poll() is None  # the server is still up
+
+
+@pytest.mark.timeout(30)
+async def test_wrong_version_or_silent_client_does_not_block_others(arendez_server):
+    idle = socket.create_connection(("127.0.0.1", arendez_server.port), timeout=5)  # says nothing
+    try:
+        store = await dist.Store("127.0.0.1", arendez_server.port, "fine", timeout=5).connect()
+        await store.set("k", "v")
+        assert await store.get("k") == b"v"
+        await store.close()
+    finally:
+        idle.close()

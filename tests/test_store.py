@@ -1,0 +1,112 @@
+"""Store semantics against a real arendez-server process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import arendez as dist
+from tests.harness import run_ranks
+
+
+async def _client(srv, job: str = "store") -> dist.Store:
+    return await dist.Store("127.0.0.1", srv.port, job, timeout=10).connect()
+
+
+@pytest.mark.timeout(30)
+async def test_set_get_delete_num_keys(arendez_server):
+    store = await _client(arendez_server)
+    try:
+        await store.set("a", "1")
+        await store.set("b", b"\x00\xff")
+        assert await store.get("a") == b"1"
+        assert await store.get("b") == b"\x00\xff"
+        assert await store.num_keys() == 2
+        assert await store.check(["a", "b"]) is True
+        assert await store.delete("a") is True
+        assert await store.delete("a") is False
+        assert await store.check(["a"]) is False
+        assert await store.num_keys() == 1
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(30)
+async def test_add_and_compare_set(arendez_server):
+    store = await _client(arendez_server)
+    try:
+        assert await store.add("n", 5) == 5
+        assert await store.add("n", -2) == 3
+        assert await store.get("n") == b"3"
+        assert await store.compare_set("cas", "", "first") == b"first"  # missing + empty expected
+        assert await store.compare_set("cas", "wrong", "second") == b"first"
+        assert await store.compare_set("cas", "first", "second") == b"second"
+        await store.set("text", "x")
+        with pytest.raises(dist.StoreError, match="integer"):
+            await store.add("text", 1)
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(30)
+async def test_jobs_are_separate_namespaces(arendez_server):
+    a, b = await _client(arendez_server, "job-a"), await _client(arendez_server, "job-b")
+    try:
+        await a.set("k", "from a")
+        assert await b.check(["k"]) is False
+        await b.set("k", "from b")
+        assert await a.get("k") == b"from a"
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.timeout(30)
+async def test_wait_blocks_until_set_and_times_out(arendez_server):
+    store, other = await _client(arendez_server), await _client(arendez_server)
+    try:
+        waiter = asyncio.create_task(store.wait(["late"], timeout=5))
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        await other.set("late", "now")
+        await asyncio.wait_for(waiter, 2)
+        started = time.monotonic()
+        with pytest.raises(dist.StoreTimeoutError):
+            await store.wait(["never"], timeout=0.5)
+        assert 0.4 <= time.monotonic() - started < 2.5
+        with pytest.raises(TimeoutError):  # also a builtin TimeoutError
+            await store.get("never", timeout=0.2)
+    finally:
+        await store.close()
+        await other.close()
+
+
+@pytest.mark.timeout(30)
+async def test_limits_give_clear_errors(arendez_server):
+    store = await _client(arendez_server)
+    try:
+        with pytest.raises(dist.StoreError, match="exceeds"):
+            await store.set("k" * 5000, "v")
+        with pytest.raises(dist.StoreError, match="non-empty"):
+            await store.set("", "v")
+        await store.set("still", "works")  # the connection survived the bad requests
+        assert await store.get("still") == b"works"
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(30)
+async def test_store_unreachable_is_a_store_error():
+    store = dist.Store("127.0.0.1", 9, "x", timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(dist.StoreError, match="unreachable"):
+        await store.connect()
+    assert time.monotonic() - started < 3
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_add_from_processes(arendez_server):
+    totals = run_ranks("store_add", 4, f"{arendez_server.url}/adders", 200)
+    assert totals == [800] * 4
