@@ -115,16 +115,22 @@ class World:
             if slot is not None and slot.out is not None and slot.out.nbytes == nbytes:
                 return slot.out
         elif kind == P2P:
-            for i, posted in enumerate(self._p2p_posted):
-                if posted.gid == header[1] and posted.tag == header[2] and posted.src in (None, peer):
-                    del self._p2p_posted[i]
-                    self._p2p_receiving[peer] = posted
-                    if posted.out.nbytes != nbytes:
-                        posted.error = CollectiveMismatchError(
-                            f"recv of {posted.out.nbytes} bytes from rank {peer} got a send of {nbytes}"
-                        )
-                        return None
-                    return posted.out
+            posted = self._claim_p2p(peer, header[1], header[2], nbytes)
+            if posted is not None:
+                self._p2p_receiving[peer] = posted
+                return posted.out if posted.error is None else None
+        return None
+
+    def _claim_p2p(self, peer: int, gid: int, tag: int, nbytes: int) -> _P2PRecv | None:
+        """Take the oldest posted recv that a message from ``peer`` satisfies."""
+        for i, posted in enumerate(self._p2p_posted):
+            if posted.gid == gid and posted.tag == tag and posted.src in (None, peer):
+                del self._p2p_posted[i]
+                if posted.out.nbytes != nbytes:
+                    posted.error = CollectiveMismatchError(
+                        f"recv of {posted.out.nbytes} bytes from rank {peer} got a send of {nbytes}"
+                    )
+                return posted
         return None
 
     def route(self, peer: int, header: Any, payload: memoryview | None) -> None:
@@ -202,6 +208,8 @@ class World:
 
     def _on_p2p(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
         posted = self._p2p_receiving.pop(peer, None)
+        if posted is None:  # the recv may have been posted while the payload streamed in
+            posted = self._claim_p2p(peer, header[1], header[2], 0 if payload is None else payload.nbytes)
         if posted is None:
             self._p2p_stash.append((peer, header[1], header[2], payload))
             return

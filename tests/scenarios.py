@@ -224,6 +224,214 @@ async def store_and_reduce(rank: int, ws: int, url: str, rounds: int) -> list[in
     return seen
 
 
+def _check(got: Any, want: Any, what: str) -> None:
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=what)
+
+
+async def _every_collective(rank: int, ws: int, dtype: str, size: int, group: Any, ranks: list[int]) -> int:
+    """Run each collective once on ``group`` (members ``ranks``) and check it; return how many."""
+    me = ranks.index(rank)
+    n = len(ranks)
+    dt = np.dtype(dtype)
+    mine = contribution(rank, size, dtype, 1)
+    every = [contribution(r, size, dtype, 1) for r in ranks]
+    what = f"{dtype} x {size} on ranks {ranks}"
+    sum_op = "BOR" if dt.kind == "b" else "SUM"
+    op = getattr(dist.ReduceOp, sum_op)
+
+    x = mine.copy()
+    await dist.all_reduce(x, op=op, group=group)
+    _check(x, reduced(sum_op, every), f"all_reduce {what}")
+
+    root = ranks[-1]
+    x = mine.copy()
+    await dist.broadcast(x, src=root, group=group)
+    _check(x, every[-1], f"broadcast {what}")
+
+    x = mine.copy()
+    await dist.reduce(x, dst=root, op=op, group=group)
+    if rank == root:
+        _check(x, reduced(sum_op, every), f"reduce {what}")
+
+    outs = [np.empty(size, dt) for _ in ranks]
+    await dist.all_gather(outs, mine, group=group)
+    for r, o in zip(ranks, outs, strict=True):
+        _check(o, contribution(r, size, dtype, 1), f"all_gather {what}")
+
+    flat = np.empty(size * n, dt)
+    await dist.all_gather_into_tensor(flat, mine, group=group)
+    _check(flat, np.concatenate(every) if size else flat, f"all_gather_into_tensor {what}")
+
+    gl = [np.empty(size, dt) for _ in ranks] if rank == root else None
+    await dist.gather(mine, gl, dst=root, group=group)
+    if gl is not None:
+        for r, o in zip(ranks, gl, strict=True):
+            _check(o, contribution(r, size, dtype, 1), f"gather {what}")
+
+    pieces = [contribution(root, size, dtype, 10 + i) for i in range(n)]
+    out = np.empty(size, dt)
+    await dist.scatter(out, pieces if rank == root else None, src=root, group=group)
+    _check(out, pieces[me], f"scatter {what}")
+
+    inputs = [contribution(rank, size, dtype, 20 + i) for i in range(n)]
+    out = np.empty(size, dt)
+    await dist.reduce_scatter(out, inputs, op=op, group=group)
+    _check(
+        out, reduced(sum_op, [contribution(r, size, dtype, 20 + me) for r in ranks]), f"reduce_scatter {what}"
+    )
+    _check(inputs[0], contribution(rank, size, dtype, 20), f"reduce_scatter left its input alone {what}")
+
+    big = np.concatenate(inputs) if size else np.empty(0, dt)
+    out = np.empty(size, dt)
+    await dist.reduce_scatter_tensor(out, big, op=op, group=group)
+    _check(out, reduced(sum_op, [contribution(r, size, dtype, 20 + me) for r in ranks]), f"rs_tensor {what}")
+
+    ins = [contribution(rank, size, dtype, 30 + i) for i in range(n)]
+    outs = [np.empty(size, dt) for _ in ranks]
+    await dist.all_to_all(outs, ins, group=group)
+    for i, r in enumerate(ranks):
+        _check(outs[i], contribution(r, size, dtype, 30 + me), f"all_to_all {what}")
+
+    # uneven splits: rank r sends (j + 1) rows to rank j
+    send_splits = [j + 1 for j in range(n)]
+    recv_splits = [me + 1] * n
+    src = np.concatenate([np.full((j + 1) * 2, rank * 10 + j, dt) for j in range(n)]).reshape(-1, 2)
+    dst = np.empty((sum(recv_splits), 2), dt)
+    await dist.all_to_all_single(dst, src, recv_splits, send_splits, group=group)
+    want = np.concatenate([np.full((me + 1) * 2, r * 10 + me, dt) for r in ranks]).reshape(-1, 2)
+    _check(dst, want, f"all_to_all_single {what}")
+
+    objs: list[Any] = [None] * n
+    await dist.all_gather_object(objs, {"rank": rank, "size": size, "tag": [1, "x"]}, group=group)
+    assert objs == [{"rank": r, "size": size, "tag": [1, "x"]} for r in ranks], objs
+
+    lst: list[Any] = [rank, "from", rank] if rank == root else [None, None, None]
+    await dist.broadcast_object_list(lst, src=root, group=group)
+    assert lst == [root, "from", root], lst
+
+    gathered: list[Any] | None = [None] * n if rank == root else None
+    await dist.gather_object(f"hello from {rank}", gathered, dst=root, group=group)
+    if gathered is not None:
+        assert gathered == [f"hello from {r}" for r in ranks], gathered
+
+    slot: list[Any] = [None]
+    await dist.scatter_object_list(
+        slot, [{"to": r} for r in ranks] if rank == root else None, src=root, group=group
+    )
+    assert slot == [{"to": rank}], slot
+
+    await dist.barrier(group=group)
+    return 16
+
+
+@scenario
+async def collectives_matrix(rank: int, ws: int, url: str, dtypes: list[str], sizes: list[int]) -> int:
+    """Every collective x dtypes x sizes, on the default group and on a subgroup of all but rank 0."""
+    await join(url, ws, rank)
+    checked = 0
+    sub_ranks = list(range(1, ws))
+    sub = await dist.new_group(sub_ranks)
+    for dtype in dtypes:
+        for size in sizes:
+            checked += await _every_collective(rank, ws, dtype, size, None, list(range(ws)))
+            if rank in sub_ranks:
+                checked += await _every_collective(rank, ws, dtype, size, sub, sub_ranks)
+            else:
+                assert sub is dist.GroupMember.NON_GROUP_MEMBER
+    await dist.destroy_process_group()
+    return checked
+
+
+@scenario
+async def point_to_point(rank: int, ws: int, url: str, size: int) -> list[int]:
+    """Ring of send/recv, then every rank sends to rank 0, which receives from any source."""
+    await join(url, ws, rank)
+    right, left = (rank + 1) % ws, (rank - 1) % ws
+    out = np.empty(size, np.float32)
+    send = asyncio.create_task(dist.send(np.full(size, rank, np.float32), right, tag=5))
+    sender = await dist.recv(out, left, tag=5)
+    await send
+    assert sender == left and np.all(out == left)
+    senders = []
+    if rank == 0:
+        for _ in range(ws - 1):
+            buf = np.empty(3, np.int64)
+            who = await dist.recv(buf, None, tag=9)
+            assert np.all(buf == who * 100), (who, buf)
+            senders.append(who)
+    else:
+        await dist.send(np.full(3, rank * 100, np.int64), 0, tag=9)
+    await dist.barrier()
+    await dist.destroy_process_group()
+    return sorted(senders)
+
+
+@scenario
+async def overlapping(rank: int, ws: int, url: str, count: int) -> list[float]:
+    """``count`` collectives of mixed kinds and sizes started at once with asyncio.gather."""
+    await join(url, ws, rank)
+    arrays = [np.full(10 ** (i % 6), float(rank + i), np.float64) for i in range(count)]
+    coros = []
+    for i, a in enumerate(arrays):
+        if i % 3 == 2:
+            coros.append(dist.broadcast(a, src=i % ws))
+        else:
+            coros.append(dist.all_reduce(a))
+    await asyncio.gather(*coros)
+    for i, a in enumerate(arrays):
+        want = float((i % ws) + i) if i % 3 == 2 else float(sum(r + i for r in range(ws)))
+        assert np.all(a == want), (i, a[:3], want)
+    await dist.destroy_process_group()
+    return [float(a[0]) for a in arrays]
+
+
+@scenario
+async def mismatch(rank: int, ws: int, url: str, kind: str) -> str:
+    """Ranks start different collectives at the same sequence number."""
+    await join(url, ws, rank, timeout=10)
+    x = np.ones(100 if kind != "count" or rank == 0 else 101, np.float32)
+    if kind == "dtype" and rank == 1:
+        x = np.ones(100, np.float64)
+    try:
+        if kind == "op" and rank == 1:
+            await dist.broadcast(x, src=0)
+        else:
+            await dist.all_reduce(x)
+        outcome = "no error"
+    except dist.CollectiveMismatchError as exc:
+        outcome = f"CollectiveMismatchError: {exc}"
+    y = np.ones(4, np.float32)  # the group stays usable for the next collective
+    await dist.all_reduce(y)
+    await dist.destroy_process_group()
+    return outcome + f" | next sum {y[0]:g}"
+
+
+@scenario
+async def zero_copy(rank: int, ws: int, url: str, mib: int) -> dict[str, int]:
+    """A large all_reduce; returns the receive path's copy counters."""
+    await join(url, ws, rank)
+    x = np.ones(mib * 262144, np.float32)
+    for _ in range(3):
+        await dist.all_reduce(x)
+    stats = dist.api._stats()
+    await dist.destroy_process_group()
+    assert np.all(x == ws**3)
+    return {"copied": stats.copied_bytes, "received": stats.received_bytes}
+
+
+@scenario
+async def torch_tensors(rank: int, ws: int, url: str) -> list[float]:
+    import torch
+
+    await join(url, ws, rank)
+    t = torch.full((4, 3), float(rank + 1))
+    await dist.all_reduce(t)
+    outs = [torch.empty(2) for _ in range(ws)]
+    await dist.all_gather(outs, torch.tensor([rank, rank * 2.0]))
+    await dist.destroy_process_group()
+    return [float(t[0, 0])] + [float(o[1]) for o in outs]
+
+
 def main() -> None:
     name, rank, ws, url, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     result = loop.run(SCENARIOS[name](rank, ws, url, *json.loads(args)))

@@ -1,0 +1,78 @@
+"""Every collective between real processes, against a numpy reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import run_ranks
+
+DTYPES = ["float32", "int64", "uint8", "float16", "bool"]
+# 0: empty; 1 and 7: fewer elements than ranks; 1001: uneven; 90_001: large enough for the ring
+SIZES = [0, 1, 7, 1001, 90_001]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_collective_dtype_and_size(arendez_server, world_size):
+    url = f"{arendez_server.url}/matrix{world_size}"
+    counts = run_ranks("collectives_matrix", world_size, url, DTYPES, SIZES, timeout=140)
+    per_group = 16 * len(DTYPES) * len(SIZES)
+    assert counts[0] == per_group
+    assert counts[1:] == [2 * per_group] * (world_size - 1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_all_reduce_forced_algorithms(arendez_server, algorithm):
+    url = f"{arendez_server.url}/forced-{algorithm}"
+    env = {"ARENDEZ_ALGORITHM": algorithm}
+    counts = run_ranks(
+        "all_reduce_matrix", 3, url, ["float32", "int32"], [0, 2, 5, 3000], ["SUM", "MAX"], env=env
+    )
+    assert counts == [16, 16, 16]
+
+
+@pytest.mark.timeout(60)
+def test_recursive_doubling(arendez_server):
+    env = {"ARENDEZ_ALGORITHM": "rdb"}
+    url = f"{arendez_server.url}/rdb"
+    assert (
+        run_ranks("all_reduce_matrix", 4, url, ["float64"], [1, 33, 5000], ["SUM", "MIN"], env=env) == [6] * 4
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_send_recv_and_any_source(arendez_server, world_size):
+    results = run_ranks("point_to_point", world_size, f"{arendez_server.url}/p2p{world_size}", 100_000)
+    assert results[0] == list(range(1, world_size))
+
+
+@pytest.mark.timeout(60)
+def test_eight_overlapping_collectives(arendez_server):
+    results = run_ranks("overlapping", 3, f"{arendez_server.url}/overlap", 8)
+    assert results[0] == results[1] == results[2]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["dtype", "count", "op"])
+def test_mismatch_raises_on_every_rank(arendez_server, kind):
+    results = run_ranks("mismatch", 3, f"{arendez_server.url}/mismatch-{kind}", kind, timeout=50)
+    for res in results:
+        assert res.startswith("CollectiveMismatchError"), res
+        assert res.endswith("next sum 3")
+
+
+@pytest.mark.timeout(60)
+def test_large_all_reduce_receives_without_copies(arendez_server):
+    results = run_ranks("zero_copy", 2, f"{arendez_server.url}/zerocopy", 16)
+    for res in results:
+        assert res["received"] >= 3 * 16 * 2**20 // 2
+        assert res["copied"] == 0, res
+
+
+@pytest.mark.timeout(60)
+def test_torch_cpu_tensors(arendez_server):
+    pytest.importorskip("torch")
+    results = run_ranks("torch_tensors", 2, f"{arendez_server.url}/torch", timeout=50)
+    assert results == [[3.0, 0.0, 2.0]] * 2
