@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 
 from . import algorithms as algo
+from . import tls
 from .arrays import ReduceOp, as_array, as_bytes, byte_view, ufunc_for
 from .errors import (
     CollectiveTimeoutError,
@@ -114,21 +115,37 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
         return World(0, 1, timeout)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    secure = tls.from_env()
+    if secure is not None and secure.server is None and where.world_size != 1:
+        raise RendezvousError(
+            "with ARENDEZ_TLS_CA set, every rank needs ARENDEZ_TLS_CERT and ARENDEZ_TLS_KEY"
+        )
     server = None
     if where.host_server:
-        server = await _host_server(where)
-    store = given or Store(where.host, where.port, where.job, token=where.token, timeout=timeout)
+        server = await _host_server(where, secure.server if secure else None)
+    store = given or Store(
+        where.host,
+        where.port,
+        where.job,
+        token=where.token,
+        ssl=secure.client if secure else None,
+        timeout=timeout,
+    )
     mesh: Mesh | None = None
     try:
         if given is None:
             await store.connect(timeout)
-        mesh = Mesh(token=where.token)
+        mesh = Mesh(
+            token=where.token,
+            server_ssl=secure.server if secure else None,
+            client_ssl=secure.client if secure else None,
+        )
         advertise = os.environ.get("ARENDEZ_ADVERTISE_ADDR") or _local_address(store, where.host)
         port = await mesh.listen(os.environ.get("ARENDEZ_LISTEN_ADDR") or advertise, 0)
         address = f"[{advertise}]:{port}" if ":" in advertise else f"{advertise}:{port}"
         member = await store.join(where.world_size, where.rank, address, deadline - loop.time())
         world = World(member.rank, member.world_size, timeout)
-        world.store, world.mesh, world.server = store, mesh, server
+        world.store, world.mesh, world.server, world.address = store, mesh, server, address
         store.on_event = lambda event: _on_server_event(world, event)
         await mesh.connect(
             member.rank,
@@ -152,11 +169,11 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
         raise
 
 
-async def _host_server(where: Plan) -> Any:
+async def _host_server(where: Plan, ssl_context: Any) -> Any:
     server = importlib.import_module("arendez_server")  # installed from server/
     Server, ServerConfig = server.Server, server.ServerConfig
     for host in (where.host, "0.0.0.0"):
-        srv = Server(ServerConfig(host=host, port=where.port, token=where.token))
+        srv = Server(ServerConfig(host=host, port=where.port, token=where.token, ssl=ssl_context))
         try:
             await srv.start()
             return srv
@@ -212,7 +229,7 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
     if world.mesh is not None:
         for peer in list(world.mesh.conns):
             with contextlib.suppress(ConnectionError):
-                world.mesh.send(peer, [BYE])
+                world.mesh.send(peer, [BYE, dict(world.dead)])
         await world.mesh.close(max(0.2, min(2.0, deadline - loop.time())))
     if world.store is not None:
         await world.store.leave(max(0.2, min(2.0, deadline - loop.time())))

@@ -95,6 +95,7 @@ class World:
         self.mesh: Mesh | None = None
         self.store: Any = None
         self.server: Any = None  # the embedded server this rank hosts, if any
+        self.address = ""  # host:port of this rank's peer listener
         self.groups: dict[int, ProcessGroup] = {}
         self.next_gid = 0
         self.dead: dict[int, str] = {}
@@ -148,6 +149,11 @@ class World:
             if group is not None:
                 group.poison(header[2], str(header[3]), tell=False)
         elif kind == BYE:
+            # the leaver tells us who it saw die: blame the root cause, not the messenger
+            failed = header[1] if len(header) > 1 and isinstance(header[1], dict) else {}
+            for rank, reason in failed.items():
+                if isinstance(rank, int) and rank != self.rank:
+                    self.peer_lost(rank, f"{reason} (reported by rank {peer})")
             self.peer_lost(peer, "it destroyed its process group", left=True)
         elif kind == QUERY:
             group = self.groups.get(header[1])

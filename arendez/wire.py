@@ -114,7 +114,7 @@ class Decoder:
             if end - body < hlen:
                 break
             try:
-                header = msgpack.unpackb(view[body : body + hlen], raw=False)
+                header = msgpack.unpackb(view[body : body + hlen], raw=False, strict_map_key=False)
             except Exception as exc:  # msgpack raises several unrelated types
                 raise ProtocolError(f"undecodable frame header: {exc}") from None
             start = body + hlen

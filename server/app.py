@@ -34,7 +34,7 @@ class ServerConfig:
     port: int = 0
     token: str | None = None
     ssl: _ssl.SSLContext | None = None
-    lease: float = 3.0
+    lease: float = 2.5
     handshake_timeout: float = 5.0
     max_connections: int = 4096
     max_connections_per_host: int = 1024
@@ -271,7 +271,7 @@ class Server:
             self._notify(gone.job)
 
     async def _watch_leases(self) -> None:
-        interval = max(0.05, self.config.lease / 6)
+        interval = max(0.05, self.config.lease / 10)
         while True:
             await asyncio.sleep(interval)
             self._depart(self.state.expire(time.monotonic(), self.config.lease))

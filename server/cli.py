@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="PEM certificate chain for TLS")
     p.add_argument("--tls-key", help="PEM private key for TLS")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA")
-    p.add_argument("--lease", type=float, default=3.0, help="seconds without heartbeat = failed")
+    p.add_argument("--lease", type=float, default=2.5, help="seconds without heartbeat = failed")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     return p
 

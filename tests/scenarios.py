@@ -432,6 +432,77 @@ async def torch_tensors(rank: int, ws: int, url: str) -> list[float]:
     return [float(t[0, 0])] + [float(o[1]) for o in outs]
 
 
+@scenario
+async def reduce_until_failure(
+    rank: int, ws: int, url: str, ready_dir: str, size: int, seconds: float
+) -> dict[str, Any]:
+    """all_reduce in a loop until a peer fails; report the error and when it was raised."""
+    from pathlib import Path
+
+    await join(url, ws, rank, timeout=float(seconds))
+    x = np.ones(size, np.float32)
+    rounds = 0
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            await dist.all_reduce(x)
+            x.fill(1)
+            rounds += 1
+            if rounds == 3:
+                Path(ready_dir, f"ready-{rank}").write_text("1")
+        outcome: dict[str, Any] = {"error": None}
+    except dist.ArendezError as exc:
+        outcome = {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "at": time.time(),
+            "rank_named": getattr(exc, "rank", None),
+        }
+    started = time.monotonic()
+    await dist.destroy_process_group(timeout=2)
+    outcome["destroy_seconds"] = time.monotonic() - started
+    outcome["rounds"] = rounds
+    return outcome
+
+
+@scenario
+async def straggler(rank: int, ws: int, url: str, timeout: float) -> str:
+    """Every rank but the last calls all_reduce; the last never does."""
+    await dist.init_process_group(init_method=url, world_size=ws, rank=rank, timeout=timeout)
+    if rank == ws - 1:
+        await asyncio.sleep(timeout + 2.5)
+        await dist.destroy_process_group()
+        return "skipped"
+    started = time.monotonic()
+    try:
+        await dist.all_reduce(np.ones(10))
+        return "no error"
+    except dist.CollectiveTimeoutError as exc:
+        took = time.monotonic() - started
+        assert isinstance(exc, TimeoutError)
+        return f"{exc} | took {took:.1f}"
+    finally:
+        await dist.destroy_process_group(timeout=1)
+
+
+@scenario
+async def guarded_job(rank: int, ws: int, url: str, out_dir: str) -> list[float]:
+    """all_reduce, publish this rank's peer address, wait until the test has probed it, reduce again."""
+    from pathlib import Path
+
+    await join(url, ws, rank)
+    x = np.full(1000, rank + 1.0)
+    await dist.all_reduce(x)
+    Path(out_dir, f"addr-{rank}").write_text(dist.api._registry.world.address)  # type: ignore[union-attr]
+    deadline = time.monotonic() + 20
+    while not Path(out_dir, "probed").exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    y = np.full(1000, rank + 1.0)
+    await dist.all_reduce(y)
+    await dist.destroy_process_group()
+    return [float(x[0]), float(y[0])]
+
+
 def main() -> None:
     name, rank, ws, url, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     result = loop.run(SCENARIOS[name](rank, ws, url, *json.loads(args)))

@@ -1,0 +1,83 @@
+"""Fault injection with real processes: dead ranks and stragglers become errors, never hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import collect, spawn_rank
+
+
+def _wait_ready(tmp: Path, ranks: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(list(tmp.glob("ready-*"))) >= ranks:
+            return
+        time.sleep(0.02)
+    raise AssertionError("ranks never became ready")
+
+
+def _kill_during_all_reduce(server_url: str, tmp: Path, world_size: int, victim: int, sig: int, size: int):
+    url = f"{server_url}/kill-{world_size}-{victim}-{sig}-{tmp.name}"
+    procs = [
+        spawn_rank("reduce_until_failure", r, world_size, url, str(tmp), size, 40.0)
+        for r in range(world_size)
+    ]
+    try:
+        _wait_ready(tmp, world_size)
+        os.kill(procs[victim].pid, sig)
+        killed_at = time.time()
+        survivors = [p for r, p in enumerate(procs) if r != victim]
+        results = collect(survivors, 20)
+    finally:
+        procs[victim].kill()
+        procs[victim].wait()
+    return killed_at, results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_kill_9_during_all_reduce_fails_every_survivor_fast(arendez_server, tmp_path, world_size):
+    for attempt in range(2):
+        run_dir = tmp_path / f"run{attempt}"
+        run_dir.mkdir()
+        victim = (attempt + 1) % world_size
+        killed_at, results = _kill_during_all_reduce(
+            arendez_server.url, run_dir, world_size, victim, signal.SIGKILL, 200_000
+        )
+        for res in results:
+            assert res.returncode == 0, res.stderr[-3000:]
+            out = res.value
+            assert out["error"] == "RankFailedError", out
+            assert out["rank_named"] == victim and "all_reduce" in out["message"], out
+            assert out["at"] - killed_at < 3.0, f"detected after {out['at'] - killed_at:.2f}s"
+            assert out["destroy_seconds"] < 3.0
+
+
+@pytest.mark.timeout(60)
+def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
+    """SIGSTOP keeps the sockets open: only the server's lease can tell."""
+    killed_at, results = _kill_during_all_reduce(arendez_server.url, tmp_path, 3, 2, signal.SIGSTOP, 1000)
+    for res in results:
+        out = res.value
+        assert out["error"] == "RankFailedError" and out["rank_named"] == 2, out
+        assert "declared failed by the server" in out["message"]
+        assert out["at"] - killed_at < 4.0, f"detected after {out['at'] - killed_at:.2f}s"
+
+
+@pytest.mark.timeout(60)
+def test_timeout_names_the_rank_that_never_arrived(arendez_server):
+    url = f"{arendez_server.url}/straggler"
+    procs = [spawn_rank("straggler", r, 3, url, 1.5) for r in range(3)]
+    results = collect(procs, 30)
+    for res in results[:2]:
+        assert res.returncode == 0, res.stderr[-3000:]
+        message = res.value
+        assert "all_reduce" in message and "timed out after 1.5s" in message, message
+        assert "never arrived: [2]" in message, message
+        took = float(message.rsplit("took ", 1)[1])
+        assert 1.4 <= took <= 3.0
