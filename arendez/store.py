@@ -250,25 +250,27 @@ class Store:
         finally:
             self._pending.pop(rid, None)
 
-    async def set(self, key: str, value: str | bytes) -> None:
+    async def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``."""
-        await self._call("set", key=key, value=_to_bytes(value))
+        await self._call("set", timeout, key=key, value=_to_bytes(value))
 
     async def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` for it to be set."""
         value: bytes = await self._call("get", timeout, wait=True, key=key)
         return value
 
-    async def add(self, key: str, amount: int = 1) -> int:
+    async def add(self, key: str, amount: int = 1, timeout: float | None = None) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (missing = 0); return the sum."""
-        total: int = await self._call("add", key=key, amount=int(amount))
+        total: int = await self._call("add", timeout, key=key, amount=int(amount))
         return total
 
-    async def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+    async def compare_set(
+        self, key: str, expected: str | bytes, desired: str | bytes, timeout: float | None = None
+    ) -> bytes:
         """Set ``desired`` if ``key`` holds ``expected`` (or is missing and ``expected`` is
         empty); return the value the key holds afterwards."""
         value: bytes = await self._call(
-            "compare_set", key=key, expected=_to_bytes(expected), desired=_to_bytes(desired)
+            "compare_set", timeout, key=key, expected=_to_bytes(expected), desired=_to_bytes(desired)
         )
         return value
 
@@ -276,19 +278,19 @@ class Store:
         """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
         await self._call("wait", timeout, wait=True, keys=list(keys))
 
-    async def check(self, keys: Iterable[str]) -> bool:
+    async def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
         """True if every key in ``keys`` is set (no waiting)."""
-        found: bool = await self._call("check", keys=list(keys))
+        found: bool = await self._call("check", timeout, keys=list(keys))
         return found
 
-    async def delete(self, key: str) -> bool:
+    async def delete(self, key: str, timeout: float | None = None) -> bool:
         """Delete ``key``; True if it existed."""
-        existed: bool = await self._call("delete", key=key)
+        existed: bool = await self._call("delete", timeout, key=key)
         return existed
 
-    async def num_keys(self) -> int:
+    async def num_keys(self, timeout: float | None = None) -> int:
         """How many keys the job's store holds."""
-        count: int = await self._call("num_keys")
+        count: int = await self._call("num_keys", timeout)
         return count
 
     # -- membership ------------------------------------------------------------------------

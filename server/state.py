@@ -17,6 +17,7 @@ class StateLimits:
     max_key: int = 4096
     max_value: int = 1 << 20
     max_keys_per_job: int = 100_000
+    max_bytes_per_job: int = 256 << 20
     max_jobs: int = 10_000
     max_world_size: int = 65_536
 
@@ -76,6 +77,7 @@ class Job:
     forming: Round | None = None
     rounds: dict[bytes, Round] = field(default_factory=dict)
     version: int = 0  # bumped on every write, so waiters know something changed
+    nbytes: int = 0  # keys + values held
 
     # -- key-value store -------------------------------------------------------------------
     def _check_key(self, key: object) -> str:
@@ -95,9 +97,14 @@ class Job:
         return value
 
     def _put(self, key: str, value: bytes) -> None:
-        if key not in self.kv and len(self.kv) >= self.limits.max_keys_per_job:
+        old = self.kv.get(key)
+        if old is None and len(self.kv) >= self.limits.max_keys_per_job:
             raise StoreError(f"job {self.name!r} already holds {self.limits.max_keys_per_job} keys")
+        grown = self.nbytes + len(value) - (len(old) if old is not None else -len(key))
+        if grown > self.limits.max_bytes_per_job:
+            raise StoreError(f"job {self.name!r} would hold more than {self.limits.max_bytes_per_job} bytes")
         self.kv[key] = value
+        self.nbytes = grown
         self.version += 1
 
     def set(self, key: object, value: object) -> None:
@@ -129,10 +136,13 @@ class Job:
         return current if current is not None else want
 
     def delete(self, key: object) -> bool:
-        existed = self.kv.pop(self._check_key(key), None) is not None
-        if existed:
-            self.version += 1
-        return existed
+        name = self._check_key(key)
+        old = self.kv.pop(name, None)
+        if old is None:
+            return False
+        self.nbytes -= len(name) + len(old)
+        self.version += 1
+        return True
 
     def has_all(self, keys: list[str]) -> bool:
         return all(self._check_key(k) in self.kv for k in keys)

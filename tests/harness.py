@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,6 +38,12 @@ class ServerProcess:
     proc: subprocess.Popen[str]
     url: str
     port: int
+    log: Any = None  # the file its stderr goes to (a pipe nobody reads could block it)
+
+    def stderr_text(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return str(self.log.read())
 
     def stop(self, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:
@@ -51,22 +58,24 @@ class ServerProcess:
 
 def start_server(*args: str, port: int = 0, env: dict[str, str] | None = None) -> ServerProcess:
     """Start ``python -m arendez_server`` and wait for the URL it prints."""
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [PY, "-m", "arendez_server", "--port", str(port), "--log-level", "WARNING", *args],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
         env=_env(env),
         start_new_session=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
+    srv = ServerProcess(proc, line.strip().rsplit(" ", 1)[-1], 0, log)
     if "listening on" not in line:
         proc.kill()
-        _, err = proc.communicate(timeout=5)
-        raise RuntimeError(f"server did not start: {line!r} {err}")
-    url = line.strip().rsplit(" ", 1)[-1]
-    return ServerProcess(proc, url, int(url.rsplit(":", 1)[1]))
+        proc.wait(5)
+        raise RuntimeError(f"server did not start: {line!r} {srv.stderr_text()}")
+    srv.port = int(srv.url.rsplit(":", 1)[1])
+    return srv
 
 
 @contextmanager

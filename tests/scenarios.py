@@ -503,6 +503,49 @@ async def guarded_job(rank: int, ws: int, url: str, out_dir: str) -> list[float]
     return [float(x[0]), float(y[0])]
 
 
+@scenario
+async def server_outage(rank: int, ws: int, url: str, out_dir: str) -> dict[str, Any]:
+    """Collectives go on while the server is down; store calls fail, then recover."""
+    from pathlib import Path
+
+    def wait_for(name: str) -> Awaitable[None]:
+        async def poll() -> None:
+            deadline = time.monotonic() + 30
+            while not Path(out_dir, name).exists():
+                assert time.monotonic() < deadline, f"no {name}"
+                await asyncio.sleep(0.05)
+
+        return poll()
+
+    await join(url, ws, rank)
+    store = dist.api._registry.world.store  # type: ignore[union-attr]
+    x = np.ones(50_000)
+    await dist.all_reduce(x)
+    Path(out_dir, f"ready-{rank}").write_text("1")
+    await wait_for("killed")
+    sums = []
+    for _ in range(20):
+        x = np.ones(50_000)
+        await dist.all_reduce(x)
+        sums.append(float(x[0]))
+    started = time.monotonic()
+    try:
+        await store.set(f"during/{rank}", "x", timeout=1.0)
+        during = "no error"
+    except dist.StoreError as exc:
+        during = f"{type(exc).__name__} after {time.monotonic() - started:.1f}s"
+    Path(out_dir, f"checked-{rank}").write_text("1")
+    await wait_for("back")
+    await store.set(f"after/{rank}", str(rank), timeout=15)
+    await store.wait([f"after/{r}" for r in range(ws)], timeout=15)
+    x = np.ones(10)
+    await dist.all_reduce(x)
+    await asyncio.sleep(3.5)  # longer than the lease: the re-attached ranks must not be declared failed
+    await dist.barrier()
+    await dist.destroy_process_group()
+    return {"sums": sums, "during": during, "after": float(x[0])}
+
+
 def main() -> None:
     name, rank, ws, url, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     result = loop.run(SCENARIOS[name](rank, ws, url, *json.loads(args)))

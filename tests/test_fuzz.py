@@ -1,0 +1,132 @@
+"""Hostile input at scale: >= 10^4 random or malformed frames and truncated streams hit a live
+server while a real job runs on it. The server stays up, its memory bounded, the job correct."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.harness import collect, server, spawn_rank
+
+FRAMES_PER_BATCH = 50
+BATCHES = 220
+
+values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=64),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+OPS = [
+    "set",
+    "get",
+    "add",
+    "compare_set",
+    "wait",
+    "delete",
+    "num_keys",
+    "check",
+    "join",
+    "attach",
+    "leave",
+    "heartbeat",
+    "status",
+    "nope",
+]
+requests = st.fixed_dictionaries(
+    {"op": st.sampled_from(OPS)},
+    optional={
+        "id": values,
+        "key": st.text(max_size=12) | values,
+        "value": st.binary(max_size=128) | values,
+        "amount": values,
+        "keys": st.lists(st.text(max_size=6), max_size=5) | values,
+        "timeout": st.floats(0, 0.2) | values,
+        "world_size": values,
+        "rank": values,
+        "nonce": values,
+    },
+)
+
+
+def _frame(obj: object, payload: int = 0) -> bytes:
+    raw = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack("<IQ", len(raw), payload) + raw
+
+
+frames = st.one_of(
+    st.binary(min_size=1, max_size=96),  # noise
+    values.map(_frame),  # well-framed, meaningless
+    requests.map(_frame),  # plausible requests with wrong fields
+    st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)).map(lambda t: struct.pack("<IQ", *t)),
+    requests.map(lambda r: _frame(r, payload=7) + b"payload"),  # the server takes no payloads
+)
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _send_batch(port: int, batch: list[bytes], handshake: bool, cut: int) -> None:
+    data = b"".join(batch)
+    if cut:
+        data = data[: max(1, len(data) - cut)]  # a truncated stream
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        if handshake:
+            sock.recv(65536)
+            sock.sendall(_frame({"job": "fuzz", "nonce": b"n" * 16}))
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(2)
+            while sock.recv(65536):
+                pass
+        except (ConnectionError, TimeoutError, OSError):
+            pass  # the server hanging up on garbage is the expected outcome
+
+
+@pytest.mark.timeout(240)
+def test_server_survives_random_frames_while_a_job_runs():
+    sent = [0]
+    with server() as srv:
+        url = f"{srv.url}/fuzzed-job"
+        procs = [spawn_rank("store_and_reduce", r, 2, url, 400) for r in range(2)]
+        try:
+            baseline = _rss_kib(srv.proc.pid)
+
+            @settings(
+                max_examples=BATCHES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+            )
+            @given(
+                st.lists(frames, min_size=FRAMES_PER_BATCH, max_size=FRAMES_PER_BATCH),
+                st.booleans(),
+                st.integers(0, 40),
+            )
+            def fuzz(batch: list[bytes], handshake: bool, cut: int) -> None:
+                _send_batch(srv.port, batch, handshake, cut)
+                sent[0] += len(batch)
+
+            fuzz()
+            grown = _rss_kib(srv.proc.pid) - baseline
+        finally:
+            results = collect(procs, 120)
+        assert srv.proc.poll() is None, "the server died"
+        assert "Traceback" not in srv.stderr_text(), srv.stderr_text()[-3000:]
+    assert sent[0] >= 10_000
+    assert grown < 64 * 1024, f"server RSS grew by {grown} KiB"
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.value == [3] * 400

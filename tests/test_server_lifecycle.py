@@ -1,0 +1,64 @@
+"""The server: SIGTERM exits cleanly; a job survives the server being killed and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+import arendez as dist
+from tests.harness import collect, spawn_rank, start_server
+
+
+@pytest.mark.timeout(30)
+async def test_sigterm_stops_accepting_tells_clients_and_exits_zero():
+    srv = start_server()
+    events: list[dict] = []
+    store = await dist.Store("127.0.0.1", srv.port, "bye", timeout=5).connect()
+    store.on_event = events.append
+    srv.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(srv.proc.wait, 10) == 0
+    for _ in range(100):
+        if events:
+            break
+        await asyncio.sleep(0.02)
+    assert events and events[0]["event"] == "server_shutdown"
+    with pytest.raises(dist.StoreError):
+        await store.set("k", "v", timeout=0.5)
+    await store.close()
+
+
+@pytest.mark.timeout(90)
+def test_job_survives_server_kill_and_restart(tmp_path):
+    srv = start_server()
+    port = srv.port
+    url = f"{srv.url}/outage"
+    procs = [spawn_rank("server_outage", r, 2, url, str(tmp_path)) for r in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("ready-*"))) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        srv.proc.kill()
+        srv.proc.wait()
+        (tmp_path / "killed").write_text("1")
+        while len(list(tmp_path.glob("checked-*"))) < 2:
+            assert time.monotonic() < deadline + 30
+            time.sleep(0.05)
+        srv = start_server(port=port)  # same port: the ranks reconnect and re-attach
+        (tmp_path / "back").write_text("1")
+        results = collect(procs, 60)
+    finally:
+        srv.stop()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        out = res.value
+        assert out["sums"] == [2.0] * 20  # collectives kept working while the server was down
+        assert out["during"].startswith("StoreError"), out
+        assert float(out["during"].split("after ")[1][:-1]) <= 2.5
+        assert out["after"] == 2.0

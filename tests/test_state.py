@@ -1,0 +1,50 @@
+"""The sans-I/O server state, without sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from arendez.errors import RendezvousError, StoreError
+from arendez_server.state import Job, MemberState, StateLimits
+
+
+def test_byte_and_key_budgets_are_enforced_and_released():
+    job = Job("j", StateLimits(max_keys_per_job=3, max_bytes_per_job=100))
+    job.set("a", b"x" * 40)
+    job.set("a", b"y" * 40)  # overwriting does not double-count
+    assert job.nbytes == 41
+    job.set("b", b"z" * 40)
+    with pytest.raises(StoreError, match="more than 100 bytes"):
+        job.set("c", b"w" * 40)
+    job.delete("b")
+    job.set("c", b"w" * 40)
+    job.set("d", b"")
+    with pytest.raises(StoreError, match="3 keys"):
+        job.set("e", b"")
+
+
+def test_rounds_assign_ranks_and_a_rejoin_starts_a_new_round():
+    job = Job("j", StateLimits())
+    r1, a = job.join(-1, 2, "h:1", 0.0)
+    _, b = job.join(-1, 2, "h:2", 0.0)
+    assert (a, b) == (0, 1) and r1.complete and r1.peers() == ["h:1", "h:2"]
+    assert job.leave(r1, 0) is not None
+    r2, c = job.join(0, 2, "h:3", 1.0)  # rank 1 of round 1 is still active: a new round forms
+    assert r2 is not r1 and not r2.complete and c == 0
+    with pytest.raises(RendezvousError, match="already joined"):
+        job.join(0, 2, "h:4", 1.0)
+    with pytest.raises(RendezvousError, match="world of 2"):
+        job.join(-1, 3, "h:4", 1.0)
+
+
+def test_lease_expiry_declares_silent_members_failed_once():
+    job = Job("j", StateLimits())
+    r, _ = job.join(-1, 2, "a", 0.0)
+    job.join(-1, 2, "b", 0.0)
+    job.heartbeat(r, 0, 2.0)
+    gone = job.expire(3.0, 2.5)
+    assert [(d.rank, d.failed) for d in gone] == [(1, True)]
+    assert r.members[1].state is MemberState.FAILED
+    assert job.expire(3.1, 2.5) == []
+    with pytest.raises(RendezvousError, match="declared failed"):
+        job.attach(1, 2, r.nonce, "b", 4.0)
