@@ -58,7 +58,7 @@ class ServerProcess:
 
 def start_server(*args: str, port: int = 0, env: dict[str, str] | None = None) -> ServerProcess:
     """Start ``python -m arendez_server`` and wait for the URL it prints."""
-    log = tempfile.TemporaryFile("w+")
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - it lives as long as the server
     proc = subprocess.Popen(
         [PY, "-m", "arendez_server", "--port", str(port), "--log-level", "WARNING", *args],
         stdout=subprocess.PIPE,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from arendez_server.state import Job, MemberState, StateLimits
 
 from arendez.errors import RendezvousError, StoreError
-from arendez_server.state import Job, MemberState, StateLimits
 
 
 def test_byte_and_key_budgets_are_enforced_and_released():
