@@ -1,0 +1,18 @@
+# arendez: the rendezvous/store server by default; the same image runs ranks (see docker-compose.yml).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+COPY . /app
+RUN pip install --no-cache-dir . \
+    && useradd --create-home --uid 10001 --user-group arendez
+USER arendez
+
+EXPOSE 29400
+# Healthy once the server accepts TCP connections (a bare connect and close; no name lookup).
+HEALTHCHECK --interval=2s --timeout=3s --start-period=10s --retries=15 \
+    CMD ["python", "-c", "import socket; socket.create_connection(('127.0.0.1', 29400), timeout=2).close()"]
+CMD ["arendez-server", "--host", "0.0.0.0", "--port", "29400"]

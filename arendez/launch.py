@@ -1,0 +1,394 @@
+"""``arendez-run``: start N local ranks of a script (torchrun-style), with an embedded server.
+
+``arendez-run --nproc 4 train.py --lr 0.1`` starts ``python -m arendez_server`` on a free loopback
+port (unless ``--server`` names one), then four ``python train.py --lr 0.1`` processes with
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``ARENDEZ_URL`` set, so the
+script's ``await arendez.init_process_group()`` joins through ``env://``. Every output line is
+prefixed with ``[rank K]``. The first rank to fail decides the exit code and the others are
+terminated; SIGINT/SIGTERM are forwarded to every rank. Each rank runs in its own session, so
+its children are killed with it and nothing outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import os
+import secrets
+import signal
+import sys
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, TypeVar
+
+CHUNK = 1 << 16
+MAX_LINE = 1 << 16  # a longer line is passed on in pieces, each prefixed
+T = TypeVar("T")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="arendez-run",
+        description="Run N local ranks of a script with the arendez env:// convention.",
+    )
+    p.add_argument("--nproc", "--nproc-per-node", type=int, default=1, help="ranks to start (default 1)")
+    p.add_argument(
+        "--server",
+        help="arendez://[token@]host:port[/job] of a running arendez-server (default: start one here)",
+    )
+    p.add_argument("--job", help="job name on the server (default: a unique run-<pid>-<hex>)")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
+    p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    p.add_argument("script", help="the script (or module, with -m) every rank runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return p
+
+
+def job_url(server: str, job: str | None) -> str:
+    """``server`` (a URL, or bare ``host:port``) with ``job`` as its path."""
+    if "://" not in server:
+        server = f"arendez://{server}"
+    parts = urllib.parse.urlsplit(server)
+    if parts.scheme != "arendez" or not parts.netloc:
+        raise ValueError(f"--server must look like arendez://host:port[/job], got {server!r}")
+    path = parts.path.strip("/")
+    if path and job and path != job:
+        raise ValueError(f"--server names job {path!r} but --job says {job!r}")
+    name = job or path or f"run-{os.getpid()}-{secrets.token_hex(3)}"
+    return urllib.parse.urlunsplit(("arendez", parts.netloc, "/" + name, "", ""))
+
+
+def rank_env(base: dict[str, str], url: str, rank: int, nproc: int) -> dict[str, str]:
+    """The environment of local rank ``rank`` of ``nproc``."""
+    env = dict(base)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK"):
+        env.pop(name, None)
+    env.update(
+        ARENDEZ_URL=url,
+        RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nproc),
+    )
+    env.setdefault("PYTHONUNBUFFERED", "1")  # so interleaved rank output appears as it happens
+    return env
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit status: ``128 + signum`` for a process killed by a signal."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _say(message: str) -> None:
+    print(f"arendez-run: {message}", file=sys.stderr, flush=True)
+
+
+async def _pump(stream: asyncio.StreamReader, prefix: bytes, out: BinaryIO) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed.
+
+    If ``out`` breaks (``arendez-run ... | head``) the stream is still drained, so that no rank
+    blocks on a full pipe.
+    """
+    broken = False
+
+    def emit(lines: list[bytes]) -> None:
+        nonlocal broken
+        if lines and not broken:
+            try:
+                out.write(b"".join(prefix + line + b"\n" for line in lines))
+                out.flush()
+            except (OSError, ValueError):
+                broken = True
+
+    pending = b""
+    while chunk := await stream.read(CHUNK):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        while len(pending) > MAX_LINE:
+            lines.append(pending[:MAX_LINE])
+            pending = pending[MAX_LINE:]
+        emit(lines)
+    emit([pending] if pending else [])
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member that is not a zombie.
+
+    Zombies count as gone: orphans are reaped by init, which may take its time. Without a
+    Linux ``/proc``, any member counts.
+    """
+    try:
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        pids = []
+    if not pids:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state, _ppid, pgrp = stat[stat.rfind(b")") + 2 :].split()[:3]  # after "pid (comm) "
+        if int(pgrp) == pgid and state not in (b"Z", b"X"):
+            return True
+    return False
+
+
+@dataclass
+class _Child:
+    """One child process (a rank or the embedded server), leading its own session.
+
+    Its stdout and stderr are our own pipes rather than asyncio's: on Python 3.11 ``Process.wait``
+    only returns once the pipes close, which a grandchild holding them open would delay forever.
+    """
+
+    name: str
+    proc: asyncio.subprocess.Process
+    stdout: asyncio.StreamReader
+    stderr: asyncio.StreamReader
+    pipes: list[asyncio.BaseTransport]
+    pumps: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the child's whole process group; False when the group is gone."""
+        try:
+            os.killpg(self.proc.pid, sig)  # start_new_session: pgid == pid
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def alive(self) -> bool:
+        """The child, or anything it left in its process group, still runs."""
+        return self.proc.returncode is None or _group_alive(self.proc.pid)
+
+    def pump(self, prefix: bytes) -> None:
+        self.pumps = [
+            asyncio.create_task(_pump(self.stdout, prefix, sys.stdout.buffer)),
+            asyncio.create_task(_pump(self.stderr, prefix, sys.stderr.buffer)),
+        ]
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.close()
+
+
+async def _spawn(name: str, argv: Sequence[str], env: dict[str, str]) -> _Child:
+    """Start ``argv`` in a new session with its output on pipes we read."""
+    loop = asyncio.get_running_loop()
+    readers: list[asyncio.StreamReader] = []
+    pipes: list[asyncio.BaseTransport] = []
+    ends: list[int] = []
+    try:
+        for _ in range(2):
+            r, w = os.pipe()
+            ends.append(w)
+            reader = asyncio.StreamReader(limit=2 * MAX_LINE)
+            protocol = functools.partial(asyncio.StreamReaderProtocol, reader)
+            source = open(r, "rb", buffering=0)  # noqa: SIM115 -- the transport owns and closes it
+            transport, _ = await loop.connect_read_pipe(protocol, source)
+            readers.append(reader)
+            pipes.append(transport)
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=ends[0],
+            stderr=ends[1],
+            env=env,
+            start_new_session=True,
+        )
+    except BaseException:
+        for opened in pipes:
+            opened.close()
+        raise
+    finally:
+        for w in ends:
+            os.close(w)
+    return _Child(name, proc, readers[0], readers[1], pipes)
+
+
+async def _until(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
+
+
+async def _stop(children: Sequence[_Child], sig: int, grace: float, kill_now: asyncio.Event) -> None:
+    """Signal every child's process group; SIGKILL what is left after ``grace`` seconds."""
+    targets = [c for c in children if c.alive()]
+    if not targets:
+        return
+    for c in targets:
+        c.signal(sig)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    leaders = asyncio.gather(*(c.proc.wait() for c in targets))
+    killed = asyncio.ensure_future(kill_now.wait())
+    try:
+        either: list[asyncio.Future[Any]] = [leaders, killed]
+        await asyncio.wait(either, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        # Processes the leaders left in their groups are no children of ours: nothing to wait
+        # on but their group, so look again until it is empty or the grace period is over.
+        while not kill_now.is_set() and any(c.alive() for c in targets) and loop.time() < deadline:
+            await _until(kill_now, 0.05)
+    finally:
+        killed.cancel()
+        for c in targets:
+            c.signal(signal.SIGKILL)
+        await leaders
+
+
+async def _drain(children: Sequence[_Child], timeout: float = 5.0) -> None:
+    """Let the output pumps reach end of file (every writer of the pipes is gone by now)."""
+    pumps = [t for c in children for t in c.pumps]
+    if pumps:
+        _, late = await asyncio.wait(pumps, timeout=timeout)
+        for t in late:
+            t.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    for c in children:
+        c.close()
+
+
+async def _server_url(server: _Child, timeout: float = 30.0) -> str:
+    """The URL the embedded server prints once it listens."""
+    try:
+        line = await asyncio.wait_for(server.stdout.readline(), timeout)
+    except TimeoutError:
+        line = b""
+    text = line.decode(errors="replace").strip()
+    if "listening on " not in text:
+        server.signal(signal.SIGKILL)
+        await server.proc.wait()
+        err = await server.stderr.read()
+        raise RuntimeError(f"the embedded server did not start: {text!r} {err.decode(errors='replace')}")
+    server.pump(b"[server] ")
+    return text.rsplit(" ", 1)[-1]
+
+
+async def _first_failure(ranks: Sequence[_Child]) -> tuple[int, int] | None:
+    """Wait for the ranks: (rank, returncode) of the first to fail, or None when all succeed."""
+    reaped: list[tuple[int, int]] = []  # in the order the exits were observed
+    changed = asyncio.Event()
+
+    def on_exit(rank: int, fut: asyncio.Future[int]) -> None:
+        if not fut.cancelled():
+            reaped.append((rank, fut.result()))
+            changed.set()
+
+    waits = [asyncio.ensure_future(r.proc.wait()) for r in ranks]
+    for rank, fut in enumerate(waits):
+        fut.add_done_callback(functools.partial(on_exit, rank))
+    try:
+        while len(reaped) < len(ranks):
+            await changed.wait()
+            changed.clear()
+            failed = [(rank, rc) for rank, rc in reaped if rc != 0]
+            if failed:
+                return failed[0]
+        return None
+    finally:
+        for fut in waits:
+            fut.cancel()
+
+
+async def _unless(stop: asyncio.Event, work: asyncio.Future[T]) -> asyncio.Future[T] | None:
+    """Wait for ``work`` or ``stop``, whichever comes first; ``work`` is cancelled on ``stop``."""
+    halt = asyncio.ensure_future(stop.wait())
+    either: list[asyncio.Future[Any]] = [work, halt]
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    halt.cancel()
+    if work.done():
+        return work
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    return None
+
+
+async def _run(args: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    stop, kill_now = asyncio.Event(), asyncio.Event()
+    received: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        received.append(sig)
+        if stop.is_set():
+            kill_now.set()  # a second signal: stop waiting for a graceful exit
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    server: _Child | None = None
+    ranks: list[_Child] = []
+    try:
+        base = dict(os.environ)
+        if args.server:
+            url = job_url(args.server, args.job)
+        else:
+            argv = [sys.executable, "-m", "arendez_server", "--host", "127.0.0.1", "--port", "0"]
+            server = await _spawn("server", [*argv, "--log-level", "WARNING"], base)
+            started = await _unless(stop, asyncio.ensure_future(_server_url(server)))
+            if started is None:
+                return 128 + received[0]
+            url = job_url(started.result(), args.job)
+        target = ["-m", args.script] if args.module else [args.script]
+        for rank in range(args.nproc):
+            if stop.is_set():
+                break
+            env = rank_env(base, url, rank, args.nproc)
+            child = await _spawn(f"rank {rank}", [sys.executable, *target, *args.args], env)
+            child.pump(f"[rank {rank}] ".encode())
+            ranks.append(child)
+        outcome = await _unless(stop, asyncio.ensure_future(_first_failure(ranks)))
+        if stop.is_set():
+            signum = received[0]
+            _say(f"got {signal.Signals(signum).name}; forwarding it to {len(ranks)} rank(s)")
+            await _stop(ranks, signum, args.grace, kill_now)
+            return 128 + signum
+        assert outcome is not None
+        failure = outcome.result()
+        if failure is None:
+            return 0
+        rank, rc = failure
+        code = exit_code(rc)
+        _say(f"rank {rank} failed with exit code {code}; terminating the other ranks")
+        await _stop(ranks, signal.SIGTERM, args.grace, kill_now)
+        return code
+    except (RuntimeError, ValueError, OSError) as exc:
+        _say(str(exc))
+        return 1
+    finally:
+        # Every path ends here: no rank, child of a rank or server outlives the launcher.
+        await _stop(ranks, signal.SIGTERM, args.grace, kill_now)
+        await _drain(ranks)
+        if server is not None:
+            await _stop([server], signal.SIGTERM, args.grace, kill_now)
+            await _drain([server])
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``arendez-run``; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    if args.nproc < 1:
+        _parser().error("--nproc must be at least 1")
+    if args.grace < 0:
+        _parser().error("--grace must not be negative")
+    if args.server:
+        try:
+            job_url(args.server, args.job)
+        except ValueError as exc:
+            _parser().error(str(exc))
+    return asyncio.run(_run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

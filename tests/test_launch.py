@@ -1,0 +1,254 @@
+"""``arendez-run``: env of the ranks, prefixed output, first-failure exit, signals, no leftovers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from arendez.launch import exit_code, job_url
+from tests.harness import ROOT, ServerProcess, _env
+
+SCRIPTS = ROOT / "tests" / "launch_scripts"
+
+
+def _launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "arendez.launch", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(env),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+
+
+@pytest.fixture
+def launcher() -> Iterator[list[subprocess.Popen[str]]]:
+    """Launchers started by a test; killed with their session if the test fails midway."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (init here reaps orphans slowly)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :].split()[0] not in (b"Z", b"X")
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_bytes()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _wait_gone(pids: set[int], timeout: float = 5.0) -> set[int]:
+    """The pids still running after ``timeout`` (an orphan may take a moment to die)."""
+    deadline = time.monotonic() + timeout
+    while (left := {p for p in pids if _running(p)}) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
+def _rank_pids(piddir: Path, n: int, proc: subprocess.Popen[str], timeout: float = 30.0) -> set[int]:
+    """Wait until ``n`` sleeper ranks wrote ``"<pid> <child pid>"``; all those pids."""
+    deadline = time.monotonic() + timeout
+    while len(files := sorted(piddir.glob("rank?"))) < n:
+        assert proc.poll() is None, f"launcher exited early: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.02)
+    return {int(p) for f in files for p in f.read_text().split()}
+
+
+def _lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln]
+
+
+@pytest.mark.timeout(60)
+def test_runs_ranks_with_env_and_prefixed_output(launcher: list[subprocess.Popen[str]]) -> None:
+    launcher.append(proc := _launch("--nproc", "4", str(SCRIPTS / "allreduce.py")))
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 0, err
+    for line in _lines(out):
+        assert re.match(r"\[rank [0-3]\] ", line), line
+    urls = set()
+    for k in range(4):
+        mine = [ln[len(f"[rank {k}] ") :] for ln in _lines(out) if ln.startswith(f"[rank {k}] ")]
+        assert (
+            f"hello from {k}/4 env={{'RANK': '{k}', 'WORLD_SIZE': '4', 'LOCAL_RANK': '{k}', "
+            "'LOCAL_WORLD_SIZE': '4'}" in mine
+        )
+        (url,) = [ln.split("url=")[1] for ln in mine if ln.startswith("sum=10 url=")]
+        urls.add(url)
+        assert f"[rank {k}] to stderr from {k}" in _lines(err)
+    (url,) = urls  # one job for all ranks, on the embedded loopback server
+    assert re.fullmatch(r"arendez://127\.0\.0\.1:\d+/run-\d+-[0-9a-f]+", url), url
+
+
+@pytest.mark.timeout(60)
+def test_joins_a_given_server_and_job(
+    arendez_server: ServerProcess, launcher: list[subprocess.Popen[str]]
+) -> None:
+    args = ["--server", arendez_server.url, "--job", "given", "--nproc", "2", str(SCRIPTS / "allreduce.py")]
+    launcher.append(proc := _launch(*args))
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 0, err
+    assert out.count(f"sum=3 url={arendez_server.url}/given") == 2, out
+
+
+@pytest.mark.timeout(60)
+def test_first_failure_kills_the_rest_and_sets_the_exit_code(
+    tmp_path: Path, launcher: list[subprocess.Popen[str]]
+) -> None:
+    args = ["--nproc", "4", str(SCRIPTS / "sleeper.py"), "--fail-rank", "1", "--code", "3"]
+    launcher.append(proc := _launch(*args, env={"PIDDIR": str(tmp_path)}))
+    pids = _rank_pids(tmp_path, 4, proc)
+    started = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3, err
+    assert time.monotonic() - started < 5, "the sleeping ranks (120 s) were not terminated"
+    assert "rank 1 failed with exit code 3" in err
+    assert "[rank 1] rank 1 failing with 3" in err
+    assert not _wait_gone(pids), "ranks or their children outlived the launcher"
+
+
+@pytest.mark.timeout(60)
+def test_failure_during_a_collective_reports_the_failed_rank(launcher: list[subprocess.Popen[str]]) -> None:
+    launcher.append(proc := _launch("--nproc", "4", str(SCRIPTS / "fail_after_init.py")))
+    _, err = proc.communicate(timeout=50)
+    assert proc.returncode == 3, err  # not the exit 1 of the ranks that lost it
+    assert "rank 1 failed with exit code 3" in err
+    assert "failed with exit code 1" not in err
+
+
+@pytest.mark.timeout(60)
+def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(
+    tmp_path: Path, launcher: list[subprocess.Popen[str]]
+) -> None:
+    args = [
+        "--grace",
+        "0.5",
+        "--nproc",
+        "3",
+        str(SCRIPTS / "sleeper.py"),
+        "--ignore-term",
+        "--fail-rank",
+        "0",
+    ]
+    launcher.append(proc := _launch(*args, env={"PIDDIR": str(tmp_path)}))
+    pids = _rank_pids(tmp_path, 3, proc)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3, err
+    assert not _wait_gone(pids), "SIGTERM-proof ranks survived"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_are_forwarded_and_nothing_is_left(
+    sig: signal.Signals, tmp_path: Path, launcher: list[subprocess.Popen[str]]
+) -> None:
+    launcher.append(
+        proc := _launch("--nproc", "3", str(SCRIPTS / "sleeper.py"), env={"PIDDIR": str(tmp_path)})
+    )
+    pids = _rank_pids(tmp_path, 3, proc)
+    family = _descendants(proc.pid)  # the embedded server, the ranks and their children
+    assert pids <= family and len(family) >= 7
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig, err
+    assert f"got {sig.name}" in err
+    assert not _wait_gone(family), "processes outlived the launcher"
+
+
+@pytest.mark.timeout(60)
+def test_env_init_with_torchrun_variables() -> None:
+    """MASTER_ADDR/MASTER_PORT without ARENDEZ_URL: rank 0 hosts the store (tcp:// semantics)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = 3
+    procs = []
+    for rank in range(world):
+        env = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "allreduce.py")],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=_env(env),
+                cwd=ROOT,
+            )
+        )
+    try:
+        results = [p.communicate(timeout=40) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, (out, err)) in enumerate(zip(procs, results, strict=True)):
+        assert p.returncode == 0, err
+        assert f"hello from {rank}/{world}" in out
+        assert "sum=6 url=None" in out
+
+
+@pytest.mark.timeout(30)
+def test_console_script_and_usage_errors() -> None:
+    script = Path(sys.executable).with_name("arendez-run")
+    ok = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=20)
+    assert ok.returncode == 0 and "--nproc" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "arendez.launch", "--nproc", "0", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert bad.returncode == 2 and "--nproc must be at least 1" in bad.stderr
+
+
+@pytest.mark.timeout(10)
+def test_job_url_and_exit_code() -> None:
+    assert job_url("arendez://h:1", "j") == "arendez://h:1/j"
+    assert job_url("tok@h:1/given", None) == "arendez://tok@h:1/given"
+    assert job_url("arendez://h:1/", None).startswith(f"arendez://h:1/run-{os.getpid()}-")
+    with pytest.raises(ValueError, match="names job"):
+        job_url("arendez://h:1/a", "b")
+    with pytest.raises(ValueError, match="arendez://"):
+        job_url("tcp://h:1", None)
+    assert (exit_code(3), exit_code(-signal.SIGKILL)) == (3, 128 + signal.SIGKILL)
