@@ -26,9 +26,9 @@ Array = np.ndarray[Any, Any]
 #: Arrays up to this many bytes take the latency-bound path.
 SMALL_BYTES = 64 * 1024
 #: Bytes of one block of one ring lane; lanes of ``size`` blocks pipeline large messages.
-LANE_BYTES = 512 * 1024
+LANE_BYTES = int(os.environ.get("ARENDEZ_LANE_BYTES", 512 * 1024))
 #: Ring lanes in flight at once (bounds scratch memory to a fixed chunk budget).
-LANES_IN_FLIGHT = 4
+LANES_IN_FLIGHT = int(os.environ.get("ARENDEZ_LANES_IN_FLIGHT", 4))
 
 
 class Comm(Protocol):

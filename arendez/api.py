@@ -229,7 +229,7 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
     if world.mesh is not None:
         for peer in list(world.mesh.conns):
             with contextlib.suppress(ConnectionError):
-                world.mesh.send(peer, [BYE, dict(world.dead)])
+                world.mesh.send(peer, [BYE, dict(world.failed)])
         await world.mesh.close(max(0.2, min(2.0, deadline - loop.time())))
     if world.store is not None:
         await world.store.leave(max(0.2, min(2.0, deadline - loop.time())))

@@ -98,7 +98,8 @@ class World:
         self.address = ""  # host:port of this rank's peer listener
         self.groups: dict[int, ProcessGroup] = {}
         self.next_gid = 0
-        self.dead: dict[int, str] = {}
+        self.dead: dict[int, str] = {}  # ranks gone for good, with why
+        self.failed: dict[int, str] = {}  # the subset that died rather than left
         self.stats = Stats()
         self._mail: dict[tuple[Any, ...], _Slot] = {}
         self._p2p_posted: list[_P2PRecv] = []
@@ -263,6 +264,8 @@ class World:
         if peer in self.dead or peer == self.rank or self.closed:
             return
         self.dead[peer] = reason
+        if not left:
+            self.failed[peer] = reason
         (log.info if left else log.warning)("rank %d: peer rank %d %s", self.rank, peer, reason)
         for group in list(self.groups.values()):
             if peer in group.ranks:

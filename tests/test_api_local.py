@@ -1,0 +1,106 @@
+"""The API on a one-process world (no server, no socket) and its argument checks."""
+
+from __future__ import annotations
+
+import datetime
+
+import numpy as np
+import pytest
+
+import arendez as dist
+import arendez.sync as sdist
+
+
+@pytest.fixture(autouse=True)
+async def _clean():
+    yield
+    await dist.destroy_process_group()
+
+
+@pytest.mark.timeout(10)
+async def test_single_process_world_needs_nothing():
+    assert not dist.is_initialized()
+    await dist.destroy_process_group()  # quiet when nothing is initialized
+    await dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+    assert dist.is_initialized() and dist.get_rank() == 0 and dist.get_world_size() == 1
+    x = np.arange(5.0)
+    await dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    assert x.tolist() == [0, 1, 2, 3, 4]
+    objs = [None]
+    await dist.all_gather_object(objs, {"a": 1})
+    assert objs == [{"a": 1}]
+    await dist.barrier()
+    await dist.destroy_process_group()
+    await dist.destroy_process_group()  # and after a destroy
+    assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(10)
+async def test_collective_before_init_names_init_process_group():
+    with pytest.raises(dist.NotInitializedError, match="init_process_group") as info:
+        await dist.all_reduce(np.ones(3))
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, dist.ArendezError)
+
+
+@pytest.mark.timeout(10)
+async def test_bad_arrays_are_clear_value_errors():
+    await dist.init_process_group(world_size=1)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        await dist.all_reduce(np.ones((4, 4))[:, 1])
+    ro = np.ones(3)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        await dist.all_reduce(ro)
+    with pytest.raises(ValueError, match="integer"):
+        await dist.all_reduce(np.ones(3), op=dist.ReduceOp.BXOR)
+    with pytest.raises(ValueError, match="floating"):
+        await dist.all_reduce(np.ones(3, np.int32), op=dist.ReduceOp.AVG)
+    with pytest.raises(TypeError, match="numpy array"):
+        await dist.all_reduce([1, 2, 3])
+    with pytest.raises(ValueError, match="backend"):
+        await dist.init_process_group("nccl")
+
+
+@pytest.mark.timeout(10)
+async def test_process_group_context_always_destroys():
+    with pytest.raises(KeyError):
+        async with dist.process_group(world_size=1) as pg:
+            x = np.ones(2)
+            await pg.all_reduce(x)
+            raise KeyError("boom")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(10)
+def test_sync_facade_same_names_blocking():
+    sdist.init_process_group("gloo", None, world_size=1, rank=0)
+    try:
+        x = np.ones(4)
+        sdist.all_reduce(x)
+        work = sdist.all_reduce(x, async_op=True)
+        assert work.wait() and work.is_completed()
+        assert sdist.get_world_size() == 1 and sdist.is_initialized()
+    finally:
+        sdist.destroy_process_group()
+    assert not sdist.is_initialized()
+
+
+@pytest.mark.timeout(10)
+def test_init_method_urls_are_validated():
+    from arendez.rendezvous import plan
+
+    assert plan(None, -1, -1, {}).local
+    p = plan("arendez://tok%40en@10.0.0.1:1234/job-a", 4, -1, {})
+    assert (p.host, p.port, p.job, p.token, p.rank) == ("10.0.0.1", 1234, "job-a", "tok@en", -1)
+    p = plan("env://", -1, -1, {"MASTER_ADDR": "h", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2"})
+    assert (p.host, p.port, p.rank, p.world_size, p.host_server) == ("h", 29500, 0, 2, True)
+    p = plan(None, -1, -1, {"ARENDEZ_URL": "arendez://s:1/j", "WORLD_SIZE": "3"})
+    assert (p.host, p.job, p.world_size, p.rank) == ("s", "j", 3, -1)
+    with pytest.raises(dist.RendezvousError, match="MASTER_ADDR"):
+        plan("env://", 2, 0, {})
+    with pytest.raises(dist.RendezvousError, match="explicit rank"):
+        plan("tcp://h:1", 2, -1, {})
+    with pytest.raises(dist.RendezvousError, match="unsupported init_method"):
+        plan("file:///tmp/x", 2, 0, {})
+    with pytest.raises(dist.RendezvousError, match="RANK"):
+        plan("env://", -1, -1, {"MASTER_ADDR": "h", "MASTER_PORT": "1", "RANK": "x", "WORLD_SIZE": "2"})
