@@ -5,8 +5,9 @@ collective) and numpy arrays. Nothing here knows about sockets, so the algorithm
 over an in-memory transport in unit tests as over TCP.
 
 Latency-bound sizes use direct exchange (every rank talks to every other in one round) or
-recursive doubling; bandwidth-bound sizes a ring, cut into *lanes* that run concurrently so
-the reduction of one lane overlaps the transfer of the next. Reductions combine contributions
+recursive doubling; bandwidth-bound sizes a ring (or, for all_reduce on a power-of-two group,
+recursive halving-doubling: the ring's bytes in fewer steps), cut into *lanes* that run
+concurrently so the reduction of one lane overlaps the transfer of the next. Reductions combine contributions
 in a fixed order, so every rank ends with bit-identical results.
 """
 
@@ -27,6 +28,8 @@ Array = np.ndarray[Any, Any]
 SMALL_BYTES = 64 * 1024
 #: Bytes of one block of one ring lane; lanes of ``size`` blocks pipeline large messages.
 LANE_BYTES = int(os.environ.get("ARENDEZ_LANE_BYTES", 512 * 1024))
+#: Smallest lane block: below it, per-message overhead outweighs the overlap lanes buy.
+MIN_LANE_BYTES = 64 * 1024
 #: Ring lanes in flight at once (bounds scratch memory to a fixed chunk budget).
 LANES_IN_FLIGHT = int(os.environ.get("ARENDEZ_LANES_IN_FLIGHT", 4))
 
@@ -43,8 +46,9 @@ class Comm(Protocol):
     def recv_into(self, peer: int, tag: int, out: Array) -> Awaitable[None]:
         """Receive exactly ``out.nbytes`` bytes into ``out``."""
 
-    def recv_any(self, peer: int, tag: int) -> Awaitable[memoryview]:
-        """Receive a message of any size into a buffer the transport allocates."""
+    def recv_any(self, peer: int, tag: int, scratch: Array | None = None) -> Awaitable[memoryview]:
+        """Receive a message into ``scratch`` if it fits and arrives after this call, else into a
+        buffer the transport allocates; returns where it landed."""
 
 
 def choose(collective: str, nbytes: int, size: int) -> str:
@@ -54,10 +58,13 @@ def choose(collective: str, nbytes: int, size: int) -> str:
         if forced == "rdb" and size & (size - 1):
             return "direct"
         return forced
+    power_of_two = not size & (size - 1)
     if nbytes <= SMALL_BYTES or (size == 2 and collective == "broadcast"):
-        if collective == "all_reduce" and size > 8 and not size & (size - 1):
+        if collective == "all_reduce" and size > 8 and power_of_two:
             return "rdb"
         return "direct"
+    if collective == "all_reduce" and size > 2 and power_of_two:
+        return "rhd"
     return "ring"
 
 
@@ -79,8 +86,11 @@ def _others(comm: Comm) -> list[int]:
 
 
 def _lanes(size: int, itemsize: int, parts: int) -> list[slice]:
-    """Slices of ``size`` elements, each about ``parts * LANE_BYTES`` bytes."""
-    per_lane = max(1, LANE_BYTES // max(1, itemsize)) * parts
+    """Slices of ``size`` elements for ``parts``-block lanes: blocks of at most ``LANE_BYTES``,
+    and at least four lanes (of blocks no smaller than ``MIN_LANE_BYTES``) so they overlap."""
+    itemsize = max(1, itemsize)
+    block = min(LANE_BYTES, max(MIN_LANE_BYTES, size * itemsize // (parts * 4)))
+    per_lane = max(1, block // itemsize) * parts
     return [slice(i, min(i + per_lane, size)) for i in range(0, size, per_lane)] or [slice(0, 0)]
 
 
@@ -126,6 +136,8 @@ async def all_reduce(comm: Comm, x: Array, op: ReduceOp, algorithm: str | None =
             await _direct_all_reduce(comm, x, ufunc)
         elif algo == "rdb":
             await _recursive_doubling(comm, x, ufunc)
+        elif algo == "rhd" and not comm.size & (comm.size - 1):
+            await _halving_doubling_all_reduce(comm, x, ufunc)
         else:
             await _ring_all_reduce(comm, x, ufunc)
     if op is ReduceOp.AVG and comm.size > 1:
@@ -166,20 +178,26 @@ async def _ring_reduce_scatter_lane(
     the result lands in ``out`` (two scratch blocks carry the partial sums around).
     """
     n, r, right, left = _ring_schedule(comm)
-    scratch: list[Array] = []
+    biggest = max(b.nbytes for b in blocks)
+    landing = [np.empty(biggest, np.uint8) for _ in range(min(2, n - 1))]  # reused receive buffers
+    partials: list[Array] = []  # running sums, when the inputs must stay untouched
+    receiving = comm.recv_any(left, tag, landing[0][: blocks[(r - 2) % n].nbytes])
     sending = comm.send(right, tag, blocks[(r - 1) % n])
     for s in range(n - 1):
         b = (r - s - 2) % n
-        partial = _view(await comm.recv_any(left, tag + s), blocks[b].dtype)
+        partial = _view(await receiving, blocks[b].dtype)
+        if s < n - 2:  # post the next receive before reducing this one
+            size = blocks[(r - s - 3) % n].nbytes
+            receiving = comm.recv_any(left, tag + s + 1, landing[(s + 1) % 2][:size])
         await wait_all([sending])
         if out is None:
             target = blocks[b]
         elif s == n - 2:
             target = out
         else:
-            if len(scratch) < 2:
-                scratch.append(np.empty_like(blocks[b]))
-            target = scratch[s % 2][: blocks[b].size]
+            if len(partials) < 2:
+                partials.append(np.empty_like(blocks[b]))
+            target = partials[s % 2][: blocks[b].size]
         ufunc(blocks[b], partial, out=target)
         sending = comm.send(right, tag + s + 1, target) if s < n - 2 else None
     await wait_all([sending])
@@ -210,13 +228,51 @@ async def _ring_all_gather_lane(
 
 async def _ring_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
     n = comm.size
-    lanes = _lanes(x.size, x.itemsize, n)
+    lanes = [np.array_split(x[part], n) for part in _lanes(x.size, x.itemsize, n)]
+    # every lane's final blocks land in place, however early they come
+    gathering = [_post_all_gather(comm, blocks, 4 * n * i + 2 * n) for i, blocks in enumerate(lanes)]
 
     async def lane(i: int) -> None:
-        blocks = np.array_split(x[lanes[i]], n)
-        gathering = _post_all_gather(comm, blocks, 4 * n * i + 2 * n)
-        await _ring_reduce_scatter_lane(comm, blocks, ufunc, None, 4 * n * i)
-        await _ring_all_gather_lane(comm, blocks, 4 * n * i + 2 * n, gathering)
+        await _ring_reduce_scatter_lane(comm, lanes[i], ufunc, None, 4 * n * i)
+        await _ring_all_gather_lane(comm, lanes[i], 4 * n * i + 2 * n, gathering[i])
+
+    await _run_lanes(len(lanes), lane)
+
+
+async def _halving_doubling_lane(comm: Comm, seg: Array, ufunc: np.ufunc, tag: int) -> None:
+    """Rabenseifner's all-reduce of one lane (power-of-two group): reduce-scatter by recursive
+    halving, then all-gather by recursive doubling. Same bytes as the ring in 2 log2(n) steps
+    instead of 2(n-1); received halves land in place during the all-gather."""
+    n, r = comm.size, comm.rank
+    lo, hi = 0, seg.size
+    spans = []
+    landing = np.empty((seg.size + 1) // 2 * seg.itemsize, np.uint8)
+    mask, step = n >> 1, 0
+    while mask:
+        partner = r ^ mask
+        mid = (lo + hi) // 2
+        keep, give = ((lo, mid), (mid, hi)) if not r & mask else ((mid, hi), (lo, mid))
+        spans.append((partner, give))
+        mine = seg[keep[0] : keep[1]]
+        receiving = comm.recv_any(partner, tag + step, landing[: mine.nbytes])
+        await wait_all([comm.send(partner, tag + step, seg[give[0] : give[1]])])
+        ufunc(mine, _view(await receiving, seg.dtype), out=mine)
+        lo, hi = keep
+        mask, step = mask >> 1, step + 1
+    for partner, (glo, ghi) in reversed(spans):  # the partner now holds what we gave away, reduced
+        landed = comm.recv_into(partner, tag + step, seg[glo:ghi])
+        await wait_all([comm.send(partner, tag + step, seg[lo:hi])])
+        await landed
+        lo, hi = min(lo, glo), max(hi, ghi)
+        step += 1
+
+
+async def _halving_doubling_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
+    lanes = _lanes(x.size, x.itemsize, comm.size)
+    tags = 4 * comm.size.bit_length()
+
+    async def lane(i: int) -> None:
+        await _halving_doubling_lane(comm, x[lanes[i]], ufunc, tags * i)
 
     await _run_lanes(len(lanes), lane)
 
@@ -332,10 +388,11 @@ async def all_gather(comm: Comm, blocks: list[Array], algorithm: str | None = No
         await wait_all([comm.send(p, 0, blocks[r]) for p in peers])
         await wait_all(recvs)
         return
-    lanes = _lanes(blocks[r].size, 1, 1)
+    lanes = [[b[part] for b in blocks] for part in _lanes(blocks[r].size, 1, 1)]
+    gathering = [_post_all_gather(comm, lane_blocks, 2 * n * i) for i, lane_blocks in enumerate(lanes)]
 
     async def lane(i: int) -> None:
-        await _ring_all_gather_lane(comm, [b[lanes[i]] for b in blocks], 2 * n * i)
+        await _ring_all_gather_lane(comm, lanes[i], 2 * n * i, gathering[i])
 
     await _run_lanes(len(lanes), lane)
 

@@ -103,9 +103,7 @@ async def init_process_group(
     else:
         where = plan(init_method, world_size, rank)
     world = await _build_world(where, limit, store)
-    default = ProcessGroup(world, 0, list(range(world.world_size)), limit)
-    world.groups[0] = default
-    world.next_gid = 1
+    default = world.groups[0]
     _registry.world, _registry.default = world, default
     GroupMember.WORLD = default
 
@@ -301,13 +299,8 @@ async def new_group(
     await default.run(
         "new_group", fp, lambda comm: algo.all_reduce(comm, np.zeros(1, np.uint8), ReduceOp.MAX)
     )
-    gid = world.next_gid
-    world.next_gid += 1
-    if world.rank not in members:
-        return GroupMember.NON_GROUP_MEMBER
-    g = ProcessGroup(world, gid, members, _seconds(timeout, default.timeout))
-    world.groups[gid] = g
-    return g
+    group = world.add_group(members, _seconds(timeout, default.timeout))
+    return GroupMember.NON_GROUP_MEMBER if group is None else group
 
 
 # -- collectives -----------------------------------------------------------------------------

@@ -51,9 +51,10 @@ DIAGNOSE_SECONDS = 1.0
 class _Slot:
     """A receive: where the payload goes (``out``), who waits (``fut``), or data that came early."""
 
-    __slots__ = ("data", "fp", "fut", "out")
+    __slots__ = ("any", "data", "fp", "fut", "out")
 
     def __init__(self) -> None:
+        self.any = False  # the receiver takes whichever buffer the payload landed in
         self.out: memoryview | None = None
         self.fut: asyncio.Future[Any] | None = None
         self.data: memoryview | None = None
@@ -107,7 +108,21 @@ class World:
         self._p2p_stash: collections.deque[tuple[int, int, int, memoryview | None]] = collections.deque()
         self._queries: dict[int, tuple[dict[int, int], asyncio.Future[None], int]] = {}
         self._qids = itertools.count()
+        self._early_poison: dict[int, dict[int, str]] = {}  # MISMATCH for groups not made yet
         self.closed = False
+        self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
+        self.next_gid = 1
+
+    def add_group(self, ranks: list[int], timeout: float) -> ProcessGroup | None:
+        """Register the next subgroup (every rank calls this in the same order)."""
+        gid = self.next_gid
+        self.next_gid += 1
+        if self.rank not in ranks:
+            self._early_poison.pop(gid, None)
+            return None
+        group = self.groups[gid] = ProcessGroup(self, gid, ranks, timeout)
+        group.poisoned.update(self._early_poison.pop(gid, {}))
+        return group
 
     # -- frames from the mesh --------------------------------------------------------------
     def sink(self, peer: int, header: Any, nbytes: int) -> memoryview | None:
@@ -149,6 +164,8 @@ class World:
             group = self.groups.get(header[1])
             if group is not None:
                 group.poison(header[2], str(header[3]), tell=False)
+            elif header[1] >= self.next_gid and len(self._early_poison) < 1024:
+                self._early_poison.setdefault(header[1], {})[header[2]] = str(header[3])
         elif kind == BYE:
             # the leaver tells us who it saw die: blame the root cause, not the messenger
             failed = header[1] if len(header) > 1 and isinstance(header[1], dict) else {}
@@ -199,7 +216,7 @@ class World:
         fut = slot.fut
         if fut.done():
             return
-        if slot.out is None:
+        if slot.out is None or slot.any:
             fut.set_result(payload if payload is not None else memoryview(b""))
             return
         if payload is not None and payload.obj is not slot.out.obj:
@@ -325,16 +342,20 @@ class Op:
         self.size = group.size
         self.error: BaseException | None = None
         self.keys: list[tuple[Any, ...]] = []
-        self._waiting: list[asyncio.Future[Any]] = []
+        self._waiting: set[asyncio.Future[Any]] = set()  # what fail() must wake
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def fail(self, exc: BaseException) -> None:
         if self.error is not None:
             return
         self.error = exc
-        waiting, self._waiting = self._waiting, []
+        waiting, self._waiting = self._waiting, set()
         for fut in waiting:
             _settle(fut, exc)
+
+    def _wait_on(self, fut: asyncio.Future[Any]) -> None:
+        self._waiting.add(fut)
+        fut.add_done_callback(self._waiting.discard)  # done ones (and their buffers) let go
 
     def expects_from(self, peer: int) -> bool:
         """True if this op still waits for a frame from global rank ``peer``."""
@@ -375,7 +396,7 @@ class Op:
                 conn.send([DATA, gid, self.seq, tag, seg, self.fp], part)
         fut: asyncio.Future[None] | None = conn.drain_future()
         if fut is not None:
-            self._waiting.append(fut)
+            self._wait_on(fut)
         return fut
 
     def _slot(self, peer: int, tag: int, seg: int) -> tuple[tuple[Any, ...], _Slot | None]:
@@ -392,7 +413,7 @@ class Op:
         slot.fut = fut = asyncio.get_running_loop().create_future()
         self.world._mail[key] = slot
         self.keys.append(key)
-        self._waiting.append(fut)
+        self._wait_on(fut)
         target = key[0]
         if target in self.world.dead:
             self.fail(RankFailedError(target, self.name, self.world.dead[target]))
@@ -423,13 +444,17 @@ class Op:
             return _done()
         return futs[0] if len(futs) == 1 else _gather(futs)
 
-    def recv_any(self, peer: int, tag: int) -> Awaitable[memoryview]:
+    def recv_any(self, peer: int, tag: int, scratch: Array | None = None) -> Awaitable[memoryview]:
         self._check()
         key, slot = self._slot(peer, tag, 0)
         if slot is not None and slot.data is not None:
             del self.world._mail[key]
             return _done(slot.data)
-        return self._wait_slot(key, None)
+        if scratch is None or scratch.nbytes > wire.MAX_SEGMENT:
+            return self._wait_slot(key, None)
+        fut = self._wait_slot(key, byte_view(scratch))
+        self.world._mail[key].any = True
+        return fut
 
 
 async def _gather(futs: list[asyncio.Future[Any]]) -> None:

@@ -22,7 +22,9 @@ from .errors import ProtocolError
 PREFIX = struct.Struct("<IQ")
 #: Largest payload one frame may carry; bigger messages are split by the sender.
 MAX_SEGMENT = (1 << 30) - 1
-_SCRATCH = 256 * 1024
+_SCRATCH = 64 * 1024
+#: Bytes read at once between payloads: a small frame whole, little of a large payload.
+HEADER_READ = 4096
 
 _packer = msgpack.Packer(use_bin_type=True)
 
@@ -79,13 +81,24 @@ class Decoder:
         self._limits = limits
 
     def get_buffer(self) -> memoryview:
-        """Where the next bytes from the stream should be written."""
+        """Where the next bytes from the stream should be written.
+
+        Between payloads the decoder reads at most ``HEADER_READ`` bytes into its scratch (a
+        whole small frame in one read), or exactly the rest of a header it has the length of,
+        so at most that much of a large payload is ever copied out of the scratch.
+        """
         if self._dest is not None:
             return self._dest[self._got :]
-        if self._filled == len(self._scratch):  # a header larger than the scratch
-            self._scratch.extend(bytes(len(self._scratch)))
-            self._view = memoryview(self._scratch)
-        return self._view[self._filled :]
+        want = HEADER_READ
+        if self._filled >= PREFIX.size:  # _parse already checked this length against the limit
+            hlen, _ = PREFIX.unpack_from(self._view, 0)
+            want = PREFIX.size + hlen - self._filled
+        end = self._filled + max(1, want)
+        if end > len(self._scratch):  # a header larger than the scratch
+            bigger = bytearray(max(end, 2 * len(self._scratch)))
+            bigger[: self._filled] = self._view[: self._filled]
+            self._scratch, self._view = bigger, memoryview(bigger)
+        return self._view[self._filled : end]
 
     def feed(self, nbytes: int) -> list[tuple[Any, memoryview | None]]:
         """Account for ``nbytes`` written into the last buffer; return the completed frames."""

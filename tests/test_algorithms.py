@@ -39,7 +39,7 @@ class MemComm:
         data = await self._box(peer, self.rank, tag)
         out.view(np.uint8)[:] = np.frombuffer(data, np.uint8)
 
-    async def recv_any(self, peer: int, tag: int) -> memoryview:
+    async def recv_any(self, peer: int, tag: int, scratch: Any = None) -> memoryview:
         return memoryview(bytearray(await self._box(peer, self.rank, tag)))
 
 
@@ -51,7 +51,12 @@ async def _run(size: int, body) -> list[Any]:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("size", "algorithm"),
-    [(s, a) for s in (2, 3, 5, 8) for a in ("direct", "ring", "rdb") if a != "rdb" or not s & (s - 1)],
+    [
+        (s, a)
+        for s in (2, 3, 5, 8)
+        for a in ("direct", "ring", "rdb", "rhd")
+        if a in ("direct", "ring") or not s & (s - 1)
+    ],
 )
 @pytest.mark.parametrize("n", [0, 1, 4, 1000, 300_001])
 async def test_all_reduce_every_algorithm(size, algorithm, n, monkeypatch):
@@ -103,5 +108,7 @@ async def test_broadcast_reduce_scatter_allgather(size, algorithm, monkeypatch):
 def test_choice_depends_on_size_and_group():
     assert algo.choose("all_reduce", 8, 4) == "direct"
     assert algo.choose("all_reduce", 8, 16) == "rdb"
-    assert algo.choose("all_reduce", 8 << 20, 4) == "ring"
+    assert algo.choose("all_reduce", 8 << 20, 4) == "rhd"
+    assert algo.choose("all_reduce", 8 << 20, 3) == "ring"
+    assert algo.choose("all_reduce", 8 << 20, 2) == "ring"
     assert algo.choose("broadcast", 8 << 20, 2) == "direct"
