@@ -46,6 +46,12 @@ class Comm(Protocol):
     def recv_into(self, peer: int, tag: int, out: Array) -> Awaitable[None]:
         """Receive exactly ``out.nbytes`` bytes into ``out``."""
 
+    def scratch(self, nbytes: int) -> Array:
+        """A uint8 work buffer of ``nbytes`` (pooled: give it back with ``recycle``)."""
+
+    def recycle(self, buffer: Array) -> None:
+        """Return a ``scratch`` buffer once nothing refers to it any more."""
+
     def recv_any(self, peer: int, tag: int, scratch: Array | None = None) -> Awaitable[memoryview]:
         """Receive a message into ``scratch`` if it fits and arrives after this call, else into a
         buffer the transport allocates; returns where it landed."""
@@ -179,7 +185,7 @@ async def _ring_reduce_scatter_lane(
     """
     n, r, right, left = _ring_schedule(comm)
     biggest = max(b.nbytes for b in blocks)
-    landing = [np.empty(biggest, np.uint8) for _ in range(min(2, n - 1))]  # reused receive buffers
+    landing = [comm.scratch(biggest) for _ in range(min(2, n - 1))]  # reused receive buffers
     partials: list[Array] = []  # running sums, when the inputs must stay untouched
     receiving = comm.recv_any(left, tag, landing[0][: blocks[(r - 2) % n].nbytes])
     sending = comm.send(right, tag, blocks[(r - 1) % n])
@@ -201,6 +207,8 @@ async def _ring_reduce_scatter_lane(
         ufunc(blocks[b], partial, out=target)
         sending = comm.send(right, tag + s + 1, target) if s < n - 2 else None
     await wait_all([sending])
+    for buffer in landing:
+        comm.recycle(buffer)
 
 
 def _post_all_gather(comm: Comm, blocks: list[Array], tag: int) -> list[Awaitable[None]]:
@@ -242,29 +250,35 @@ async def _ring_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
 async def _halving_doubling_lane(comm: Comm, seg: Array, ufunc: np.ufunc, tag: int) -> None:
     """Rabenseifner's all-reduce of one lane (power-of-two group): reduce-scatter by recursive
     halving, then all-gather by recursive doubling. Same bytes as the ring in 2 log2(n) steps
-    instead of 2(n-1); received halves land in place during the all-gather."""
+    instead of 2(n-1)."""
     n, r = comm.size, comm.rank
-    lo, hi = 0, seg.size
-    spans = []
-    landing = np.empty((seg.size + 1) // 2 * seg.itemsize, np.uint8)
-    mask, step = n >> 1, 0
+    levels = []  # (partner, kept span, given span) per halving step
+    lo, hi, mask = 0, seg.size, n >> 1
     while mask:
-        partner = r ^ mask
         mid = (lo + hi) // 2
         keep, give = ((lo, mid), (mid, hi)) if not r & mask else ((mid, hi), (lo, mid))
-        spans.append((partner, give))
+        levels.append((r ^ mask, keep, give))
+        lo, hi = keep
+        mask >>= 1
+    steps = len(levels)
+    # the halves we give away come back reduced during the all-gather: post those receives now,
+    # so they land in place (safe: a half returns only after the partner has reduced our part)
+    gathering = [
+        comm.recv_into(partner, tag + 2 * steps - 1 - i, seg[give[0] : give[1]])
+        for i, (partner, _, give) in enumerate(levels)
+    ]
+    landing = comm.scratch((seg.size + 1) // 2 * seg.itemsize)
+    for step, (partner, keep, give) in enumerate(levels):
         mine = seg[keep[0] : keep[1]]
         receiving = comm.recv_any(partner, tag + step, landing[: mine.nbytes])
         await wait_all([comm.send(partner, tag + step, seg[give[0] : give[1]])])
         ufunc(mine, _view(await receiving, seg.dtype), out=mine)
-        lo, hi = keep
-        mask, step = mask >> 1, step + 1
-    for partner, (glo, ghi) in reversed(spans):  # the partner now holds what we gave away, reduced
-        landed = comm.recv_into(partner, tag + step, seg[glo:ghi])
-        await wait_all([comm.send(partner, tag + step, seg[lo:hi])])
-        await landed
-        lo, hi = min(lo, glo), max(hi, ghi)
-        step += 1
+    comm.recycle(landing)
+    for i in reversed(range(steps)):
+        partner, keep, give = levels[i]
+        await wait_all([comm.send(partner, tag + 2 * steps - 1 - i, seg[lo:hi])])
+        await gathering[i]
+        lo, hi = min(lo, give[0]), max(hi, give[1])
 
 
 async def _halving_doubling_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:

@@ -77,6 +77,27 @@ class _P2PRecv:
     error: BaseException | None = None
 
 
+class BufferPool:
+    """Work buffers reused across collectives: fresh pages cost a fault each, every call."""
+
+    def __init__(self, budget: int = 64 << 20) -> None:
+        self._free: dict[int, list[Array]] = {}
+        self._held = 0
+        self._budget = budget
+
+    def take(self, nbytes: int) -> Array:
+        free = self._free.get(nbytes)
+        if free:
+            self._held -= nbytes
+            return free.pop()
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, buffer: Array) -> None:
+        if self._held + buffer.nbytes <= self._budget:
+            self._free.setdefault(buffer.nbytes, []).append(buffer)
+            self._held += buffer.nbytes
+
+
 @dataclass
 class Stats:
     """Counters a benchmark or test can read: payload bytes the receive path had to copy."""
@@ -109,6 +130,7 @@ class World:
         self._queries: dict[int, tuple[dict[int, int], asyncio.Future[None], int]] = {}
         self._qids = itertools.count()
         self._early_poison: dict[int, dict[int, str]] = {}  # MISMATCH for groups not made yet
+        self.pool = BufferPool()
         self.closed = False
         self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
         self.next_gid = 1
@@ -443,6 +465,12 @@ class Op:
         if not futs:
             return _done()
         return futs[0] if len(futs) == 1 else _gather(futs)
+
+    def scratch(self, nbytes: int) -> Array:
+        return self.world.pool.take(nbytes)
+
+    def recycle(self, buffer: Array) -> None:
+        self.world.pool.give(buffer)
 
     def recv_any(self, peer: int, tag: int, scratch: Array | None = None) -> Awaitable[memoryview]:
         self._check()

@@ -57,6 +57,7 @@ class Mesh:
         self._sink: SinkRouter | None = None
         self._on_lost: LossHandler | None = None
         self._closing = False
+        self._dial_errors: dict[int, str] = {}
 
     async def listen(self, host: str, port: int = 0) -> int:
         """Open the listener; return its port."""
@@ -119,7 +120,14 @@ class Mesh:
                 await self._all_connected.wait()
         except TimeoutError:
             missing = sorted(set(range(world_size)) - set(self.conns) - {rank})
-            raise RendezvousError(f"peer connections to ranks {missing} not made in {timeout:g}s") from None
+            detail = "; ".join(
+                f"rank {r} at {peers[r]}" + (f" ({self._dial_errors[r]})" if r in self._dial_errors else "")
+                for r in missing
+            )
+            raise RendezvousError(
+                f"peer connections not made in {timeout:g}s: {detail} (check that the advertised "
+                "addresses are reachable, or set ARENDEZ_ADVERTISE_ADDR)"
+            ) from None
 
     async def _dial(self, peer: int, address: str, nonce: bytes, timeout: float) -> None:
         host, port = split_address(address)
@@ -128,7 +136,8 @@ class Mesh:
             try:
                 conn = await transport.open_connection(host, port, ssl=self._client_ssl, timeout=timeout)
                 break
-            except OSError:  # the peer's listener may be momentarily saturated
+            except OSError as exc:  # the peer's listener may be momentarily saturated
+                self._dial_errors[peer] = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
         try:

@@ -546,6 +546,32 @@ async def server_outage(rank: int, ws: int, url: str, out_dir: str) -> dict[str,
     return {"sums": sums, "during": during, "after": float(x[0])}
 
 
+@scenario
+async def destroy_while_peer_dies(rank: int, ws: int, url: str, ready_dir: str) -> dict[str, Any]:
+    """Rank 0 destroys with a collective in flight that rank 1 never joins; the test kills rank 1
+    during the drain. Destroy must end at once, not at its 20 s timeout."""
+    from pathlib import Path
+
+    await join(url, ws, rank)
+    await dist.barrier()
+    if rank != 0:
+        Path(ready_dir, f"ready-{rank}").write_text("1")
+        await asyncio.sleep(60)  # killed by the test
+        return {}
+    pending = asyncio.create_task(dist.all_reduce(np.ones(1000)))
+    await asyncio.sleep(0.05)
+    Path(ready_dir, "ready-0").write_text("1")
+    started = time.monotonic()
+    await dist.destroy_process_group(timeout=20)
+    took = time.monotonic() - started
+    try:
+        await pending
+        outcome = "no error"
+    except dist.ArendezError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    return {"destroy_seconds": took, "outcome": outcome, "initialized": dist.is_initialized()}
+
+
 def main() -> None:
     name, rank, ws, url, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     result = loop.run(SCENARIOS[name](rank, ws, url, *json.loads(args)))

@@ -30,6 +30,12 @@ class MemComm:
             self._boxes[key] = asyncio.get_running_loop().create_future()
         return self._boxes[key]
 
+    def scratch(self, nbytes: int) -> Any:
+        return np.full(nbytes, 0xAB, np.uint8)  # garbage, as a reused buffer would hold
+
+    def recycle(self, buffer: Any) -> None:
+        buffer.fill(0xCD)  # a recycled buffer must no longer be read
+
     def send(self, peer: int, tag: int, data: Any) -> None:
         box = self._box(self.rank, peer, tag)
         assert not box.done(), f"tag {tag} reused from {self.rank} to {peer}"

@@ -22,14 +22,15 @@ def test_every_collective_dtype_and_size(arendez_server, world_size):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("algorithm", ["ring", "direct"])
-def test_all_reduce_forced_algorithms(arendez_server, algorithm):
-    url = f"{arendez_server.url}/forced-{algorithm}"
+@pytest.mark.parametrize(("algorithm", "world_size"), [("ring", 3), ("direct", 3), ("ring", 4), ("rhd", 4)])
+def test_all_reduce_forced_algorithms(arendez_server, algorithm, world_size):
+    url = f"{arendez_server.url}/forced-{algorithm}-{world_size}"
     env = {"ARENDEZ_ALGORITHM": algorithm}
+    sizes = [0, 2, 5, 3000, 200_001]
     counts = run_ranks(
-        "all_reduce_matrix", 3, url, ["float32", "int32"], [0, 2, 5, 3000], ["SUM", "MAX"], env=env
+        "all_reduce_matrix", world_size, url, ["float32", "int32"], sizes, ["SUM", "MAX"], env=env
     )
-    assert counts == [16, 16, 16]
+    assert counts == [20] * world_size
 
 
 @pytest.mark.timeout(60)

@@ -81,3 +81,22 @@ def test_timeout_names_the_rank_that_never_arrived(arendez_server):
         assert "never arrived: [2]" in message, message
         took = float(message.rsplit("took ", 1)[1])
         assert 1.4 <= took <= 3.0
+
+
+@pytest.mark.timeout(60)
+def test_kill_during_destroy_ends_the_drain_at_once(arendez_server, tmp_path):
+    url = f"{arendez_server.url}/kill-in-destroy"
+    procs = [spawn_rank("destroy_while_peer_dies", r, 2, url, str(tmp_path)) for r in range(2)]
+    try:
+        _wait_ready(tmp_path, 2)
+        time.sleep(0.3)  # rank 0 is inside destroy_process_group, draining
+        procs[1].kill()
+        (result,) = collect(procs[:1], 30)
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.value
+    assert out["outcome"].startswith("RankFailedError: rank 1"), out
+    assert out["destroy_seconds"] < 3.0, out
+    assert out["initialized"] is False
