@@ -316,6 +316,14 @@ async def barrier(group: Any = None, timeout: float | None = None) -> None:
         await g.run("barrier", "barrier", lambda c: algo.all_reduce(c, flag, ReduceOp.MAX), timeout)
 
 
+def _reduction(tensor: Any, op: Any, what: str = "tensor") -> tuple[np.ndarray[Any, Any], ReduceOp]:
+    """The array and op of a reduction, checked before the collective takes a sequence number."""
+    x = as_array(tensor, what=what)
+    rop = ReduceOp.parse(op)
+    ufunc_for(rop, x.dtype)
+    return x, rop
+
+
 async def all_reduce(
     tensor: Any, op: Any = ReduceOp.SUM, group: Any = None, *, algorithm: str | None = None
 ) -> None:
@@ -323,9 +331,7 @@ async def all_reduce(
     g = _resolve(group)
     if g is None:
         return
-    x = as_array(tensor)
-    rop = ReduceOp.parse(op)
-    ufunc_for(rop, x.dtype)
+    x, rop = _reduction(tensor, op)
     await g.run("all_reduce", _fp("all_reduce", x, rop.name), lambda c: algo.all_reduce(c, x, rop, algorithm))
 
 
@@ -336,9 +342,7 @@ async def reduce(
     g = _resolve(group)
     if g is None:
         return
-    x = as_array(tensor)
-    rop = ReduceOp.parse(op)
-    ufunc_for(rop, x.dtype)
+    x, rop = _reduction(tensor, op)
     root = g.group_rank(dst, "dst")
     await g.run("reduce", _fp("reduce", x, rop.name, dst), lambda c: algo.reduce(c, x, root, rop, algorithm))
 
@@ -436,9 +440,7 @@ async def reduce_scatter(
     g = _resolve(group)
     if g is None:
         return
-    out = as_array(output, what="output")
-    rop = ReduceOp.parse(op)
-    ufunc_for(rop, out.dtype)
+    out, rop = _reduction(output, op, "output")
     ins = _blocks([as_array(a, writable=False) for a in input_list], g.size, out, "input_list")
     await g.run(
         "reduce_scatter",
@@ -452,10 +454,8 @@ async def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM,
     g = _resolve(group)
     if g is None:
         return
-    out = as_array(output, what="output")
+    out, rop = _reduction(output, op, "output")
     x = as_array(input, writable=False, what="input")
-    rop = ReduceOp.parse(op)
-    ufunc_for(rop, out.dtype)
     if x.dtype != out.dtype or x.size != out.size * g.size:
         raise ValueError(f"input must be {out.dtype} x {out.size * g.size}, got {x.dtype} x {x.size}")
     ins = [x[i * out.size : (i + 1) * out.size] for i in range(g.size)]

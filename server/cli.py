@@ -7,10 +7,10 @@ import asyncio
 import logging
 import os
 import signal
-import ssl
 import sys
 
 from arendez import loop as _loop
+from arendez.tls import server_context
 
 from .app import Server, ServerConfig
 
@@ -39,15 +39,6 @@ def read_token(path: str | None) -> str | None:
     return os.environ.get("ARENDEZ_TOKEN") or None
 
 
-def server_ssl_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert, key)
-    if client_ca:
-        ctx.load_verify_locations(client_ca)
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
-
-
 async def _run(config: ServerConfig) -> None:
     server = Server(config)
     await server.start()
@@ -71,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         token=read_token(args.token_file),
-        ssl=server_ssl_context(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
+        ssl=server_context(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
         lease=args.lease,
     )
     _loop.run(_run(config))

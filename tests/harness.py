@@ -104,11 +104,10 @@ class RankResult:
         return json.loads(lines[-1][len("RESULT ") :])
 
 
-def spawn_rank(
-    scenario: str, rank: int, world_size: int, url: str, *args: Any, env: dict[str, str] | None = None
-) -> subprocess.Popen[str]:
+def popen(argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``argv`` from the repo root in its own session, output captured as text."""
     return subprocess.Popen(
-        [PY, "-m", "tests.scenarios", scenario, str(rank), str(world_size), url, json.dumps(list(args))],
+        list(argv),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -116,6 +115,13 @@ def spawn_rank(
         cwd=ROOT,
         start_new_session=True,
     )
+
+
+def spawn_rank(
+    scenario: str, rank: int, world_size: int, url: str, *args: Any, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    argv = [PY, "-m", "tests.scenarios", scenario, str(rank), str(world_size), url, json.dumps(list(args))]
+    return popen(argv, env)
 
 
 def collect(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[RankResult]:

@@ -15,21 +15,13 @@ from pathlib import Path
 import pytest
 
 from arendez.launch import exit_code, job_url
-from tests.harness import ROOT, ServerProcess, _env
+from tests.harness import ROOT, ServerProcess, _env, popen
 
 SCRIPTS = ROOT / "tests" / "launch_scripts"
 
 
 def _launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "arendez.launch", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(env),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    return popen([sys.executable, "-m", "arendez.launch", *args], env)
 
 
 @pytest.fixture

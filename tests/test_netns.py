@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.harness import ROOT, _env
+from tests.harness import popen
 
 WORLD = 4
 SERVER_IP = "198.18.0.1"
@@ -76,15 +76,7 @@ class Topology:
         return stats["rx"]["bytes"], stats["tx"]["bytes"]
 
     def run(self, node: str, *argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns(node), *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(env),
-            cwd=ROOT,
-            start_new_session=True,
-        )
+        proc = popen(["ip", "netns", "exec", self.ns(node), *argv], env)
         self.procs.append(proc)
         return proc
 
