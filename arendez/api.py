@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 
 from . import algorithms as algo
-from . import tls
+from . import tls, wire
 from .arrays import ReduceOp, as_array, as_bytes, byte_view, ufunc_for
 from .errors import (
     CollectiveTimeoutError,
@@ -216,12 +216,14 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
     assert _registry.default is not None
     budget = _seconds(timeout, _registry.default.timeout)
     deadline = loop.time() + budget
-    _registry.world = _registry.default = None
-    GroupMember.WORLD = None
     groups = sorted(world.groups.values(), key=lambda g: -g.gid)  # subgroups first
     for g in groups:
-        g.closing = True
-    await asyncio.gather(*(g.drain(max(0.0, deadline - loop.time())) for g in groups))
+        g.closing = True  # new collectives now raise GroupDestroyedError
+    try:
+        await asyncio.gather(*(g.drain(max(0.0, deadline - loop.time())) for g in groups))
+    finally:
+        _registry.world = _registry.default = None
+        GroupMember.WORLD = None
     world.groups.clear()
     world.closed = True
     if world.mesh is not None:
@@ -235,7 +237,7 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
             await _linger(world, deadline)
         await world.store.close()
     if world.server is not None:
-        await world.server.close()
+        await world.server.close(max(0.2, min(2.0, deadline - loop.time())))
 
 
 async def _linger(world: World, deadline: float) -> None:
@@ -296,10 +298,11 @@ async def new_group(
     if any(not 0 <= r < world.world_size for r in members) or not members:
         raise ValueError(f"ranks must be distinct ranks in 0..{world.world_size - 1}, got {ranks!r}")
     fp = f"new_group|{_digest(repr(members))}"
+    gid = world.reserve_gid()
     await default.run(
         "new_group", fp, lambda comm: algo.all_reduce(comm, np.zeros(1, np.uint8), ReduceOp.MAX)
     )
-    group = world.add_group(members, _seconds(timeout, default.timeout))
+    group = world.add_group(gid, members, _seconds(timeout, default.timeout))
     return GroupMember.NON_GROUP_MEMBER if group is None else group
 
 
@@ -540,6 +543,10 @@ async def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
     if conn is None or not conn.is_open:
         raise RankFailedError(dst, "send", world.dead.get(dst, "no connection"))
     raw = byte_view(x)
+    if raw.nbytes > wire.MAX_SEGMENT:
+        raise ValueError(
+            f"send carries at most {wire.MAX_SEGMENT} bytes; split the tensor (got {raw.nbytes})"
+        )
     try:
         conn.send([P2P, g.gid, int(tag), _fp("send", x)], raw if raw.nbytes else None)
         async with asyncio.timeout(g.timeout):
@@ -564,9 +571,10 @@ async def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int 
         async with asyncio.timeout(g.timeout):
             return await fut
     except TimeoutError:
-        g.world.cancel_p2p(fut)
         others = [r for r in g.ranks if r != g.world.rank] if src is None else [src]
         raise CollectiveTimeoutError("recv", g.timeout, others) from None
+    finally:
+        g.world.cancel_p2p(fut)  # a recv that timed out or was cancelled must not eat a message
 
 
 # -- object collectives (msgpack, never pickle) ----------------------------------------------

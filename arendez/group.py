@@ -125,20 +125,29 @@ class World:
         self.stats = Stats()
         self._mail: dict[tuple[Any, ...], _Slot] = {}
         self._p2p_posted: list[_P2PRecv] = []
-        self._p2p_receiving: dict[int, _P2PRecv] = {}
+        # per peer, what the sink chose for each P2P frame whose payload is still arriving (the
+        # decoder may consult the sink for the next frame before the current one is routed)
+        self._p2p_receiving: dict[int, collections.deque[_P2PRecv | None]] = {}
         self._p2p_stash: collections.deque[tuple[int, int, int, memoryview | None]] = collections.deque()
         self._queries: dict[int, tuple[dict[int, int], asyncio.Future[None], int]] = {}
         self._qids = itertools.count()
         self._early_poison: dict[int, dict[int, str]] = {}  # MISMATCH for groups not made yet
+        self._pending_gids: set[int] = set()
         self.pool = BufferPool()
         self.closed = False
         self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
         self.next_gid = 1
 
-    def add_group(self, ranks: list[int], timeout: float) -> ProcessGroup | None:
-        """Register the next subgroup (every rank calls this in the same order)."""
+    def reserve_gid(self) -> int:
+        """The next subgroup's id, taken before new_group's barrier so ranks never disagree."""
         gid = self.next_gid
         self.next_gid += 1
+        self._pending_gids.add(gid)
+        return gid
+
+    def add_group(self, gid: int, ranks: list[int], timeout: float) -> ProcessGroup | None:
+        """Register subgroup ``gid`` (None for a rank outside it)."""
+        self._pending_gids.discard(gid)
         if self.rank not in ranks:
             self._early_poison.pop(gid, None)
             return None
@@ -151,18 +160,25 @@ class World:
         kind = header[0]
         if kind == DATA:
             slot = self._mail.get((peer, header[1], header[2], header[3], header[4]))
-            if slot is not None and slot.out is not None and slot.out.nbytes == nbytes:
-                return slot.out
+            if (
+                slot is not None
+                and slot.out is not None
+                and slot.out.nbytes == nbytes
+                and slot.fp == header[5]
+            ):
+                return slot.out  # (a mismatched frame goes to a throwaway buffer instead)
         elif kind == P2P:
             posted = self._claim_p2p(peer, header[1], header[2], nbytes)
-            if posted is not None:
-                self._p2p_receiving[peer] = posted
-                return posted.out if posted.error is None else None
+            self._p2p_receiving.setdefault(peer, collections.deque()).append(posted)
+            if posted is not None and posted.error is None:
+                return posted.out
         return None
 
     def _claim_p2p(self, peer: int, gid: int, tag: int, nbytes: int) -> _P2PRecv | None:
         """Take the oldest posted recv that a message from ``peer`` satisfies."""
         for i, posted in enumerate(self._p2p_posted):
+            if posted.fut.done():
+                continue
             if posted.gid == gid and posted.tag == tag and posted.src in (None, peer):
                 del self._p2p_posted[i]
                 if posted.out.nbytes != nbytes:
@@ -221,7 +237,7 @@ class World:
                 return
             if op is None:
                 group.early_fps.setdefault(seq, (peer, fp))
-        elif gid < self.next_gid:
+        elif gid < self.next_gid and gid not in self._pending_gids:
             return  # a group this rank destroyed or is not a member of
         slot = self._mail.get(key)
         if slot is None or slot.fut is None:
@@ -253,7 +269,8 @@ class World:
         fut.set_result(None)
 
     def _on_p2p(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
-        posted = self._p2p_receiving.pop(peer, None)
+        claims = self._p2p_receiving.get(peer)
+        posted = claims.popleft() if payload is not None and claims else None
         if posted is None:  # the recv may have been posted while the payload streamed in
             posted = self._claim_p2p(peer, header[1], header[2], 0 if payload is None else payload.nbytes)
         if posted is None:
@@ -297,6 +314,16 @@ class World:
     def cancel_p2p(self, fut: asyncio.Future[int]) -> None:
         self._p2p_posted = [p for p in self._p2p_posted if p.fut is not fut]
 
+    def fail_p2p(self, gid: int, exc: BaseException) -> None:
+        """Wake every pending recv of group ``gid`` with ``exc``."""
+        for posted in self._p2p_posted:
+            if posted.gid == gid:
+                _settle(posted.fut, exc)
+        for claims in self._p2p_receiving.values():
+            for claimed in claims:
+                if claimed is not None and claimed.gid == gid:
+                    _settle(claimed.fut, exc)
+
     # -- failures --------------------------------------------------------------------------
     def peer_lost(self, peer: int, reason: str, *, left: bool = False) -> None:
         """``peer`` died, left or was declared failed: fail everything that depends on it."""
@@ -316,9 +343,9 @@ class World:
         for posted in self._p2p_posted:
             if posted.src == peer:
                 _settle(posted.fut, RankFailedError(peer, "recv", reason))
-        receiving = self._p2p_receiving.pop(peer, None)
-        if receiving is not None:
-            _settle(receiving.fut, RankFailedError(peer, "recv", reason))
+        for claimed in self._p2p_receiving.pop(peer, ()):
+            if claimed is not None:
+                _settle(claimed.fut, RankFailedError(peer, "recv", reason))
 
     async def progress(self, group: ProcessGroup, timeout: float) -> dict[int, int]:
         """Ask every live member of ``group`` how many of its collectives it has started."""
@@ -432,6 +459,7 @@ class Op:
     def _wait_slot(self, key: tuple[Any, ...], out: memoryview | None) -> asyncio.Future[Any]:
         slot = _Slot()
         slot.out = out
+        slot.fp = self.fp
         slot.fut = fut = asyncio.get_running_loop().create_future()
         self.world._mail[key] = slot
         self.keys.append(key)
@@ -451,11 +479,9 @@ class Op:
             if slot is not None and slot.data is not None:  # it came before we asked
                 del self.world._mail[key]
                 if slot.data.nbytes != part.nbytes:
-                    exc = CollectiveMismatchError(
-                        f"{self.name}: expected {part.nbytes} bytes, rank {key[0]} sent {slot.data.nbytes}"
-                    )
-                    self.fail(exc)
-                    raise exc
+                    theirs = f"{slot.data.nbytes} bytes"
+                    self.group.mismatch(self.seq, f"{self.fp} ({part.nbytes} bytes)", theirs, key[0])
+                    self._check()
                 if part.nbytes:
                     part[:] = slot.data
                     self.world.stats.copied_bytes += part.nbytes
@@ -640,6 +666,7 @@ class ProcessGroup:
         leftovers = list(self.active.values())
         for op in leftovers:
             op.fail(GroupDestroyedError(f"{op.name} cancelled: the process group was destroyed"))
-        if leftovers:
-            await asyncio.wait([op.done for op in leftovers], timeout=1.0)
+        self.world.fail_p2p(self.gid, GroupDestroyedError("recv cancelled: the process group was destroyed"))
+        if leftovers:  # their awaiters wake on the next loop turns
+            await asyncio.wait([op.done for op in leftovers], timeout=0.5)
         self.destroyed = True

@@ -137,7 +137,7 @@ class Store:
                 self._fatal = exc
                 self._connected.set()
                 return
-            except (OSError, TimeoutError, ProtocolError, StoreError) as exc:
+            except Exception as exc:  # unreachable, or a broken peer: try again
                 log.debug("store %s:%s unreachable: %s", self.host, self.port, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -162,15 +162,17 @@ class Store:
             conn = self._conn
             if conn is not None and conn.is_open:
                 return conn
+            if loop.time() >= deadline:
+                raise StoreError(f"store at {self.host}:{self.port} unreachable until the deadline")
             try:
                 async with asyncio.timeout_at(deadline):
-                    await self._connected.wait()
+                    if conn is not None:  # closing: wait for the reconnect loop to notice
+                        await asyncio.shield(conn.closed)
+                        await asyncio.sleep(0.01)
+                    else:
+                        await self._connected.wait()
             except TimeoutError:
                 raise StoreError(f"store at {self.host}:{self.port} unreachable until the deadline") from None
-            if self._conn is None and self._fatal is None:
-                await asyncio.sleep(0)
-            if loop.time() >= deadline and self._conn is None:
-                raise StoreError(f"store at {self.host}:{self.port} unreachable until the deadline")
 
     async def _heartbeat(self) -> None:
         while not self._closed:

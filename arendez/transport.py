@@ -26,6 +26,8 @@ FrameHandler = Callable[[Any, memoryview | None], None]
 CloseHandler = Callable[[BaseException | None], None]
 
 PROTOCOL_VERSION = 1
+#: Frames a connection holds before its owner takes over (a handshake needs two).
+MAX_QUEUED = 16
 
 
 def _tune_socket(transport: asyncio.BaseTransport) -> None:
@@ -78,12 +80,16 @@ class Connection(asyncio.BufferedProtocol):
             for header, payload in frames:
                 if self._on_frame is not None:
                     self._on_frame(header, payload)
+                elif len(self._queue) >= MAX_QUEUED:
+                    raise ProtocolError(f"more than {MAX_QUEUED} frames before the handshake finished")
                 else:
                     self._queue.append((header, payload))
                     if self._queue_waiter is not None and not self._queue_waiter.done():
                         self._queue_waiter.set_result(None)
         except ProtocolError as exc:
             self.fail(exc, tell_peer=True)
+        except Exception as exc:  # a frame the layer above could not digest
+            self.fail(ProtocolError(f"bad frame: {type(exc).__name__}: {exc}"), tell_peer=True)
 
     def eof_received(self) -> bool:
         return False
@@ -266,11 +272,15 @@ async def client_handshake(
         raise ProtocolError(f"{conn.peer} speaks protocol {challenge.get('v')}, not {PROTOCOL_VERSION}")
     if challenge.get("auth") and not token:
         raise AuthenticationError(f"{conn.peer} requires a token and none was given")
+    if token and not challenge.get("auth"):
+        raise AuthenticationError(f"{conn.peer} does not check the token: refusing to trust it")
+    if not isinstance(challenge.get("nonce"), bytes):
+        raise ProtocolError(f"{conn.peer} sent a malformed challenge")
     nonce = os.urandom(16)
     reply = dict(hello)
     reply["nonce"] = nonce
     if token:
-        reply["proof"] = _proof(token, bytes(challenge["nonce"]), b"client")
+        reply["proof"] = _proof(token, challenge["nonce"], b"client")
     conn.send(reply)
     welcome, _ = await conn.recv(timeout)
     if not isinstance(welcome, dict):
@@ -280,7 +290,8 @@ async def client_handshake(
     if challenge.get("auth"):
         assert token
         expected = _proof(token, nonce, b"server")
-        if not hmac.compare_digest(expected, bytes(welcome.get("proof", b""))):
+        proof = welcome.get("proof")
+        if not isinstance(proof, bytes) or not hmac.compare_digest(expected, proof):
             raise AuthenticationError(f"{conn.peer} could not prove it knows the token")
     return welcome
 

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import ssl as _ssl
 import time
 from dataclasses import dataclass, field
@@ -242,7 +243,7 @@ class Server:
         """Wait until ``predicate()`` holds, re-checking whenever the job changes."""
         if timeout is None:
             timeout = MAX_WAIT
-        if not isinstance(timeout, (int, float)) or timeout < 0:
+        if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
             raise StoreError(f"timeout must be a non-negative number, got {timeout!r:.40}")
         deadline = time.monotonic() + min(float(timeout), MAX_WAIT)
         loop = asyncio.get_running_loop()

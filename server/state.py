@@ -122,6 +122,8 @@ class Job:
             total = int(current) + amount
         except ValueError:
             raise StoreError(f"key {name!r} does not hold an integer") from None
+        if not -(2**63) <= total < 2**63:
+            raise StoreError(f"add on {name!r} would leave the 64-bit integer range")
         self._put(name, str(total).encode())
         return total
 
@@ -172,6 +174,8 @@ class Job:
             raise RendezvousError(f"rank {rank} of job {self.name!r} has already joined")
         forming.members[rank] = Member(rank, address, now)
         if forming.complete:
+            for member in forming.members.values():  # leases start now: early joiners waited
+                member.last_seen = now
             forming.nonce = os.urandom(16)
             self.rounds[forming.nonce] = forming
             self.forming = None

@@ -572,6 +572,49 @@ async def destroy_while_peer_dies(rank: int, ws: int, url: str, ready_dir: str) 
     return {"destroy_seconds": took, "outcome": outcome, "initialized": dist.is_initialized()}
 
 
+@scenario
+async def late_joiner(rank: int, ws: int, url: str, delay: float) -> float:
+    """The last rank joins ``delay`` seconds after the others (longer than the lease)."""
+    if rank == ws - 1:
+        await asyncio.sleep(delay)
+    await join(url, ws, rank)
+    await asyncio.sleep(1.0)  # give the server's lease check time to (wrongly) fire
+    x = np.ones(10)
+    await dist.all_reduce(x)
+    await dist.destroy_process_group()
+    return float(x[0])
+
+
+@scenario
+async def p2p_back_to_back(rank: int, ws: int, url: str) -> Any:
+    """Two small sends arrive in one read while two recvs are posted; then a recv pending at
+    destroy gets GroupDestroyedError."""
+    await join(url, ws, rank)
+    if rank == 0:
+        await dist.barrier()
+        await dist.send(np.full(3, 1, np.int32), 1)
+        await dist.send(np.full(5, 2, np.int32), 1)
+        await dist.barrier()
+        await dist.destroy_process_group()
+        return None
+    first, second = np.zeros(3, np.int32), np.zeros(5, np.int32)
+    a = asyncio.create_task(dist.recv(first, 0))
+    b = asyncio.create_task(dist.recv(second, 0))
+    await asyncio.sleep(0.05)
+    await dist.barrier()
+    senders = await asyncio.wait_for(asyncio.gather(a, b), 10)
+    await dist.barrier()
+    pending = asyncio.create_task(dist.recv(np.zeros(1), None, tag=77))  # any source: only destroy ends it
+    await asyncio.sleep(0.05)
+    await dist.destroy_process_group(timeout=1)
+    try:
+        await pending
+        late = "no error"
+    except dist.ArendezError as exc:
+        late = type(exc).__name__
+    return {"senders": senders, "first": first.tolist(), "second": second.tolist(), "late": late}
+
+
 def main() -> None:
     name, rank, ws, url, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     result = loop.run(SCENARIOS[name](rank, ws, url, *json.loads(args)))

@@ -77,3 +77,11 @@ def test_torch_cpu_tensors(arendez_server):
     pytest.importorskip("torch")
     results = run_ranks("torch_tensors", 2, f"{arendez_server.url}/torch", timeout=50)
     assert results == [[3.0, 0.0, 2.0]] * 2
+
+
+@pytest.mark.timeout(60)
+def test_p2p_back_to_back_messages_and_recv_cancelled_by_destroy(arendez_server):
+    _, res = run_ranks("p2p_back_to_back", 2, f"{arendez_server.url}/p2p-b2b")
+    assert res["senders"] == [0, 0]
+    assert res["first"] == [1, 1, 1] and res["second"] == [2] * 5
+    assert res["late"] == "GroupDestroyedError"

@@ -100,3 +100,10 @@ def test_kill_during_destroy_ends_the_drain_at_once(arendez_server, tmp_path):
     assert out["outcome"].startswith("RankFailedError: rank 1"), out
     assert out["destroy_seconds"] < 3.0, out
     assert out["initialized"] is False
+
+
+@pytest.mark.timeout(60)
+def test_slow_rendezvous_does_not_expire_early_joiners(arendez_server):
+    from tests.harness import run_ranks
+
+    assert run_ranks("late_joiner", 3, f"{arendez_server.url}/late", 4.0) == [3.0] * 3

@@ -48,3 +48,20 @@ def test_lease_expiry_declares_silent_members_failed_once():
     assert job.expire(3.1, 2.5) == []
     with pytest.raises(RendezvousError, match="declared failed"):
         job.attach(1, 2, r.nonce, "b", 4.0)
+
+
+def test_leases_start_when_the_round_completes():
+    job = Job("j", StateLimits())
+    job.join(-1, 2, "a", 0.0)  # the first rank waits 10 s for the second
+    r, _ = job.join(-1, 2, "b", 10.0)
+    assert job.expire(10.1, 2.5) == []
+    assert [d.rank for d in job.expire(13.0, 2.5)] == [0, 1]
+    assert r.members[0].state is MemberState.FAILED
+
+
+def test_add_stays_in_64_bit_range():
+    job = Job("j", StateLimits())
+    job.add("n", 2**63 - 1)
+    with pytest.raises(StoreError, match="64-bit"):
+        job.add("n", 1)
+    assert job.get("n") == str(2**63 - 1).encode()
