@@ -28,6 +28,8 @@ Array = np.ndarray[Any, Any]
 SMALL_BYTES = 64 * 1024
 #: Bytes of one block of one ring lane; lanes of ``size`` blocks pipeline large messages.
 LANE_BYTES = int(os.environ.get("ARENDEZ_LANE_BYTES", 512 * 1024))
+#: Lanes a bandwidth-bound message is cut into at least (blocks permitting).
+MIN_LANES = int(os.environ.get("ARENDEZ_MIN_LANES", 1))
 #: Smallest lane block: below it, per-message overhead outweighs the overlap lanes buy.
 MIN_LANE_BYTES = 64 * 1024
 #: Ring lanes in flight at once (bounds scratch memory to a fixed chunk budget).
@@ -91,11 +93,12 @@ def _others(comm: Comm) -> list[int]:
     return [p for p in range(comm.size) if p != comm.rank]
 
 
-def _lanes(size: int, itemsize: int, parts: int) -> list[slice]:
+def _lanes(size: int, itemsize: int, parts: int, min_lanes: int | None = None) -> list[slice]:
     """Slices of ``size`` elements for ``parts``-block lanes: blocks of at most ``LANE_BYTES``,
-    and at least four lanes (of blocks no smaller than ``MIN_LANE_BYTES``) so they overlap."""
+    and at least ``MIN_LANES`` lanes (of blocks no smaller than ``MIN_LANE_BYTES``) to overlap."""
     itemsize = max(1, itemsize)
-    block = min(LANE_BYTES, max(MIN_LANE_BYTES, size * itemsize // (parts * 4)))
+    cut = MIN_LANES if min_lanes is None else min_lanes
+    block = min(LANE_BYTES, max(MIN_LANE_BYTES, size * itemsize // (parts * cut)))
     per_lane = max(1, block // itemsize) * parts
     return [slice(i, min(i + per_lane, size)) for i in range(0, size, per_lane)] or [slice(0, 0)]
 
@@ -372,7 +375,7 @@ async def broadcast(comm: Comm, x: Array, src: int, algorithm: str | None = None
             await comm.recv_into(src, 0, x)
         return
     # pipelined chain src -> src+1 -> ... : each chunk is forwarded as soon as it lands
-    chunks = [x[s] for s in _lanes(x.size, x.itemsize, 1)]
+    chunks = [x[s] for s in _lanes(x.size, x.itemsize, 1, min_lanes=4)]  # a chain needs several
     nxt, prev = (r + 1) % n, (r - 1) % n
     last = nxt == src
     if r == src:
