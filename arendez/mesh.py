@@ -116,8 +116,12 @@ class Mesh:
         self._round.set_result(nonce)
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.gather(*(self._dial(r, peers[r], nonce, timeout) for r in range(rank)))
+                async with asyncio.TaskGroup() as dials:  # one failed dial cancels the others
+                    for r in range(rank):
+                        dials.create_task(self._dial(r, peers[r], nonce, timeout))
                 await self._all_connected.wait()
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
         except TimeoutError:
             missing = sorted(set(range(world_size)) - set(self.conns) - {rank})
             detail = "; ".join(

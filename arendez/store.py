@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from . import transport
+from . import transport, wire
 from .errors import (
     AuthenticationError,
     ProtocolError,
@@ -34,6 +34,8 @@ EventHandler = Callable[[dict[str, Any]], None]
 #: Extra time a blocking request waits for the server's answer past its own timeout.
 _REPLY_SLACK = 2.0
 _CALL_TIMEOUT = 30.0
+#: Replies carry values in their header: allow well past the server's default 1 MiB value bound.
+_REPLY_LIMITS = wire.Limits(max_header=64 << 20, max_payload=0)
 
 transport.register_remote_errors(
     StoreError, StoreTimeoutError, RendezvousError, ProtocolError, AuthenticationError
@@ -102,7 +104,9 @@ class Store:
         return self
 
     async def _open(self) -> transport.Connection:
-        conn = await transport.open_connection(self.host, self.port, ssl=self._ssl, timeout=5.0)
+        conn = await transport.open_connection(
+            self.host, self.port, ssl=self._ssl, timeout=5.0, limits=_REPLY_LIMITS
+        )
         try:
             await transport.client_handshake(conn, self._token, {"job": self.job}, 5.0)
             conn.set_handlers(self._on_frame, lambda exc: None)

@@ -139,6 +139,10 @@ class Connection(asyncio.BufferedProtocol):
             handler, self._on_close = self._on_close, None
             handler(self.error if isinstance(self.error, Exception) else None)
 
+    def buffered(self) -> int:
+        """Bytes queued for sending that the kernel has not taken yet."""
+        return self._transport.get_write_buffer_size() if self._transport is not None else 0
+
     def set_limits(self, limits: wire.Limits) -> None:
         self._decoder.set_limits(limits)
 

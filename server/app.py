@@ -27,6 +27,8 @@ from .state import Departure, Job, Round, ServerState, StateLimits
 log = logging.getLogger("arendez.server")
 
 MAX_WAIT = 7 * 24 * 3600.0
+#: Reply bytes a client may leave unread before the server drops it.
+MAX_UNREAD_REPLIES = 16 << 20
 
 
 @dataclass
@@ -55,14 +57,22 @@ class _Session:
         self.tasks: set[asyncio.Task[None]] = set()
 
     def reply(self, rid: Any, value: Any) -> None:
-        if rid is not None and self.conn.is_open:
-            self.conn.send({"id": rid, "ok": value})
+        if rid is not None:
+            self._send({"id": rid, "ok": value})
 
     def reply_error(self, rid: Any, exc: ArendezError) -> None:
-        if self.conn.is_open:
-            frame = transport.error_frame(exc)
-            frame["id"] = rid
-            self.conn.send(frame)
+        frame = transport.error_frame(exc)
+        frame["id"] = rid
+        self._send(frame)
+
+    def _send(self, frame: dict[str, Any]) -> None:
+        """Send a reply, unless the client has left too many unread: then it is dropped."""
+        if not self.conn.is_open:
+            return
+        if self.conn.buffered() > MAX_UNREAD_REPLIES:
+            self.conn.fail(ProtocolError("client does not read its replies"), tell_peer=False)
+            return
+        self.conn.send(frame)
 
 
 class Server:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -28,10 +30,10 @@ def _frame(obj: object) -> bytes:
     return struct.pack("<IQ", len(raw), 0) + raw
 
 
-def _handshake(port: int) -> socket.socket:
+def _handshake(port: int, job: str = "evil") -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     sock.recv(65536)  # the challenge
-    sock.sendall(_frame({"job": "evil", "nonce": b"0123456789abcdef"}))
+    sock.sendall(_frame({"job": job, "nonce": b"0123456789abcdef"}))
     sock.recv(65536)  # welcome
     return sock
 
@@ -80,3 +82,24 @@ async def test_wrong_version_or_silent_client_does_not_block_others(arendez_serv
         await store.close()
     finally:
         idle.close()
+
+
+@pytest.mark.timeout(60)
+async def test_client_that_never_reads_its_replies_is_dropped(arendez_server):
+    store = await dist.Store("127.0.0.1", arendez_server.port, "flood", timeout=10).connect()
+    await store.set("big", b"x" * (1 << 20))
+    with _handshake(arendez_server.port, job="flood") as sock:
+        sock.sendall(b"".join(_frame({"op": "get", "id": i, "key": "big"}) for i in range(200)))
+        await asyncio.sleep(3)  # 200 MiB of replies asked for, none read yet
+        assert _rss_kib(arendez_server.proc.pid) < 150 * 1024  # the server did not hold them all
+        received = len(await asyncio.to_thread(_closed_by_server, sock, 10))
+    assert received < 100 << 20  # dropped long before delivering all 200 replies
+    assert await store.get("big") == b"x" * (1 << 20)  # everyone else is fine
+    await store.close()
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
