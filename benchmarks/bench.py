@@ -167,13 +167,17 @@ def _touched(a: Any) -> Any:
     return a
 
 
-class ArendezRank:
-    name = "arendez"
+class _Rank:
+    """One benchmark rank of some backend: its spec, rank and world size."""
 
     def __init__(self, spec: dict[str, Any], rank: int) -> None:
         self.spec = spec
         self.rank = rank
         self.world = spec["world"]
+
+
+class ArendezRank(_Rank):
+    name = "arendez"
 
     async def start(self) -> None:
         import arendez as dist
@@ -258,13 +262,8 @@ class ArendezRank:
             await self.dist.destroy_process_group(timeout=10.0 if clean else 2.0)
 
 
-class GlooRank:
+class GlooRank(_Rank):
     name = "gloo"
-
-    def __init__(self, spec: dict[str, Any], rank: int) -> None:
-        self.spec = spec
-        self.rank = rank
-        self.world = spec["world"]
 
     async def start(self) -> None:
         import torch
