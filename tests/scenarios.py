@@ -595,6 +595,7 @@ async def p2p_back_to_back(rank: int, ws: int, url: str) -> Any:
         await dist.send(np.full(3, 1, np.int32), 1)
         await dist.send(np.full(5, 2, np.int32), 1)
         await dist.barrier()
+        await dist.barrier()  # rank 1 has posted its last recv: leaving now cannot fail it
         await dist.destroy_process_group()
         return None
     first, second = np.zeros(3, np.int32), np.zeros(5, np.int32)
@@ -606,6 +607,7 @@ async def p2p_back_to_back(rank: int, ws: int, url: str) -> Any:
     await dist.barrier()
     pending = asyncio.create_task(dist.recv(np.zeros(1), None, tag=77))  # any source: only destroy ends it
     await asyncio.sleep(0.05)
+    await dist.barrier()
     await dist.destroy_process_group(timeout=1)
     try:
         await pending
