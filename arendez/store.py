@@ -3,8 +3,8 @@
 The client keeps one connection to the server and reconnects when it drops. A call made
 while the server is away waits for the reconnection until its own deadline and then raises
 ``StoreError``; a call whose request was in flight when the connection dropped fails at once
-(its outcome is unknown). Members of a job also keep their lease alive with heartbeats and
-re-attach after a reconnect.
+(its outcome is unknown). Members of a job keep their lease alive from a thread of their own
+(``lease.py``, so a busy event loop is not a dead rank) and re-attach after a reconnect.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .errors import (
     StoreError,
     StoreTimeoutError,
 )
+from .lease import LeaseKeeper
 
 log = logging.getLogger("arendez.store")
 
@@ -89,13 +90,13 @@ class Store:
         self._address = ""
         self._closed = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._lease: LeaseKeeper | None = None
 
     # -- connection management -------------------------------------------------------------
     async def connect(self, timeout: float | None = None) -> Store:
         """Connect (retrying until ``timeout``) and start keeping the connection alive."""
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._maintain()))
-        self._tasks.append(loop.create_task(self._heartbeat()))
         try:
             await self._wait_connected(loop.time() + (timeout or self.timeout))
         except BaseException:
@@ -178,13 +179,6 @@ class Store:
             except TimeoutError:
                 raise StoreError(f"store at {self.host}:{self.port} unreachable until the deadline") from None
 
-    async def _heartbeat(self) -> None:
-        while not self._closed:
-            await asyncio.sleep(self._heartbeat_interval)
-            conn = self._conn
-            if self._membership is not None and conn is not None and conn.is_open:
-                conn.send({"op": "heartbeat"})
-
     def _on_frame(self, header: Any, payload: memoryview | None) -> None:
         if not isinstance(header, dict):
             return
@@ -213,6 +207,7 @@ class Store:
     async def close(self) -> None:
         """Stop reconnecting and heartbeating; close the connection."""
         self._closed = True
+        self._stop_lease()
         self._connected.set()
         for task in self._tasks:
             task.cancel()
@@ -326,16 +321,32 @@ class Store:
                 if loop.time() >= deadline:
                     raise
                 await asyncio.sleep(0.05)
-        self._membership = Membership(
+        m = self._membership = Membership(
             int(answer["rank"]), int(answer["world_size"]), list(answer["peers"]), bytes(answer["nonce"])
         )
-        return self._membership
+        self._lease = LeaseKeeper(
+            self.host,
+            self.port,
+            self.job,
+            {"rank": m.rank, "world_size": m.world_size, "nonce": m.nonce, "address": address},
+            token=self._token,
+            ssl=self._ssl,
+            interval=self._heartbeat_interval,
+        )
+        self._lease.start()
+        return m
+
+    def _stop_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.stop()
+            self._lease = None
 
     async def leave(self, timeout: float = 2.0) -> None:
         """Leave the round (best effort: a store that is gone is not an error here)."""
         if self._membership is None:
             return
         self._membership = None
+        self._stop_lease()
         with contextlib.suppress(StoreError):
             await self._call("leave", timeout)
 

@@ -262,6 +262,44 @@ async def open_connection(
     return conn
 
 
+def answer_challenge(
+    challenge: Any, token: str | None, hello: dict[str, Any], peer: Any
+) -> tuple[dict[str, Any], bytes]:
+    """Sans-I/O half of the client handshake: check the acceptor's challenge, build our reply.
+
+    Returns the reply frame and the nonce the acceptor must answer with its own proof.
+    """
+    if not isinstance(challenge, dict) or challenge.get("hello") != "arendez":
+        raise ProtocolError(f"{peer} is not an arendez endpoint")
+    if challenge.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"{peer} speaks protocol {challenge.get('v')}, not {PROTOCOL_VERSION}")
+    if challenge.get("auth") and not token:
+        raise AuthenticationError(f"{peer} requires a token and none was given")
+    if token and not challenge.get("auth"):
+        raise AuthenticationError(f"{peer} does not check the token: refusing to trust it")
+    if not isinstance(challenge.get("nonce"), bytes):
+        raise ProtocolError(f"{peer} sent a malformed challenge")
+    nonce = os.urandom(16)
+    reply = dict(hello)
+    reply["nonce"] = nonce
+    if token:
+        reply["proof"] = _proof(token, challenge["nonce"], b"client")
+    return reply, nonce
+
+
+def check_welcome(welcome: Any, token: str | None, nonce: bytes, peer: Any) -> dict[str, Any]:
+    """Sans-I/O second half: the acceptor's answer must carry its proof (when there is a token)."""
+    if not isinstance(welcome, dict):
+        raise ProtocolError(f"{peer} sent a malformed handshake")
+    if "error" in welcome:
+        raise remote_error(welcome, AuthenticationError)
+    if token:
+        proof = welcome.get("proof")
+        if not isinstance(proof, bytes) or not hmac.compare_digest(_proof(token, nonce, b"server"), proof):
+            raise AuthenticationError(f"{peer} could not prove it knows the token")
+    return welcome
+
+
 async def client_handshake(
     conn: Connection, token: str | None, hello: dict[str, Any], timeout: float
 ) -> dict[str, Any]:
@@ -270,34 +308,10 @@ async def client_handshake(
     Returns the acceptor's welcome frame. The token itself never crosses the wire.
     """
     challenge, _ = await conn.recv(timeout)
-    if not isinstance(challenge, dict) or challenge.get("hello") != "arendez":
-        raise ProtocolError(f"{conn.peer} is not an arendez endpoint")
-    if challenge.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"{conn.peer} speaks protocol {challenge.get('v')}, not {PROTOCOL_VERSION}")
-    if challenge.get("auth") and not token:
-        raise AuthenticationError(f"{conn.peer} requires a token and none was given")
-    if token and not challenge.get("auth"):
-        raise AuthenticationError(f"{conn.peer} does not check the token: refusing to trust it")
-    if not isinstance(challenge.get("nonce"), bytes):
-        raise ProtocolError(f"{conn.peer} sent a malformed challenge")
-    nonce = os.urandom(16)
-    reply = dict(hello)
-    reply["nonce"] = nonce
-    if token:
-        reply["proof"] = _proof(token, challenge["nonce"], b"client")
+    reply, nonce = answer_challenge(challenge, token, hello, conn.peer)
     conn.send(reply)
     welcome, _ = await conn.recv(timeout)
-    if not isinstance(welcome, dict):
-        raise ProtocolError(f"{conn.peer} sent a malformed handshake")
-    if "error" in welcome:
-        raise remote_error(welcome, AuthenticationError)
-    if challenge.get("auth"):
-        assert token
-        expected = _proof(token, nonce, b"server")
-        proof = welcome.get("proof")
-        if not isinstance(proof, bytes) or not hmac.compare_digest(expected, proof):
-            raise AuthenticationError(f"{conn.peer} could not prove it knows the token")
-    return welcome
+    return check_welcome(welcome, token, nonce, conn.peer)
 
 
 async def server_handshake(

@@ -617,6 +617,19 @@ async def p2p_back_to_back(rank: int, ws: int, url: str) -> Any:
     return {"senders": senders, "first": first.tolist(), "second": second.tolist(), "late": late}
 
 
+@scenario
+async def busy_loop(rank: int, ws: int, url: str, seconds: float) -> float:
+    """The last rank blocks its event loop (a long synchronous step) for longer than the lease."""
+    await join(url, ws, rank)
+    await dist.barrier()
+    if rank == ws - 1:
+        time.sleep(seconds)  # deliberately blocks the loop: no await for ``seconds``
+    x = np.ones(10)
+    await dist.all_reduce(x)
+    await dist.destroy_process_group()
+    return float(x[0])
+
+
 def main() -> None:
     name, rank, ws, url, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     result = loop.run(SCENARIOS[name](rank, ws, url, *json.loads(args)))

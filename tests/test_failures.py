@@ -107,3 +107,10 @@ def test_slow_rendezvous_does_not_expire_early_joiners(arendez_server):
     from tests.harness import run_ranks
 
     assert run_ranks("late_joiner", 3, f"{arendez_server.url}/late", 4.0) == [3.0] * 3
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_busy_longer_than_the_lease_is_not_declared_failed(arendez_server):
+    from tests.harness import run_ranks
+
+    assert run_ranks("busy_loop", 3, f"{arendez_server.url}/busy", 4.0) == [3.0] * 3
