@@ -33,6 +33,7 @@ from .api import (
     scatter,
     scatter_object_list,
     send,
+    transport_stats,
 )
 from .arrays import ReduceOp
 from .errors import (
@@ -96,4 +97,5 @@ __all__ = [
     "scatter",
     "scatter_object_list",
     "send",
+    "transport_stats",
 ]

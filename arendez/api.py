@@ -25,7 +25,7 @@ from .errors import (
     RankFailedError,
     RendezvousError,
 )
-from .group import BYE, P2P, GroupMember, ProcessGroup, World
+from .group import BYE, P2P, GroupMember, ProcessGroup, Stats, World
 from .mesh import Mesh
 from .rendezvous import Plan, is_loopback, plan
 from .store import Store
@@ -33,7 +33,6 @@ from .store import Store
 log = logging.getLogger("arendez")
 
 DEFAULT_TIMEOUT = 300.0
-Group = ProcessGroup | None
 
 
 class _Registry:
@@ -90,7 +89,10 @@ async def init_process_group(
     store: Store | None = None,
     group_name: str = "",
 ) -> None:
-    """Join (or form) the default process group. See DESIGN §1 for ``init_method``."""
+    """Join (or form) the default process group (``init_method``: see the README).
+
+    ``group_name`` is accepted for torch compatibility and unused.
+    """
     if backend not in (None, "tcp", "gloo", "arendez"):
         raise ValueError(f"backend {backend!r} is not available; use 'tcp' (or its alias 'gloo')")
     if _registry.default is not None:
@@ -668,8 +670,9 @@ async def scatter_object_list(
     scatter_object_output_list[0] = _unpack(data)
 
 
-def _stats() -> Any:
-    """Transport counters of the current world (bytes the receive path had to copy)."""
+def transport_stats() -> Stats:
+    """Transport counters of the current world: payload bytes received, and those the receive
+    path had to copy (a frame that arrived before its receive was posted)."""
     world = _registry.world
     if world is None:
         raise NotInitializedError("no process group: call init_process_group() first")

@@ -101,7 +101,3 @@ def byte_view(array: np.ndarray[Any, Any]) -> memoryview:
     if not array.size:
         return memoryview(bytearray(0))
     return memoryview(cast(Any, array.view(np.uint8)))
-
-
-def describe(array: np.ndarray[Any, Any]) -> str:
-    return f"{array.dtype.str}x{array.size}"

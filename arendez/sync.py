@@ -106,6 +106,7 @@ is_initialized = api.is_initialized
 get_rank = api.get_rank
 get_world_size = api.get_world_size
 get_process_group_ranks = api.get_process_group_ranks
+transport_stats = api.transport_stats
 
 __all__ = [
     "GroupMember",
@@ -137,4 +138,5 @@ __all__ = [
     "scatter",
     "scatter_object_list",
     "send",
+    "transport_stats",
 ]

@@ -250,7 +250,7 @@ class ArendezRank(_Rank):
     def stats(self) -> dict[str, int]:
         from arendez import api
 
-        s = api._stats()
+        s = api.transport_stats()
         return {
             "copied_bytes": int(s.copied_bytes),
             "copied_messages": int(getattr(s, "copied_messages", 0)),

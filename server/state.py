@@ -76,7 +76,6 @@ class Job:
     kv: dict[str, bytes] = field(default_factory=dict)
     forming: Round | None = None
     rounds: dict[bytes, Round] = field(default_factory=dict)
-    version: int = 0  # bumped on every write, so waiters know something changed
     nbytes: int = 0  # keys + values held
 
     # -- key-value store -------------------------------------------------------------------
@@ -105,7 +104,6 @@ class Job:
             raise StoreError(f"job {self.name!r} would hold more than {self.limits.max_bytes_per_job} bytes")
         self.kv[key] = value
         self.nbytes = grown
-        self.version += 1
 
     def set(self, key: object, value: object) -> None:
         self._put(self._check_key(key), self._check_value(value))
@@ -143,7 +141,6 @@ class Job:
         if old is None:
             return False
         self.nbytes -= len(name) + len(old)
-        self.version += 1
         return True
 
     def has_all(self, keys: list[str]) -> bool:

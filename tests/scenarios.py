@@ -413,7 +413,7 @@ async def zero_copy(rank: int, ws: int, url: str, mib: int) -> dict[str, int]:
     x = np.ones(mib * 262144, np.float32)
     for _ in range(3):
         await dist.all_reduce(x)
-    stats = dist.api._stats()
+    stats = dist.transport_stats()
     await dist.destroy_process_group()
     assert np.all(x == ws**3)
     return {"copied": stats.copied_bytes, "received": stats.received_bytes}
