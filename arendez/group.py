@@ -599,7 +599,7 @@ class ProcessGroup:
             op.fail(exc)
             raise
         except ConnectionError as exc:
-            peer = self._peer_of(exc)
+            peer = self._first_dead_member()
             err = RankFailedError(peer, name, f"connection lost ({exc})")
             op.fail(err)
             raise err from None
@@ -615,7 +615,8 @@ class ProcessGroup:
             if not op.done.done():
                 op.done.set_result(None)
 
-    def _peer_of(self, exc: BaseException) -> int:
+    def _first_dead_member(self) -> int:
+        """The member whose loss most likely broke a connection (-1 if none is known dead)."""
         for peer in self.ranks:
             if peer in self.world.dead:
                 return peer

@@ -156,10 +156,9 @@ class Connection(asyncio.BufferedProtocol):
         """Wait until every queued byte is in the kernel (or the connection is gone)."""
         if self._transport is None:
             raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
-        if not self._paused or self._transport.get_write_buffer_size() == 0:
+        fut = self.drain_future()
+        if fut is None:
             return
-        fut = asyncio.get_running_loop().create_future()
-        self._drain_waiters.append(fut)
         await fut
         if self._transport is None:
             raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error

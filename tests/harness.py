@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -18,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgpack
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -102,6 +106,38 @@ class RankResult:
                 f"rank {self.rank} printed no result (rc={self.returncode}):\n{self.stderr[-3000:]}"
             )
         return json.loads(lines[-1][len("RESULT ") :])
+
+
+def raw_frame(obj: object, payload: int = 0) -> bytes:
+    """One frame's prefix and msgpack header, built by hand (for tests that forge frames)."""
+    raw = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack("<IQ", len(raw), payload) + raw
+
+
+def read_until_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """Read until EOF; return everything the other side sent before closing."""
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def rss_kib(pid: int) -> int:
+    """Resident memory of process ``pid`` in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def wait_for_files(folder: Path, pattern: str, count: int, timeout: float = 30.0) -> None:
+    """Wait until ``count`` files matching ``pattern`` exist in ``folder`` (ranks' progress marks)."""
+    deadline = time.monotonic() + timeout
+    while len(list(folder.glob(pattern))) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"fewer than {count} {pattern} files in {folder} after {timeout}s")
+        time.sleep(0.02)
 
 
 def popen(argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:

@@ -9,16 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import collect, spawn_rank
-
-
-def _wait_ready(tmp: Path, ranks: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len(list(tmp.glob("ready-*"))) >= ranks:
-            return
-        time.sleep(0.02)
-    raise AssertionError("ranks never became ready")
+from tests.harness import collect, spawn_rank, wait_for_files
 
 
 def _kill_during_all_reduce(server_url: str, tmp: Path, world_size: int, victim: int, sig: int, size: int):
@@ -28,7 +19,7 @@ def _kill_during_all_reduce(server_url: str, tmp: Path, world_size: int, victim:
         for r in range(world_size)
     ]
     try:
-        _wait_ready(tmp, world_size)
+        wait_for_files(tmp, "ready-*", world_size)
         os.kill(procs[victim].pid, sig)
         killed_at = time.time()
         survivors = [p for r, p in enumerate(procs) if r != victim]
@@ -88,7 +79,7 @@ def test_kill_during_destroy_ends_the_drain_at_once(arendez_server, tmp_path):
     url = f"{arendez_server.url}/kill-in-destroy"
     procs = [spawn_rank("destroy_while_peer_dies", r, 2, url, str(tmp_path)) for r in range(2)]
     try:
-        _wait_ready(tmp_path, 2)
+        wait_for_files(tmp_path, "ready-*", 2)
         time.sleep(0.3)  # rank 0 is inside destroy_process_group, draining
         procs[1].kill()
         (result,) = collect(procs[:1], 30)

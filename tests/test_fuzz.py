@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import socket
 import struct
-from pathlib import Path
 
-import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.harness import collect, server, spawn_rank
+from tests.harness import collect, raw_frame, rss_kib, server, spawn_rank
 
 FRAMES_PER_BATCH = 50
 BATCHES = 220
@@ -59,25 +57,13 @@ requests = st.fixed_dictionaries(
 )
 
 
-def _frame(obj: object, payload: int = 0) -> bytes:
-    raw = msgpack.packb(obj, use_bin_type=True)
-    return struct.pack("<IQ", len(raw), payload) + raw
-
-
 frames = st.one_of(
     st.binary(min_size=1, max_size=96),  # noise
-    values.map(_frame),  # well-framed, meaningless
-    requests.map(_frame),  # plausible requests with wrong fields
+    values.map(raw_frame),  # well-framed, meaningless
+    requests.map(raw_frame),  # plausible requests with wrong fields
     st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)).map(lambda t: struct.pack("<IQ", *t)),
-    requests.map(lambda r: _frame(r, payload=7) + b"payload"),  # the server takes no payloads
+    requests.map(lambda r: raw_frame(r, payload=7) + b"payload"),  # the server takes no payloads
 )
-
-
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def _send_batch(port: int, batch: list[bytes], handshake: bool, cut: int) -> None:
@@ -87,7 +73,7 @@ def _send_batch(port: int, batch: list[bytes], handshake: bool, cut: int) -> Non
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         if handshake:
             sock.recv(65536)
-            sock.sendall(_frame({"job": "fuzz", "nonce": b"n" * 16}))
+            sock.sendall(raw_frame({"job": "fuzz", "nonce": b"n" * 16}))
         try:
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
@@ -105,7 +91,7 @@ def test_server_survives_random_frames_while_a_job_runs():
         url = f"{srv.url}/fuzzed-job"
         procs = [spawn_rank("store_and_reduce", r, 2, url, 400) for r in range(2)]
         try:
-            baseline = _rss_kib(srv.proc.pid)
+            baseline = rss_kib(srv.proc.pid)
 
             @settings(
                 max_examples=BATCHES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
@@ -120,7 +106,7 @@ def test_server_survives_random_frames_while_a_job_runs():
                 sent[0] += len(batch)
 
             fuzz()
-            grown = _rss_kib(srv.proc.pid) - baseline
+            grown = rss_kib(srv.proc.pid) - baseline
         finally:
             results = collect(procs, 120)
         assert srv.proc.poll() is None, "the server died"

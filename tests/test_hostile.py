@@ -5,35 +5,17 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from pathlib import Path
 
-import msgpack
 import pytest
 
 import arendez as dist
-from tests.harness import collect, spawn_rank
-
-
-def _closed_by_server(sock: socket.socket, timeout: float = 5.0) -> bytes:
-    """Read until EOF; return everything the server sent before closing."""
-    sock.settimeout(timeout)
-    data = b""
-    while True:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return data
-        data += chunk
-
-
-def _frame(obj: object) -> bytes:
-    raw = msgpack.packb(obj, use_bin_type=True)
-    return struct.pack("<IQ", len(raw), 0) + raw
+from tests.harness import collect, raw_frame, read_until_closed, rss_kib, spawn_rank
 
 
 def _handshake(port: int, job: str = "evil") -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
     sock.recv(65536)  # the challenge
-    sock.sendall(_frame({"job": job, "nonce": b"0123456789abcdef"}))
+    sock.sendall(raw_frame({"job": job, "nonce": b"0123456789abcdef"}))
     sock.recv(65536)  # welcome
     return sock
 
@@ -55,13 +37,13 @@ def test_garbage_closes_only_that_connection(arendez_server):
         for junk in GARBAGE:
             with socket.create_connection(("127.0.0.1", arendez_server.port), timeout=5) as sock:
                 sock.sendall(junk)
-                _closed_by_server(sock)  # the server hangs up on us ...
+                read_until_closed(sock)  # the server hangs up on us ...
         for request in ([1, 2, 3], {"op": 7}, {"op": "no-such-op", "id": 1}):
             with _handshake(arendez_server.port) as sock:
-                sock.sendall(_frame(request))
-                reply = _closed_by_server(sock)
+                sock.sendall(raw_frame(request))
+                reply = read_until_closed(sock)
                 assert b"ProtocolError" in reply  # ... saying why, when it can
-        half = _frame({"op": "set", "id": 1, "key": "k", "value": b"v" * 1000})[:-500]
+        half = raw_frame({"op": "set", "id": 1, "key": "k", "value": b"v" * 1000})[:-500]
         with _handshake(arendez_server.port) as sock:  # a truncated stream
             sock.sendall(half)
     finally:
@@ -89,17 +71,10 @@ async def test_client_that_never_reads_its_replies_is_dropped(arendez_server):
     store = await dist.Store("127.0.0.1", arendez_server.port, "flood", timeout=10).connect()
     await store.set("big", b"x" * (1 << 20))
     with _handshake(arendez_server.port, job="flood") as sock:
-        sock.sendall(b"".join(_frame({"op": "get", "id": i, "key": "big"}) for i in range(200)))
+        sock.sendall(b"".join(raw_frame({"op": "get", "id": i, "key": "big"}) for i in range(200)))
         await asyncio.sleep(3)  # 200 MiB of replies asked for, none read yet
-        assert _rss_kib(arendez_server.proc.pid) < 150 * 1024  # the server did not hold them all
-        received = len(await asyncio.to_thread(_closed_by_server, sock, 10))
+        assert rss_kib(arendez_server.proc.pid) < 150 * 1024  # the server did not hold them all
+        received = len(await asyncio.to_thread(read_until_closed, sock, 10))
     assert received < 100 << 20  # dropped long before delivering all 200 replies
     assert await store.get("big") == b"x" * (1 << 20)  # everyone else is fine
     await store.close()
-
-
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")

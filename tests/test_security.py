@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import socket
-import struct
 import subprocess
-import time
 from pathlib import Path
 
-import msgpack
 import pytest
 
 import arendez as dist
-from tests.harness import collect, run_ranks, server, spawn_rank
+from tests.harness import collect, raw_frame, read_until_closed, run_ranks, server, spawn_rank, wait_for_files
 
 TOKEN = "s3cret-token"
 
@@ -37,27 +34,14 @@ async def test_wrong_or_missing_token_is_refused(token_server):
     await store.close()
 
 
-def _frame(obj: object) -> bytes:
-    raw = msgpack.packb(obj, use_bin_type=True)
-    return struct.pack("<IQ", len(raw), 0) + raw
-
-
-def _read_all(sock: socket.socket) -> bytes:
-    sock.settimeout(5)
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
-
-
 @pytest.mark.timeout(30)
 def test_without_token_nothing_but_the_handshake_is_answered(token_server):
     with socket.create_connection(("127.0.0.1", token_server.port)) as sock:
         challenge = sock.recv(65536)
         assert b"nonce" in challenge and TOKEN.encode() not in challenge
-        sock.sendall(_frame({"job": "x", "nonce": b"0" * 16, "proof": b"forged" * 5}))
-        sock.sendall(_frame({"op": "get", "id": 1, "key": "k"}))
-        rest = _read_all(sock)
+        sock.sendall(raw_frame({"job": "x", "nonce": b"0" * 16, "proof": b"forged" * 5}))
+        sock.sendall(raw_frame({"op": "get", "id": 1, "key": "k"}))
+        rest = read_until_closed(sock)
     assert b"AuthenticationError" in rest and b'"ok"' not in rest and b"\xa2ok" not in rest
 
 
@@ -66,15 +50,13 @@ def test_token_job_and_stranger_cannot_join_the_mesh(token_server, tmp_path):
     url = f"arendez://{TOKEN}@127.0.0.1:{token_server.port}/guarded"
     procs = [spawn_rank("guarded_job", r, 2, url, str(tmp_path)) for r in range(2)]
     try:
-        deadline = time.monotonic() + 20
-        while len(list(tmp_path.glob("addr-*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_files(tmp_path, "addr-*", 2, 20)
         host, port = (tmp_path / "addr-0").read_text().rsplit(":", 1)
         # a stranger without the token: challenged, refused, disconnected
         with socket.create_connection((host, int(port))) as sock:
             sock.recv(65536)
-            sock.sendall(_frame({"rank": 1, "round": b"x" * 16, "nonce": b"0" * 16}))
-            assert b"AuthenticationError" in _read_all(sock)
+            sock.sendall(raw_frame({"rank": 1, "round": b"x" * 16, "nonce": b"0" * 16}))
+            assert b"AuthenticationError" in read_until_closed(sock)
         (tmp_path / "probed").write_text("1")
     finally:
         results = collect(procs, 30)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 
 import pytest
 
 import arendez as dist
-from tests.harness import collect, spawn_rank, start_server
+from tests.harness import collect, spawn_rank, start_server, wait_for_files
 
 
 @pytest.mark.timeout(30)
@@ -37,16 +36,11 @@ def test_job_survives_server_kill_and_restart(tmp_path):
     url = f"{srv.url}/outage"
     procs = [spawn_rank("server_outage", r, 2, url, str(tmp_path)) for r in range(2)]
     try:
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("ready-*"))) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for_files(tmp_path, "ready-*", 2)
         srv.proc.kill()
         srv.proc.wait()
         (tmp_path / "killed").write_text("1")
-        while len(list(tmp_path.glob("checked-*"))) < 2:
-            assert time.monotonic() < deadline + 30
-            time.sleep(0.05)
+        wait_for_files(tmp_path, "checked-*", 2)
         srv = start_server(port=port)  # same port: the ranks reconnect and re-attach
         (tmp_path / "back").write_text("1")
         results = collect(procs, 60)
