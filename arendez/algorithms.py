@@ -56,7 +56,11 @@ class Comm(Protocol):
 
     def recv_any(self, peer: int, tag: int, scratch: Array | None = None) -> Awaitable[memoryview]:
         """Receive a message into ``scratch`` if it fits and arrives after this call, else into a
-        buffer the transport allocates; returns where it landed."""
+        buffer the transport picked (the sender's shared memory, say); returns where it landed."""
+
+    def release(self, buffer: memoryview) -> None:
+        """Done with what ``recv_any`` returned: the transport may reuse it (the collective's
+        end releases whatever is left)."""
 
 
 def choose(collective: str, nbytes: int, size: int) -> str:
@@ -87,6 +91,11 @@ async def wait_all(awaitables: Sequence[Awaitable[Any] | None]) -> list[Any]:
 
 def _view(buf: memoryview, dtype: np.dtype[Any]) -> Array:
     return np.frombuffer(buf, dtype=dtype) if buf.nbytes else np.empty(0, dtype)
+
+
+def _release(comm: Comm, buffers: list[memoryview]) -> None:
+    for buffer in buffers:
+        comm.release(buffer)
 
 
 def _others(comm: Comm) -> list[int]:
@@ -160,6 +169,7 @@ async def _direct_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
     got = await wait_all(recvs)
     received = {p: _view(buf, x.dtype) for p, buf in zip(peers, got, strict=True)}
     _combine_in_rank_order(comm, x, received, ufunc, x)
+    _release(comm, got)
 
 
 async def _recursive_doubling(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
@@ -168,8 +178,9 @@ async def _recursive_doubling(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
         partner = comm.rank ^ mask
         recv = comm.recv_any(partner, step)
         await wait_all([comm.send(partner, step, x)])
-        other = _view(await recv, x.dtype)
-        ufunc(x, other, out=x)  # IEEE +, *, min, max commute exactly: both partners agree
+        got = await recv
+        ufunc(x, _view(got, x.dtype), out=x)  # IEEE +, *, min, max commute exactly: both agree
+        comm.release(got)
         mask, step = mask << 1, step + 1
 
 
@@ -194,7 +205,8 @@ async def _ring_reduce_scatter_lane(
     sending = comm.send(right, tag, blocks[(r - 1) % n])
     for s in range(n - 1):
         b = (r - s - 2) % n
-        partial = _view(await receiving, blocks[b].dtype)
+        got = await receiving
+        partial = _view(got, blocks[b].dtype)
         if s < n - 2:  # post the next receive before reducing this one
             size = blocks[(r - s - 3) % n].nbytes
             receiving = comm.recv_any(left, tag + s + 1, landing[(s + 1) % 2][:size])
@@ -208,6 +220,7 @@ async def _ring_reduce_scatter_lane(
                 partials.append(np.empty_like(blocks[b]))
             target = partials[s % 2][: blocks[b].size]
         ufunc(blocks[b], partial, out=target)
+        comm.release(got)
         sending = comm.send(right, tag + s + 1, target) if s < n - 2 else None
     await wait_all([sending])
     for buffer in landing:
@@ -275,7 +288,9 @@ async def _halving_doubling_lane(comm: Comm, seg: Array, ufunc: np.ufunc, tag: i
         mine = seg[keep[0] : keep[1]]
         receiving = comm.recv_any(partner, tag + step, landing[: mine.nbytes])
         await wait_all([comm.send(partner, tag + step, seg[give[0] : give[1]])])
-        ufunc(mine, _view(await receiving, seg.dtype), out=mine)
+        got = await receiving
+        ufunc(mine, _view(got, seg.dtype), out=mine)
+        comm.release(got)
     comm.recycle(landing)
     for i in reversed(range(steps)):
         partner, keep, give = levels[i]
@@ -308,6 +323,7 @@ async def reduce(comm: Comm, x: Array, dst: int, op: ReduceOp, algorithm: str | 
             got = await wait_all([comm.recv_any(p, 0) for p in peers])
             received = {p: _view(b, x.dtype) for p, b in zip(peers, got, strict=True)}
             _combine_in_rank_order(comm, x, received, ufunc, x)
+            _release(comm, got)
         else:
             await wait_all([comm.send(dst, 0, x)])
     if op is ReduceOp.AVG and comm.rank == dst and n > 1:
@@ -357,6 +373,7 @@ async def reduce_scatter(
             got = await wait_all(recvs)
             received = {p: _view(b, out.dtype) for p, b in zip(peers, got, strict=True)}
             _combine_in_rank_order(comm, inputs[r], received, ufunc, out)
+            _release(comm, got)
     if op is ReduceOp.AVG and n > 1:
         np.divide(out, n, out=out)
 

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 
 from . import algorithms as algo
-from . import tls, wire
+from . import shm, tls, wire
 from .arrays import ReduceOp, as_array, as_bytes, byte_view, ufunc_for
 from .errors import (
     CollectiveTimeoutError,
@@ -157,6 +157,8 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
             world.peer_lost,
             max(0.1, deadline - loop.time()),
         )
+        world.shm_allowed = shm.enabled() and secure is None
+        await world.open_shm(max(0.1, min(2.0, deadline - loop.time())))
         return world
     except BaseException:
         if mesh is not None:
@@ -233,6 +235,7 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
             with contextlib.suppress(ConnectionError):
                 world.mesh.send(peer, [BYE, dict(world.failed)])
         await world.mesh.close(max(0.2, min(2.0, deadline - loop.time())))
+    world.close_shm()
     if world.store is not None:
         await world.store.leave(max(0.2, min(2.0, deadline - loop.time())))
         if world.server is not None:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import wire
+from . import shm, wire
 from .arrays import byte_view
 from .errors import (
     ArendezError,
@@ -32,6 +32,7 @@ from .errors import (
     CollectiveTimeoutError,
     GroupDestroyedError,
     NotInitializedError,
+    ProtocolError,
     RankFailedError,
 )
 from .mesh import Mesh
@@ -42,7 +43,7 @@ T = TypeVar("T")
 Array = np.ndarray[Any, Any]
 
 # frame kinds on the mesh (headers are short lists)
-DATA, MISMATCH, BYE, QUERY, ANSWER, P2P = range(6)
+DATA, MISMATCH, BYE, QUERY, ANSWER, P2P, SHM_OFFER, SHM_ANSWER, SHM_FREE = range(9)
 
 #: How long a timed-out collective waits for peers to report their progress.
 DIAGNOSE_SECONDS = 1.0
@@ -51,13 +52,14 @@ DIAGNOSE_SECONDS = 1.0
 class _Slot:
     """A receive: where the payload goes (``out``), who waits (``fut``), or data that came early."""
 
-    __slots__ = ("any", "data", "fp", "fut", "out")
+    __slots__ = ("any", "data", "fp", "fut", "lease", "out")
 
     def __init__(self) -> None:
         self.any = False  # the receiver takes whichever buffer the payload landed in
         self.out: memoryview | None = None
         self.fut: asyncio.Future[Any] | None = None
         self.data: memoryview | None = None
+        self.lease: int | None = None  # offset of ``data`` in the sender's shared-memory segment
         self.fp = ""
 
 
@@ -105,6 +107,8 @@ class Stats:
     copied_bytes: int = 0
     copied_messages: int = 0
     received_bytes: int = 0
+    #: the part of ``received_bytes`` that came through shared memory, not the socket
+    shm_bytes: int = 0
 
 
 class World:
@@ -134,6 +138,10 @@ class World:
         self._early_poison: dict[int, dict[int, str]] = {}  # MISMATCH for groups not made yet
         self._pending_gids: set[int] = set()
         self.pool = BufferPool()
+        self.shm_allowed = False  # set by init: on unless disabled or TLS protects the links
+        self.shm: dict[int, shm.Link] = {}  # per peer on this host
+        self._shm_answers: dict[int, asyncio.Future[None]] = {}
+        self._shm_flush: asyncio.Handle | None = None
         self.closed = False
         self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
         self.next_gid = 1
@@ -223,38 +231,55 @@ class World:
                 answers[peer] = int(header[2])
                 if len(answers) >= expected and not done.done():
                     done.set_result(None)
+        elif kind == SHM_OFFER:
+            self._on_shm_offer(peer, header)
+        elif kind == SHM_ANSWER:
+            self._on_shm_answer(peer, header)
+        elif kind == SHM_FREE:
+            space = self.shm[peer].space if peer in self.shm else None
+            if space is None or not isinstance(header[1], list):
+                raise ProtocolError(f"rank {peer} freed shared memory it was never given")
+            for offset in header[1]:
+                space.free(offset)
 
     def _on_data(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
         gid, seq, fp = header[1], header[2], header[5]
+        lease: int | None = None
+        if len(header) > 7:  # the payload lies in the sender's shared-memory segment
+            payload, lease = self._shm_payload(peer, header[6], header[7]), header[6]
         key = (peer, gid, seq, header[3], header[4])
         group = self.groups.get(gid)
+        op: Op | None = None
         if group is not None:
             op = group.active.get(seq)
             if op is None and seq < group.next_seq:
-                return  # a late frame of a collective that already ended (failed)
+                return self.free_shm(peer, lease)  # a late frame of a collective that already ended
             if op is not None and op.fp != fp:
                 group.mismatch(seq, op.fp, fp, peer)
-                return
+                return self.free_shm(peer, lease)
             if op is None:
                 group.early_fps.setdefault(seq, (peer, fp))
         elif gid < self.next_gid and gid not in self._pending_gids:
-            return  # a group this rank destroyed or is not a member of
+            return self.free_shm(peer, lease)  # a group this rank destroyed or is not a member of
         slot = self._mail.get(key)
         if slot is None or slot.fut is None:
             stash = _Slot()
             stash.data = payload if payload is not None else memoryview(b"")
             stash.fp = fp
+            stash.lease = lease
             self._mail[key] = stash
-            if group is not None and seq in group.active:
-                group.active[seq].keys.append(key)
+            if op is not None:
+                op.keys.append(key)
             elif group is not None:
                 group.early_keys.setdefault(seq, []).append(key)
             return
         del self._mail[key]
         fut = slot.fut
         if fut.done():
-            return
+            return self.free_shm(peer, lease)
         if slot.out is None or slot.any:
+            if op is not None and lease is not None and payload is not None:
+                op.hold(payload, peer, lease)
             fut.set_result(payload if payload is not None else memoryview(b""))
             return
         if payload is not None and payload.obj is not slot.out.obj:
@@ -262,10 +287,13 @@ class World:
                 fut.set_exception(
                     CollectiveMismatchError(f"expected {slot.out.nbytes} bytes, got {payload.nbytes}")
                 )
-                return
+                return self.free_shm(peer, lease)
             slot.out[:] = payload
-            self.stats.copied_bytes += payload.nbytes
-            self.stats.copied_messages += 1
+            if lease is None:
+                self.stats.copied_bytes += payload.nbytes
+                self.stats.copied_messages += 1
+            else:  # copying out of shared memory is the transfer itself, as the kernel's is
+                self.free_shm(peer, lease)
         fut.set_result(None)
 
     def _on_p2p(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
@@ -285,6 +313,101 @@ class World:
             posted.out[:] = payload
             self.stats.copied_bytes += payload.nbytes
         posted.fut.set_result(peer)
+
+    # -- shared memory ---------------------------------------------------------------------
+    async def open_shm(self, timeout: float) -> None:
+        """Offer every peer a segment of shared memory; wait (at most ``timeout``) for the answers.
+
+        Peers that can map it (same host and user) then receive large payloads through it.
+        """
+        assert self.mesh is not None
+        if not self.shm_allowed:
+            return
+        loop = asyncio.get_running_loop()
+        for peer in sorted(self.mesh.conns):
+            try:
+                segment = shm.Segment.create()
+            except shm.ShmUnavailable as exc:
+                log.info("rank %d: shared memory unavailable, peers use TCP only: %s", self.rank, exc)
+                break
+            self.shm.setdefault(peer, shm.Link()).outbound = segment
+            self._shm_answers[peer] = loop.create_future()
+            self.mesh_send(peer, [SHM_OFFER, segment.path, segment.size, segment.cookie])
+        if self._shm_answers:
+            await asyncio.wait(list(self._shm_answers.values()), timeout=timeout)
+        for link in self.shm.values():
+            if link.outbound is not None and not link.ready:  # no answer in time: stay on TCP
+                link.outbound.close()
+                link.outbound = None
+        self._shm_answers.clear()
+
+    def _on_shm_offer(self, peer: int, header: list[Any]) -> None:
+        accepted, why = False, "shared memory is off on this rank"
+        if self.shm_allowed:
+            try:
+                segment = shm.Segment.attach(str(header[1]), int(header[2]), bytes(header[3]))
+            except (shm.ShmUnavailable, ValueError, TypeError, IndexError) as exc:
+                why = str(exc)
+            else:
+                segment.unlink()
+                link = self.shm.setdefault(peer, shm.Link())
+                if link.inbound is not None:
+                    link.inbound.close()
+                link.inbound, accepted, why = segment, True, ""
+        self.mesh_send(peer, [SHM_ANSWER, accepted, why])
+
+    def _on_shm_answer(self, peer: int, header: list[Any]) -> None:
+        link = self.shm.get(peer)
+        if link is not None and link.outbound is not None and not link.ready:
+            link.outbound.unlink()
+            if header[1] is True:
+                link.space = shm.RingSpace(link.outbound.size)
+                link.ready = True
+            else:
+                log.info("rank %d: rank %d takes no shared memory: %s", self.rank, peer, header[2])
+                link.outbound.close()
+                link.outbound = None
+        answered = self._shm_answers.get(peer)
+        if answered is not None and not answered.done():
+            answered.set_result(None)
+
+    def _shm_payload(self, peer: int, offset: Any, nbytes: Any) -> memoryview:
+        link = self.shm.get(peer)
+        if link is None or link.inbound is None:
+            raise ProtocolError(f"rank {peer} sent a shared-memory payload without a segment")
+        if not isinstance(offset, int) or not isinstance(nbytes, int):
+            raise ProtocolError(f"rank {peer} sent a malformed shared-memory reference")
+        self.stats.received_bytes += nbytes
+        self.stats.shm_bytes += nbytes
+        return link.inbound.view(offset, nbytes)
+
+    def free_shm(self, peer: int, lease: int | None) -> None:
+        """Let ``peer`` reuse the range at ``lease`` of its segment (batched: one frame per
+        peer per loop turn)."""
+        link = self.shm.get(peer)
+        if lease is None or link is None or link.inbound is None:
+            return
+        link.to_free.append(lease)
+        if self._shm_flush is None:
+            self._shm_flush = asyncio.get_running_loop().call_soon(self._flush_frees)
+
+    def _flush_frees(self) -> None:
+        self._shm_flush = None
+        for peer, link in self.shm.items():
+            if link.to_free:
+                offsets, link.to_free = link.to_free, []
+                self.mesh_send(peer, [SHM_FREE, offsets])
+
+    def mesh_send(self, peer: int, header: Any) -> None:
+        """Send a control frame to ``peer`` if it is still connected."""
+        if self.mesh is not None and peer in self.mesh.conns:
+            with contextlib.suppress(ConnectionError):
+                self.mesh.send(peer, header)
+
+    def close_shm(self) -> None:
+        for link in self.shm.values():
+            link.close()
+        self.shm.clear()
 
     # -- point to point --------------------------------------------------------------------
     def post_p2p(self, src: int | None, gid: int, tag: int, out: memoryview) -> asyncio.Future[int]:
@@ -330,6 +453,9 @@ class World:
         if peer in self.dead or peer == self.rank or self.closed:
             return
         self.dead[peer] = reason
+        link = self.shm.pop(peer, None)
+        if link is not None:
+            link.close()
         if not left:
             self.failed[peer] = reason
         (log.info if left else log.warning)("rank %d: peer rank %d %s", self.rank, peer, reason)
@@ -391,6 +517,7 @@ class Op:
         self.size = group.size
         self.error: BaseException | None = None
         self.keys: list[tuple[Any, ...]] = []
+        self._held: dict[int, tuple[int, int]] = {}  # id(view) -> (peer, lease) of shm payloads
         self._waiting: set[asyncio.Future[Any]] = set()  # what fail() must wake
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -432,11 +559,42 @@ class Op:
             raise exc
         return conn
 
+    def hold(self, view: memoryview, peer: int, lease: int) -> None:
+        """``view`` lies in ``peer``'s segment: free it on ``release`` or when the op ends."""
+        self._held[id(view)] = (peer, lease)
+
+    def release(self, buffer: memoryview) -> None:
+        held = self._held.pop(id(buffer), None)
+        if held is not None:
+            self.world.free_shm(*held)
+
+    def release_all(self) -> None:
+        """Free what this op still holds in peers' segments (it has ended)."""
+        held, self._held = self._held, {}
+        for peer, lease in held.values():
+            self.world.free_shm(peer, lease)
+
+    def _send_shm(self, target: int, conn: Any, tag: int, raw: memoryview) -> bool:
+        """Copy ``raw`` into our segment for ``target`` and send where it lies; False if there
+        is no segment or no room in it now (the caller sends it inline instead)."""
+        link = self.world.shm.get(target)
+        if link is None or not link.ready or raw.nbytes < shm.MIN_PAYLOAD:
+            return False
+        assert link.space is not None and link.outbound is not None
+        offset = link.space.alloc(raw.nbytes)
+        if offset is None:
+            return False
+        link.outbound.view(offset, raw.nbytes)[:] = raw if raw.ndim == 1 else raw.cast("B")
+        conn.send([DATA, self.group.gid, self.seq, tag, 0, self.fp, offset, raw.nbytes])
+        return True
+
     def send(self, peer: int, tag: int, data: Array) -> Awaitable[None] | None:
         self._check()
         conn = self._conn(peer)
         raw = byte_view(data)
         gid = self.group.gid
+        if self._send_shm(self.group.ranks[peer], conn, tag, raw):
+            return None  # copied: the caller may reuse ``data`` at once
         if raw.nbytes <= wire.MAX_SEGMENT:
             conn.send([DATA, gid, self.seq, tag, 0, self.fp], raw if raw.nbytes else None)
         else:
@@ -484,8 +642,11 @@ class Op:
                     self._check()
                 if part.nbytes:
                     part[:] = slot.data
-                    self.world.stats.copied_bytes += part.nbytes
-                    self.world.stats.copied_messages += 1
+                    if slot.lease is None:
+                        self.world.stats.copied_bytes += part.nbytes
+                        self.world.stats.copied_messages += 1
+                    else:  # out of shared memory: the transfer's one copy
+                        self.world.free_shm(key[0], slot.lease)
                 continue
             futs.append(self._wait_slot(key, part))
         if not futs:
@@ -503,6 +664,8 @@ class Op:
         key, slot = self._slot(peer, tag, 0)
         if slot is not None and slot.data is not None:
             del self.world._mail[key]
+            if slot.lease is not None:
+                self.hold(slot.data, key[0], slot.lease)
             return _done(slot.data)
         if scratch is None or scratch.nbytes > wire.MAX_SEGMENT:
             return self._wait_slot(key, None)
@@ -611,7 +774,10 @@ class ProcessGroup:
             del self.active[seq]
             mail = self.world._mail
             for key in op.keys:
-                mail.pop(key, None)
+                slot = mail.pop(key, None)
+                if slot is not None and slot.lease is not None:  # came, but was never taken
+                    self.world.free_shm(key[0], slot.lease)
+            op.release_all()
             if not op.done.done():
                 op.done.set_result(None)
 

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -109,8 +110,13 @@ def topology() -> Iterator[Topology]:
         assert topo.prefix not in left, f"namespaces left behind: {left}"
 
 
+def _own_dir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
 @pytest.mark.timeout(60)
-def test_compose_topology_on_network_namespaces(topology: Topology) -> None:
+def test_compose_topology_on_network_namespaces(topology: Topology, tmp_path: Path) -> None:
     server = topology.run(
         "srv", sys.executable, "-m", "arendez_server", "--host", SERVER_IP, "--port", str(PORT)
     )
@@ -136,6 +142,9 @@ def test_compose_topology_on_network_namespaces(topology: Topology) -> None:
                 "ARENDEZ_URL": f"arendez://{SERVER_IP}:{PORT}/sgd",
                 "RANK": str(rank),
                 "WORLD_SIZE": str(WORLD),
+                # namespaces share /dev/shm, hosts do not: a directory of its own per "host"
+                # makes every shared-memory offer fail, so the gradients must cross the bridge
+                "ARENDEZ_SHM_DIR": str(_own_dir(tmp_path / f"shm{rank}")),
             },
         )
         for rank in range(WORLD)
