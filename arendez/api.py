@@ -146,6 +146,7 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
         member = await store.join(where.world_size, where.rank, address, deadline - loop.time())
         world = World(member.rank, member.world_size, timeout)
         world.store, world.mesh, world.server, world.address = store, mesh, server, address
+        world.shm_allowed = shm.enabled() and secure is None  # before peers' offers can arrive
         store.on_event = lambda event: _on_server_event(world, event)
         await mesh.connect(
             member.rank,
@@ -157,7 +158,6 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
             world.peer_lost,
             max(0.1, deadline - loop.time()),
         )
-        world.shm_allowed = shm.enabled() and secure is None
         await world.open_shm(max(0.1, min(2.0, deadline - loop.time())))
         return world
     except BaseException:

@@ -105,7 +105,7 @@ class Connection(asyncio.BufferedProtocol):
             self.closed.set_result(None)
         if self._on_close is not None:
             handler, self._on_close = self._on_close, None
-            handler(exc)
+            handler(exc if exc is not None else self.error)  # why we closed it, if we did
 
     def pause_writing(self) -> None:
         self._paused = True

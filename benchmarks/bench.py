@@ -1,18 +1,29 @@
 """arendez vs torch.distributed (gloo): latency and bus bandwidth on one machine.
 
-One command runs both backends, for every requested world size, in the same run::
+Three backends, for every requested world size, in the same run (in this order):
+
+- ``arendez``: the default, ranks run with ``ARENDEZ_SHM=1`` (set explicitly, so an outer
+  environment cannot change it): payloads between ranks on this host go through shared memory;
+- ``arendez-tcp``: the same server, rank code and method, but ranks run with ``ARENDEZ_SHM=0``:
+  every byte over loopback TCP, as gloo;
+- ``gloo``: ``torch.distributed`` with the gloo backend (skipped when torch is not importable).
+
+::
 
     python benchmarks/bench.py [--ranks 2 4] [--sizes 8 1KiB ...] [--iters N] [--json out.json] [--quick]
 
-Ranks are real processes: this script re-runs itself with ``--worker SPEC RANK``. For arendez
-the driver starts one ``python -m arendez_server --port 0`` per run and every configuration
-joins it under its own job name; gloo ranks meet over ``tcp://127.0.0.1:<free port>``.
+Ranks are real processes: this script re-runs itself with ``--worker SPEC RANK``. For both
+arendez backends the driver starts one ``python -m arendez_server --port 0`` per run and every
+configuration joins it under its own job name; gloo ranks meet over ``tcp://127.0.0.1:<free port>``.
 
-Method, the same for both backends: per (collective, size) one correctness check, warm-up
+Method, the same for all backends: per (collective, size) one correctness check, warm-up
 iterations, then timed iterations, each preceded by a barrier and timed on every rank; an
 iteration's time is the max over ranks, and the reported latency is the median of those.
 Bus bandwidth follows nccl-tests (all_reduce ``S*2(n-1)/n/t``, broadcast ``S/t``, all_gather
-``S*(n-1)/n/t`` with ``S`` the gathered output size).
+``S*(n-1)/n/t`` with ``S`` the gathered output size). The table shows latency and bus bandwidth
+of the three side by side and the ratios arendez/gloo and arendez-tcp/gloo; the arendez ranks also
+record ``transport_stats()`` deltas per iteration (``copied_bytes``, ``received_bytes`` and
+``shm_bytes``, the part of the received bytes that came through shared memory).
 
 A configuration (backend, ranks) that hangs or crashes is killed after a bounded time; its
 current case is reported as failed and the remaining cases run in a fresh process group.
@@ -55,7 +66,9 @@ DEFAULT_SIZES = [8, KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB]
 DEFAULT_DATA_SIZES = [MiB, 16 * MiB]
 MEMORY_SIZE = 64 * MiB
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather")
-BACKENDS = ("arendez", "gloo")
+BACKENDS = ("arendez", "arendez-tcp", "gloo")
+#: the arendez backends and the ``ARENDEZ_SHM`` their ranks run with
+ARENDEZ_SHM_ENV = {"arendez": "1", "arendez-tcp": "0"}
 
 # (budget seconds of timed iterations per case, min iters, max iters, warm-up by size class)
 POLICY_FULL = {"budget": 6.0, "min_iters": 5, "max_iters": 2000, "warmup": (20, 5, 2)}
@@ -177,7 +190,11 @@ class _Rank:
 
 
 class ArendezRank(_Rank):
-    name = "arendez"
+    """Rank of ``arendez`` or ``arendez-tcp``: same code, only ``ARENDEZ_SHM`` differs."""
+
+    def __init__(self, spec: dict[str, Any], rank: int) -> None:
+        super().__init__(spec, rank)
+        self.name = spec["backend"]
 
     async def start(self) -> None:
         import arendez as dist
@@ -255,6 +272,7 @@ class ArendezRank(_Rank):
             "copied_bytes": int(s.copied_bytes),
             "copied_messages": int(getattr(s, "copied_messages", 0)),
             "received_bytes": int(s.received_bytes),
+            "shm_bytes": int(getattr(s, "shm_bytes", 0)),
         }
 
     async def close(self, clean: bool) -> None:
@@ -425,7 +443,7 @@ async def _run_case(
         payload["rss0_kib"] = rss0
         payload["hwm_growth_kib"] = (_peak_rss_kib() - rss0) if (rss0 is not None and hwm_reset) else None
         payload["maxrss_growth_kib"] = _peak_rss_kib() - hwm0 if not hwm_reset else None
-        if b.name == "arendez":
+        if isinstance(b, ArendezRank):
             import tracemalloc
 
             await b.barrier()
@@ -489,12 +507,18 @@ async def _worker_main(spec: dict[str, Any], rank: int) -> int:
             f.write(json.dumps(event) + "\n")
 
     b: ArendezRank | GlooRank = (
-        ArendezRank(spec, rank) if spec["backend"] == "arendez" else GlooRank(spec, rank)
+        ArendezRank(spec, rank) if spec["backend"] in ARENDEZ_SHM_ENV else GlooRank(spec, rank)
     )
     code = 0
     try:
         await b.start()
-        emit({"event": "ready", "loop": type(asyncio.get_running_loop()).__module__})
+        ready: dict[str, Any] = {"event": "ready", "loop": type(asyncio.get_running_loop()).__module__}
+        if isinstance(b, ArendezRank):
+            from arendez import shm
+
+            ready["shm_env"] = os.environ.get("ARENDEZ_SHM")
+            ready["shm_enabled"] = shm.enabled()
+        emit(ready)
         for i, case in enumerate(spec["cases"]):
             current = i
             emit({"event": "begin", "case": i})
@@ -504,7 +528,7 @@ async def _worker_main(spec: dict[str, Any], rank: int) -> int:
                 result["loop"] = type(asyncio.get_running_loop()).__module__
                 emit({"event": "result", "case": i, "result": result})
         current = -1
-        if b.name == "arendez":
+        if isinstance(b, ArendezRank):
             emit({"event": "stats", "stats": b.stats()})
     except BaseException as exc:
         emit({"event": "error", "case": current, "error": f"{type(exc).__name__}: {exc}"[:500]})
@@ -523,7 +547,7 @@ async def _worker_main(spec: dict[str, Any], rank: int) -> int:
 def worker(spec_path: str, rank: int) -> int:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
-    if spec["backend"] == "arendez":
+    if spec["backend"] in ARENDEZ_SHM_ENV:
         from arendez import loop
 
         return loop.run(_worker_main(spec, rank))
@@ -537,8 +561,10 @@ def _child_env(backend: str, algorithm: str | None) -> dict[str, str]:
         env.pop(name, None)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
-    if backend == "arendez" and algorithm:
-        env["ARENDEZ_ALGORITHM"] = algorithm
+    if backend in ARENDEZ_SHM_ENV:
+        env["ARENDEZ_SHM"] = ARENDEZ_SHM_ENV[backend]  # explicit: the outer environment does not leak in
+        if algorithm:
+            env["ARENDEZ_ALGORITHM"] = algorithm
     return env
 
 
@@ -641,7 +667,7 @@ def launch(
     job = f"bench-{backend}-w{world}-{uuid.uuid4().hex[:8]}"
     out_dir = tmp / job
     out_dir.mkdir()
-    if backend == "arendez":
+    if backend in ARENDEZ_SHM_ENV:
         assert server is not None
         url = server.ensure()
     else:
@@ -718,6 +744,9 @@ def launch(
     for e in per_rank[0]:
         if e["event"] == "ready":
             info["loop"] = e["loop"]
+            for k in ("shm_env", "shm_enabled"):
+                if k in e:
+                    info[k] = e[k]
         if e["event"] == "stats":
             info["final_stats_rank0"] = e["stats"]
     errors = [(r, e) for r in range(world) for e in per_rank[r] if e["event"] == "error"]
@@ -853,7 +882,21 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def key_prefix(backend: str) -> str:
+    """Prefix of a backend's keys in a comparison row: ``arendez``, ``arendez_tcp``, ``gloo``."""
+    return backend.replace("-", "_")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (collective, ranks, size) with every backend's numbers side by side.
+
+    Ratios: ``latency_ratio`` / ``busbw_ratio`` are arendez/gloo, ``tcp_latency_ratio`` /
+    ``tcp_busbw_ratio`` arendez-tcp/gloo, ``shm_tcp_busbw_ratio`` arendez/arendez-tcp.
+    """
     by_key: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
     for r in results:
         n = r["ranks"]
@@ -863,16 +906,27 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_key.setdefault((r["collective"], n, r["size"]), {})[r["backend"]] = r
     order = {c: i for i, c in enumerate(COLLECTIVES)}
     rows = []
-    for (coll, n, size), both in sorted(by_key.items(), key=lambda kv: (order[kv[0][0]], kv[0][1], kv[0][2])):
-        a, g = both.get("arendez"), both.get("gloo")
+    for (coll, n, size), per in sorted(by_key.items(), key=lambda kv: (order[kv[0][0]], kv[0][1], kv[0][2])):
         row: dict[str, Any] = {"collective": coll, "ranks": n, "size": size}
-        for name, r in (("arendez", a), ("gloo", g)):
-            row[f"{name}_median_us"] = r["median_us"] if r else None
-            row[f"{name}_busbw_gbps"] = r["busbw_gbps"] if r else None
-            row[f"{name}_verified"] = r["verified"] if r else None
-            row[f"{name}_foreign_cpus"] = r.get("foreign_cpus") if r else None
-        row["latency_ratio"] = a["median_us"] / g["median_us"] if a and g else None
-        row["busbw_ratio"] = a["busbw_gbps"] / g["busbw_gbps"] if a and g else None
+        for backend in BACKENDS:
+            res, name = per.get(backend), key_prefix(backend)
+            row[f"{name}_median_us"] = res["median_us"] if res else None
+            row[f"{name}_busbw_gbps"] = res["busbw_gbps"] if res else None
+            row[f"{name}_verified"] = res["verified"] if res else None
+            row[f"{name}_foreign_cpus"] = res.get("foreign_cpus") if res else None
+            if backend in ARENDEZ_SHM_ENV:
+                # which transport carried the payload: shm bytes / received bytes, over all ranks
+                shm = res.get("shm_bytes_per_iter") if res else None
+                rcv = res.get("received_bytes_per_iter") if res else None
+                frac = None
+                if shm is not None and rcv is not None:
+                    frac = sum(shm) / sum(rcv) if sum(rcv) else 0.0
+                row[f"{name}_shm_fraction"] = frac
+        row["latency_ratio"] = _ratio(row["arendez_median_us"], row["gloo_median_us"])
+        row["busbw_ratio"] = _ratio(row["arendez_busbw_gbps"], row["gloo_busbw_gbps"])
+        row["tcp_latency_ratio"] = _ratio(row["arendez_tcp_median_us"], row["gloo_median_us"])
+        row["tcp_busbw_ratio"] = _ratio(row["arendez_tcp_busbw_gbps"], row["gloo_busbw_gbps"])
+        row["shm_tcp_busbw_ratio"] = _ratio(row["arendez_busbw_gbps"], row["arendez_tcp_busbw_gbps"])
         rows.append(row)
     return rows
 
@@ -902,14 +956,18 @@ def markdown(
     lines = [
         f"**{head}**",
         "",
+        "arendez: the default, shared memory between ranks on this host (ARENDEZ_SHM=1); "
+        "arendez-tcp: arendez with ARENDEZ_SHM=0: every byte over loopback TCP, as gloo. "
         "Latency: median over iterations of the max over ranks. Bus bandwidth in GB/s (nccl-tests). "
-        "Ratios are arendez/gloo: latency < 1 and bandwidth > 1 mean arendez is faster. "
-        "all_gather size = gathered output. Other load: CPUs' worth of work by other processes "
-        "while timing (noise; 0 on a quiet machine).",
+        "Ratios a/g are arendez/gloo, tcp/g arendez-tcp/gloo: latency < 1 and bandwidth > 1 mean "
+        "that arendez backend is faster. all_gather size = gathered output. Other load "
+        "(arendez/arendez-tcp/gloo): CPUs' worth of work by other processes while timing "
+        "(noise; 0 on a quiet machine).",
         "",
-        "| collective | ranks | size | arendez | gloo | latency a/g "
-        "| arendez busbw | gloo busbw | busbw a/g | other load a/g |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| collective | ranks | size | arendez | arendez-tcp | gloo "
+        "| arendez busbw | arendez-tcp busbw | gloo busbw | busbw a/g | busbw tcp/g "
+        "| latency a/g | latency tcp/g | other load a/tcp/g |",
+        "|---|---:|---:|" + "---:|" * 11,
     ]
     all_keys = {(r["collective"], r["ranks"], r["size"]) for r in rows} | {
         (f["collective"], f["ranks"], f["size"]) for f in failures if f["collective"]
@@ -920,17 +978,17 @@ def markdown(
         coll, n, size = key
         row = have.get(key, {})
         cells = [coll, str(n), fmt_size(size)]
-        for b in ("arendez", "gloo"):
-            v = row.get(f"{b}_median_us")
-            bad = "" if row.get(f"{b}_verified") in (True, None) else " (WRONG)"
+        for b in BACKENDS:
+            v = row.get(f"{key_prefix(b)}_median_us")
+            bad = "" if row.get(f"{key_prefix(b)}_verified") in (True, None) else " (WRONG)"
             cells.append(
                 (fmt_time(v) + bad) if v is not None else (_failed_cell(failures, b, coll, n, size) or "—")
             )
-        lr, br = row.get("latency_ratio"), row.get("busbw_ratio")
-        cells.append(f"{lr:.2f}" if lr is not None else "—")
-        cells += [fmt_bw(row.get("arendez_busbw_gbps")), fmt_bw(row.get("gloo_busbw_gbps"))]
-        cells.append(f"{br:.2f}" if br is not None else "—")
-        loads = [row.get(f"{b}_foreign_cpus") for b in ("arendez", "gloo")]
+        cells += [fmt_bw(row.get(f"{key_prefix(b)}_busbw_gbps")) for b in BACKENDS]
+        for k in ("busbw_ratio", "tcp_busbw_ratio", "latency_ratio", "tcp_latency_ratio"):
+            ratio = row.get(k)
+            cells.append(f"{ratio:.2f}" if ratio is not None else "—")
+        loads = [row.get(f"{key_prefix(b)}_foreign_cpus") for b in BACKENDS]
         cells.append("/".join("—" if v is None else f"{v:.2f}" for v in loads))
         lines.append("| " + " | ".join(cells) + " |")
     mem = [r for r in results if r.get("memory")]
@@ -941,10 +999,11 @@ def markdown(
             "from just before the first call to after the timed iterations, relative to the array):",
             "",
             "| backend | ranks | peak RSS growth | / array | tracemalloc peak (1 call) | / array "
-            "| copied B/iter | received B/iter | copied/received |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| copied B/iter | received B/iter | copied/received | shm B/iter |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for r in sorted(mem, key=lambda r: (r["backend"], r["ranks"])):
+        rank_of = {b: i for i, b in enumerate(BACKENDS)}
+        for r in sorted(mem, key=lambda r: (rank_of.get(r["backend"], len(BACKENDS)), r["ranks"])):
             m = r["memory"]
             growth = [
                 g for g in (m.get("hwm_growth_kib") or m.get("maxrss_growth_kib") or []) if g is not None
@@ -954,6 +1013,7 @@ def markdown(
             tm_mib = max(tm) / MiB if tm else None
             cp = r.get("copied_bytes_per_iter")
             rv = r.get("received_bytes_per_iter")
+            sh = r.get("shm_bytes_per_iter")
             arr = MEMORY_SIZE / MiB
             lines.append(
                 "| "
@@ -968,6 +1028,7 @@ def markdown(
                         f"{max(cp):,.0f}" if cp else "—",
                         f"{max(rv):,.0f}" if rv else "—",
                         f"{sum(cp) / sum(rv):.3f}" if cp and rv and sum(rv) else "—",
+                        f"{max(sh):,.0f}" if sh else "—",
                     ]
                 )
                 + " |"
@@ -1004,7 +1065,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="broadcast / all_gather sizes (default 1MiB 16MiB)",
     )
     p.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
-    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        default=list(BACKENDS),
+        help="backends to run, always in the order arendez, arendez-tcp, gloo (default: all three)",
+    )
     p.add_argument(
         "--iters", type=int, default=None, help="fixed timed iterations per case (default: adaptive)"
     )
@@ -1015,7 +1082,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--algorithm",
         choices=("ring", "direct", "rdb"),
         default=None,
-        help="force an arendez algorithm (sets ARENDEZ_ALGORITHM for the workers)",
+        help="force an arendez algorithm (sets ARENDEZ_ALGORITHM for the arendez and arendez-tcp ranks)",
     )
     p.add_argument("--no-memory", action="store_true", help="skip the 64 MiB memory/copy measurement")
     p.add_argument("--op-timeout", type=float, default=60.0, help="collective timeout inside the ranks (s)")
@@ -1049,12 +1116,12 @@ def main(argv: list[str] | None = None) -> int:
         policy["budget"] = args.budget
     if args.iters:
         policy["iters"] = args.iters
-    backends = list(args.backends)
+    backends = [b for b in BACKENDS if b in args.backends]  # runs in this order per world size
     notes = []
     if "gloo" in backends and importlib.util.find_spec("torch") is None:
         backends.remove("gloo")
         notes.append("torch is not importable: gloo skipped")
-        log("torch is not importable: running arendez only")
+        log("torch is not importable: running the arendez backends only")
     info = machine_info(args)
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -1067,7 +1134,7 @@ def main(argv: list[str] | None = None) -> int:
     configs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="arendez-bench-") as tmpdir:
         tmp = Path(tmpdir)
-        server = ArendezServer(tmp) if "arendez" in backends else None
+        server = ArendezServer(tmp) if any(b in ARENDEZ_SHM_ENV for b in backends) else None
         try:
             for world in args.ranks:
                 cases = build_cases(args, world)
@@ -1091,8 +1158,8 @@ def main(argv: list[str] | None = None) -> int:
                     results += got
                     failures += bad
                     configs[f"{backend}/{world}"] = {**extra, "seconds": round(time.monotonic() - t0, 1)}
-                    if backend == "arendez" and "loop" in extra:
-                        info["arendez_loop"] = extra["loop"]
+                    if backend in ARENDEZ_SHM_ENV and "loop" in extra:
+                        info.setdefault("arendez_loop", extra["loop"])
         except KeyboardInterrupt:
             log("interrupted: stopping")
             notes.append("interrupted")

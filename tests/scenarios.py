@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -416,7 +417,60 @@ async def zero_copy(rank: int, ws: int, url: str, mib: int) -> dict[str, int]:
     stats = dist.transport_stats()
     await dist.destroy_process_group()
     assert np.all(x == ws**3)
-    return {"copied": stats.copied_bytes, "received": stats.received_bytes}
+    return {"copied": stats.copied_bytes, "received": stats.received_bytes, "shm": stats.shm_bytes}
+
+
+@scenario
+async def shm_job(rank: int, ws: int, url: str, size: int, rounds: int) -> dict[str, Any]:
+    """Large all_reduces and broadcasts, checked; returns which transport carried the bytes and
+    what the shared-memory directory held while the job ran."""
+    await join(url, ws, rank)
+    shm_dir = os.environ.get("ARENDEZ_SHM_DIR", "/dev/shm")
+    during: list[str] = []
+    for i in range(rounds):
+        if i == 1:  # every rank has finished init (its offers were answered and unlinked)
+            during = sorted(os.listdir(shm_dir))
+        x = contribution(rank, size, "float32", salt=i)
+        want = reduced("SUM", [contribution(r, size, "float32", salt=i) for r in range(ws)])
+        await dist.all_reduce(x)
+        _check(x, want, f"all_reduce round {i}")
+        y = contribution(rank, size, "int64", salt=i)
+        await dist.broadcast(y, src=i % ws)
+        _check(y, contribution(i % ws, size, "int64", salt=i), f"broadcast round {i}")
+    stats = dist.transport_stats()
+    await dist.destroy_process_group()
+    return {
+        "shm": stats.shm_bytes,
+        "received": stats.received_bytes,
+        "copied": stats.copied_bytes,
+        "during": during,
+        "after": sorted(os.listdir(shm_dir)),
+    }
+
+
+@scenario
+async def forged_shm_reference(rank: int, ws: int, url: str) -> str:
+    """Rank 1 points a data frame far outside its shared-memory segment; rank 0 must drop the
+    link and fail its all_reduce naming rank 1."""
+    from arendez import api, group
+
+    await join(url, ws, rank)
+    world = api._registry.world
+    assert world is not None and world.mesh is not None
+    if rank == 1:
+        assert world.shm[0].ready, "the link should have shared memory"
+        seq = world.groups[0].next_seq
+        world.mesh.send(0, [group.DATA, 0, seq, 0, 0, "forged", 1 << 40, 4096])
+        await asyncio.wait_for(asyncio.shield(world.mesh.conns[0].closed), 10)
+        await dist.destroy_process_group()
+        return "sent"
+    try:
+        await dist.all_reduce(np.ones(1000, np.float32))
+        outcome = "no error"
+    except dist.ArendezError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    await dist.destroy_process_group()
+    return outcome
 
 
 @scenario

@@ -12,10 +12,12 @@ SIZES = [0, 1, 7, 1001, 90_001]
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_every_collective_dtype_and_size(arendez_server, world_size):
-    url = f"{arendez_server.url}/matrix{world_size}"
-    counts = run_ranks("collectives_matrix", world_size, url, DTYPES, SIZES, timeout=140)
+@pytest.mark.parametrize(("world_size", "shm"), [(2, "1"), (3, "1"), (4, "1"), (3, "0")])
+def test_every_collective_dtype_and_size(arendez_server, world_size, shm):
+    """Large blocks go through shared memory by default; ``shm=0`` keeps every byte on TCP."""
+    url = f"{arendez_server.url}/matrix{world_size}-{shm}"
+    env = {"ARENDEZ_SHM": shm}
+    counts = run_ranks("collectives_matrix", world_size, url, DTYPES, SIZES, timeout=140, env=env)
     per_group = 16 * len(DTYPES) * len(SIZES)
     assert counts[0] == per_group
     assert counts[1:] == [2 * per_group] * (world_size - 1)
@@ -65,11 +67,18 @@ def test_mismatch_raises_on_every_rank(arendez_server, kind):
 
 
 @pytest.mark.timeout(60)
-def test_large_all_reduce_receives_without_copies(arendez_server):
-    results = run_ranks("zero_copy", 2, f"{arendez_server.url}/zerocopy", 16)
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_large_all_reduce_receives_without_copies(arendez_server, shm):
+    """Over TCP payloads land in place; on one host they come through shared memory instead."""
+    url = f"{arendez_server.url}/zerocopy-{shm}"
+    results = run_ranks("zero_copy", 2, url, 16, env={"ARENDEZ_SHM": shm})
     for res in results:
         assert res["received"] >= 3 * 16 * 2**20 // 2
         assert res["copied"] == 0, res
+        if shm == "1":
+            assert res["shm"] >= 0.9 * res["received"], res
+        else:
+            assert res["shm"] == 0, res
 
 
 @pytest.mark.timeout(60)
