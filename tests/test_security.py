@@ -117,6 +117,9 @@ def test_tls_round_trip_server_and_peers(tmp_path):
     with server("--tls-cert", certs["cert"], "--tls-key", certs["key"]) as srv:
         values = run_ranks("steady_all_reduce", 2, f"{srv.url}/tls", 5, 100_000, env=env)
         assert values == [9.0, 9.0]  # (0 + 4) + (1 + 4) in the last round
+        # under TLS large payloads too go through TLS, not shared memory
+        for res in run_ranks("shm_job", 2, f"{srv.url}/tls-shm", 300_001, 1, env=env):
+            assert res["shm"] == 0 and res["received"] > 300_001, res
         # plain TCP to a TLS server fails with a clear error, not a hang
         store = dist.Store("127.0.0.1", srv.port, "plain", timeout=2)
 
