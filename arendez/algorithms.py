@@ -113,17 +113,26 @@ def _lanes(size: int, itemsize: int, parts: int, min_lanes: int | None = None) -
 
 
 async def _run_lanes(count: int, lane: Callable[[int], Awaitable[None]]) -> None:
-    """Run ``lane(0..count-1)``, at most ``LANES_IN_FLIGHT`` at a time, in order."""
+    """Run ``lane(0..count-1)``, at most ``LANES_IN_FLIGHT`` at a time, in order.
+
+    The first lane to fail cancels the others, and all have stopped before this returns: no
+    lane may still read a received buffer once the collective has ended.
+    """
+    if count == 1:
+        await lane(0)
+        return
     gate = asyncio.Semaphore(LANES_IN_FLIGHT)
 
     async def gated(i: int) -> None:
         async with gate:
             await lane(i)
 
-    if count == 1:
-        await lane(0)
-    else:
-        await asyncio.gather(*(gated(i) for i in range(count)))
+    try:
+        async with asyncio.TaskGroup() as lanes:
+            for i in range(count):
+                lanes.create_task(gated(i))
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
 
 
 # -- reductions ------------------------------------------------------------------------------

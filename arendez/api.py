@@ -132,6 +132,7 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
         timeout=timeout,
     )
     mesh: Mesh | None = None
+    world: World | None = None
     try:
         if given is None:
             await store.connect(timeout)
@@ -146,8 +147,8 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
         member = await store.join(where.world_size, where.rank, address, deadline - loop.time())
         world = World(member.rank, member.world_size, timeout)
         world.store, world.mesh, world.server, world.address = store, mesh, server, address
-        world.shm_allowed = shm.enabled() and secure is None  # before peers' offers can arrive
-        store.on_event = lambda event: _on_server_event(world, event)
+        world.shm = shm.Channels(allowed=shm.enabled() and secure is None)  # before peers say hello
+        store.on_event = lambda event, w=world: _on_server_event(w, event)
         await mesh.connect(
             member.rank,
             member.world_size,
@@ -161,6 +162,8 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
         await world.open_shm(max(0.1, min(2.0, deadline - loop.time())))
         return world
     except BaseException:
+        if world is not None:
+            world.shm.close()
         if mesh is not None:
             await mesh.close(1.0)
         await store.leave(1.0)
@@ -235,7 +238,7 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
             with contextlib.suppress(ConnectionError):
                 world.mesh.send(peer, [BYE, dict(world.failed)])
         await world.mesh.close(max(0.2, min(2.0, deadline - loop.time())))
-    world.close_shm()
+    world.shm.close()
     if world.store is not None:
         await world.store.leave(max(0.2, min(2.0, deadline - loop.time())))
         if world.server is not None:

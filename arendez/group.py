@@ -43,7 +43,8 @@ T = TypeVar("T")
 Array = np.ndarray[Any, Any]
 
 # frame kinds on the mesh (headers are short lists)
-DATA, MISMATCH, BYE, QUERY, ANSWER, P2P, SHM_OFFER, SHM_ANSWER, SHM_FREE = range(9)
+DATA, MISMATCH, BYE, QUERY, ANSWER, P2P, SHM_HELLO, SHM_OFFER, SHM_ANSWER, SHM_FREE = range(10)
+SHM_KINDS = (SHM_HELLO, SHM_OFFER, SHM_ANSWER, SHM_FREE)
 
 #: How long a timed-out collective waits for peers to report their progress.
 DIAGNOSE_SECONDS = 1.0
@@ -109,6 +110,8 @@ class Stats:
     received_bytes: int = 0
     #: the part of ``received_bytes`` that came through shared memory, not the socket
     shm_bytes: int = 0
+    #: large payloads sent inline because the peer's shared-memory ring was full
+    shm_full: int = 0
 
 
 class World:
@@ -136,11 +139,11 @@ class World:
         self._queries: dict[int, tuple[dict[int, int], asyncio.Future[None], int]] = {}
         self._qids = itertools.count()
         self._early_poison: dict[int, dict[int, str]] = {}  # MISMATCH for groups not made yet
+        self._early_mail: dict[int, dict[int, list[tuple[Any, ...]]]] = {}  # DATA for them, by seq
         self._pending_gids: set[int] = set()
         self.pool = BufferPool()
-        self.shm_allowed = False  # set by init: on unless disabled or TLS protects the links
-        self.shm: dict[int, shm.Link] = {}  # per peer on this host
-        self._shm_answers: dict[int, asyncio.Future[None]] = {}
+        self.shm = shm.Channels(allowed=False)  # init enables it unless disabled or under TLS
+        self._shm_settled: asyncio.Future[None] | None = None
         self._shm_flush: asyncio.Handle | None = None
         self.closed = False
         self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
@@ -156,11 +159,15 @@ class World:
     def add_group(self, gid: int, ranks: list[int], timeout: float) -> ProcessGroup | None:
         """Register subgroup ``gid`` (None for a rank outside it)."""
         self._pending_gids.discard(gid)
+        early = self._early_mail.pop(gid, {})
         if self.rank not in ranks:
             self._early_poison.pop(gid, None)
+            for keys in early.values():
+                self.drop_stashes(keys)
             return None
         group = self.groups[gid] = ProcessGroup(self, gid, ranks, timeout)
         group.poisoned.update(self._early_poison.pop(gid, {}))
+        group.early_keys.update(early)
         return group
 
     # -- frames from the mesh --------------------------------------------------------------
@@ -231,22 +238,21 @@ class World:
                 answers[peer] = int(header[2])
                 if len(answers) >= expected and not done.done():
                     done.set_result(None)
-        elif kind == SHM_OFFER:
-            self._on_shm_offer(peer, header)
-        elif kind == SHM_ANSWER:
-            self._on_shm_answer(peer, header)
-        elif kind == SHM_FREE:
-            space = self.shm[peer].space if peer in self.shm else None
-            if space is None or not isinstance(header[1], list):
-                raise ProtocolError(f"rank {peer} freed shared memory it was never given")
-            for offset in header[1]:
-                space.free(offset)
+        elif kind in SHM_KINDS and peer not in self.dead:  # a dead peer's link is already gone
+            self._on_shm(peer, kind, header)
 
     def _on_data(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
         gid, seq, fp = header[1], header[2], header[5]
         lease: int | None = None
         if len(header) > 7:  # the payload lies in the sender's shared-memory segment
-            payload, lease = self._shm_payload(peer, header[6], header[7]), header[6]
+            if peer in self.dead:
+                return  # its link (and what it pointed at) went with it
+            try:
+                payload, lease = self.shm.payload(peer, header[6], header[7]), header[6]
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+            self.stats.received_bytes += payload.nbytes
+            self.stats.shm_bytes += payload.nbytes
         key = (peer, gid, seq, header[3], header[4])
         group = self.groups.get(gid)
         op: Op | None = None
@@ -272,6 +278,8 @@ class World:
                 op.keys.append(key)
             elif group is not None:
                 group.early_keys.setdefault(seq, []).append(key)
+            else:  # a subgroup this rank has not made yet: add_group hands these over
+                self._early_mail.setdefault(gid, {}).setdefault(seq, []).append(key)
             return
         del self._mail[key]
         fut = slot.fut
@@ -316,98 +324,79 @@ class World:
 
     # -- shared memory ---------------------------------------------------------------------
     async def open_shm(self, timeout: float) -> None:
-        """Offer every peer a segment of shared memory; wait (at most ``timeout``) for the answers.
+        """Set up shared memory with the peers on this host, waiting at most ``timeout``.
 
-        Peers that can map it (same host and user) then receive large payloads through it.
+        Peers elsewhere (or that cannot map our segment) stay on TCP only. ``self.shm`` must be
+        in place before the mesh connects: a faster peer's hello may come first.
         """
         assert self.mesh is not None
-        if not self.shm_allowed:
+        if not self.shm.allowed:
             return
-        loop = asyncio.get_running_loop()
-        for peer in sorted(self.mesh.conns):
-            try:
-                segment = shm.Segment.create()
-            except shm.ShmUnavailable as exc:
-                log.info("rank %d: shared memory unavailable, peers use TCP only: %s", self.rank, exc)
-                break
-            self.shm.setdefault(peer, shm.Link()).outbound = segment
-            self._shm_answers[peer] = loop.create_future()
-            self.mesh_send(peer, [SHM_OFFER, segment.path, segment.size, segment.cookie])
-        if self._shm_answers:
-            await asyncio.wait(list(self._shm_answers.values()), timeout=timeout)
-        for link in self.shm.values():
-            if link.outbound is not None and not link.ready:  # no answer in time: stay on TCP
-                link.outbound.close()
-                link.outbound = None
-        self._shm_answers.clear()
+        self._shm_settled = asyncio.get_running_loop().create_future()
+        try:
+            for peer in sorted(self.mesh.conns):
+                self.mesh_send(peer, [SHM_HELLO, self.shm.host])
+            self._check_shm_settled()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._shm_settled
+        finally:
+            self._shm_settled = None
+            self.shm.abandon_unanswered()  # no answer in time (or init was cancelled): TCP only
 
-    def _on_shm_offer(self, peer: int, header: list[Any]) -> None:
-        accepted, why = False, "shared memory is off on this rank"
-        if self.shm_allowed:
-            try:
-                segment = shm.Segment.attach(str(header[1]), int(header[2]), bytes(header[3]))
-            except (shm.ShmUnavailable, ValueError, TypeError, IndexError) as exc:
-                why = str(exc)
+    def _check_shm_settled(self) -> None:
+        done, mesh = self._shm_settled, self.mesh
+        if done is None or done.done() or mesh is None:
+            return
+        if all(p in self.shm.settled for p in mesh.conns):
+            done.set_result(None)
+
+    def _on_shm(self, peer: int, kind: int, header: list[Any]) -> None:
+        try:
+            if kind == SHM_HELLO:
+                try:
+                    offer = self.shm.on_hello(peer, header[1])
+                except shm.ShmUnavailable as exc:
+                    log.info("rank %d: no shared memory for rank %d: %s", self.rank, peer, exc)
+                else:
+                    if offer is not None:
+                        self.mesh_send(peer, [SHM_OFFER, *offer])
+            elif kind == SHM_OFFER:
+                accepted, why = self.shm.on_offer(peer, header[1], header[2], header[3])
+                self.mesh_send(peer, [SHM_ANSWER, accepted, why])
+            elif kind == SHM_ANSWER:
+                if not self.shm.on_answer(peer, header[1]):
+                    log.info("rank %d: rank %d takes no shared memory: %s", self.rank, peer, header[2])
             else:
-                segment.unlink()
-                link = self.shm.setdefault(peer, shm.Link())
-                if link.inbound is not None:
-                    link.inbound.close()
-                link.inbound, accepted, why = segment, True, ""
-        self.mesh_send(peer, [SHM_ANSWER, accepted, why])
-
-    def _on_shm_answer(self, peer: int, header: list[Any]) -> None:
-        link = self.shm.get(peer)
-        if link is not None and link.outbound is not None and not link.ready:
-            link.outbound.unlink()
-            if header[1] is True:
-                link.space = shm.RingSpace(link.outbound.size)
-                link.ready = True
-            else:
-                log.info("rank %d: rank %d takes no shared memory: %s", self.rank, peer, header[2])
-                link.outbound.close()
-                link.outbound = None
-        answered = self._shm_answers.get(peer)
-        if answered is not None and not answered.done():
-            answered.set_result(None)
-
-    def _shm_payload(self, peer: int, offset: Any, nbytes: Any) -> memoryview:
-        link = self.shm.get(peer)
-        if link is None or link.inbound is None:
-            raise ProtocolError(f"rank {peer} sent a shared-memory payload without a segment")
-        if not isinstance(offset, int) or not isinstance(nbytes, int):
-            raise ProtocolError(f"rank {peer} sent a malformed shared-memory reference")
-        self.stats.received_bytes += nbytes
-        self.stats.shm_bytes += nbytes
-        return link.inbound.view(offset, nbytes)
+                self.shm.on_free(peer, header[1])
+        except (ValueError, IndexError) as exc:
+            raise ProtocolError(f"bad shared-memory frame from rank {peer}: {exc}") from None
+        self._check_shm_settled()
 
     def free_shm(self, peer: int, lease: int | None) -> None:
         """Let ``peer`` reuse the range at ``lease`` of its segment (batched: one frame per
         peer per loop turn)."""
-        link = self.shm.get(peer)
-        if lease is None or link is None or link.inbound is None:
-            return
-        link.to_free.append(lease)
-        if self._shm_flush is None:
+        if lease is not None and self.shm.free(peer, lease) and self._shm_flush is None:
             self._shm_flush = asyncio.get_running_loop().call_soon(self._flush_frees)
 
     def _flush_frees(self) -> None:
         self._shm_flush = None
-        for peer, link in self.shm.items():
-            if link.to_free:
-                offsets, link.to_free = link.to_free, []
-                self.mesh_send(peer, [SHM_FREE, offsets])
+        for peer, offsets in self.shm.take_frees():
+            self.mesh_send(peer, [SHM_FREE, offsets])
+
+    def drop_stashes(self, keys: list[tuple[Any, ...]]) -> None:
+        """Forget frames that came for receives that will never be posted."""
+        for key in keys:
+            slot = self._mail.get(key)
+            if slot is not None and slot.fut is None:
+                del self._mail[key]
+                self.free_shm(key[0], slot.lease)
 
     def mesh_send(self, peer: int, header: Any) -> None:
         """Send a control frame to ``peer`` if it is still connected."""
         if self.mesh is not None and peer in self.mesh.conns:
             with contextlib.suppress(ConnectionError):
                 self.mesh.send(peer, header)
-
-    def close_shm(self) -> None:
-        for link in self.shm.values():
-            link.close()
-        self.shm.clear()
 
     # -- point to point --------------------------------------------------------------------
     def post_p2p(self, src: int | None, gid: int, tag: int, out: memoryview) -> asyncio.Future[int]:
@@ -453,9 +442,8 @@ class World:
         if peer in self.dead or peer == self.rank or self.closed:
             return
         self.dead[peer] = reason
-        link = self.shm.pop(peer, None)
-        if link is not None:
-            link.close()
+        self.shm.drop(peer)
+        self._check_shm_settled()
         if not left:
             self.failed[peer] = reason
         (log.info if left else log.warning)("rank %d: peer rank %d %s", self.rank, peer, reason)
@@ -577,14 +565,15 @@ class Op:
     def _send_shm(self, target: int, conn: Any, tag: int, raw: memoryview) -> bool:
         """Copy ``raw`` into our segment for ``target`` and send where it lies; False if there
         is no segment or no room in it now (the caller sends it inline instead)."""
-        link = self.world.shm.get(target)
-        if link is None or not link.ready or raw.nbytes < shm.MIN_PAYLOAD:
+        channels = self.world.shm
+        if not channels.carries(target, raw.nbytes):
             return False
-        assert link.space is not None and link.outbound is not None
-        offset = link.space.alloc(raw.nbytes)
-        if offset is None:
+        room = channels.reserve(target, raw.nbytes)
+        if room is None:
+            self.world.stats.shm_full += 1
             return False
-        link.outbound.view(offset, raw.nbytes)[:] = raw if raw.ndim == 1 else raw.cast("B")
+        offset, dest = room
+        dest[:] = raw if raw.ndim == 1 else raw.cast("B")
         conn.send([DATA, self.group.gid, self.seq, tag, 0, self.fp, offset, raw.nbytes])
         return True
 
@@ -637,6 +626,7 @@ class Op:
             if slot is not None and slot.data is not None:  # it came before we asked
                 del self.world._mail[key]
                 if slot.data.nbytes != part.nbytes:
+                    self.world.free_shm(key[0], slot.lease)
                     theirs = f"{slot.data.nbytes} bytes"
                     self.group.mismatch(self.seq, f"{self.fp} ({part.nbytes} bytes)", theirs, key[0])
                     self._check()
@@ -836,4 +826,7 @@ class ProcessGroup:
         self.world.fail_p2p(self.gid, GroupDestroyedError("recv cancelled: the process group was destroyed"))
         if leftovers:  # their awaiters wake on the next loop turns
             await asyncio.wait([op.done for op in leftovers], timeout=0.5)
+        for keys in self.early_keys.values():  # frames of collectives this rank never started
+            self.world.drop_stashes(keys)
+        self.early_keys.clear()
         self.destroyed = True

@@ -7,13 +7,16 @@ only where it lies; the receiver reduces straight from the segment (or copies it
 and tells the sender, in a batched ``FREE`` frame, which ranges it may reuse. The TCP stream
 stays the control channel, so ordering, matching and failure detection are unchanged.
 
-A link is set up by an offer: the sender creates a file, reserves its pages, writes a random
-cookie into it and sends ``(path, size, cookie)``. The receiver maps the path and checks the
-cookie, which proves both see the same file; a rank on another host or in another container
-cannot, and answers no. Both then unlink the file, so nothing outlives the processes.
+A link is set up in three messages. Each rank first tells every peer its *host key* (boot id
+and the identity of its shared-memory directory); only peers with the same key go on. The sender
+then creates a file, reserves its pages, writes a random cookie into it and offers
+``(path, size, cookie)``. The receiver maps the path read-only and checks the cookie, which
+proves both see the same file, and answers; both unlink the file at once, so nothing outlives the
+processes.
 
-Nothing here is async: ``RingSpace`` is the sender's allocator (sans-I/O, tested alone) and
-``Segment`` one mapped file.
+Nothing here does I/O on the network: ``RingSpace`` is the sender's allocator, ``Segment`` one
+mapped file, and ``Channels`` one rank's links, which says what to send and leaves the sending to
+its owner.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import contextlib
 import mmap
 import os
 import secrets
+import socket
 import tempfile
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Bytes of the segment a rank writes to one peer (``ARENDEZ_SHM_BYTES``).
 SEGMENT_BYTES = int(os.environ.get("ARENDEZ_SHM_BYTES", 8 << 20))
@@ -34,6 +40,8 @@ MIN_PAYLOAD = 64 * 1024
 #: Allocations start on cache-line boundaries.
 ALIGN = 64
 COOKIE_BYTES = 16
+#: A segment file older than this whose creator is gone was left by a crash mid-handshake.
+STALE_SECONDS = 60.0
 _PREFIX = "arendez-"
 
 
@@ -43,7 +51,42 @@ def enabled() -> bool:
 
 
 def _directory() -> str:
-    return os.environ.get("ARENDEZ_SHM_DIR", "/dev/shm")
+    return os.path.realpath(os.environ.get("ARENDEZ_SHM_DIR", "/dev/shm"))
+
+
+def host_key() -> str:
+    """Equal on two ranks only if they can share memory: same boot, same shm directory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    st = os.stat(_directory())
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
+def sweep_stale() -> int:
+    """Remove segment files that a process killed mid-handshake left behind; return how many."""
+    removed = 0
+    directory = _directory()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            pid = name[len(_PREFIX) :].split("-", 1)[0]
+            if not name.startswith(_PREFIX) or not pid.isdigit():
+                continue
+            path = os.path.join(directory, name)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                if st.st_uid != os.getuid() or time.time() - st.st_mtime < STALE_SECONDS:
+                    continue
+                os.kill(int(pid), 0)  # still alive (or not ours to signal): leave it
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    removed += 1
+            except OSError:
+                continue
+    return removed
 
 
 class ShmUnavailable(OSError):
@@ -141,18 +184,18 @@ class Segment:
 
     @classmethod
     def attach(cls, path: str, size: int, cookie: bytes) -> Segment:
-        """Map the peer's segment; it must be ours to open and carry ``cookie``."""
+        """Map the peer's segment read-only; it must be ours to open and carry ``cookie``."""
         name = os.path.basename(path)
         if not name.startswith(_PREFIX) or os.path.dirname(path) != _directory():
             raise ShmUnavailable(f"{path!r} is not a segment in {_directory()}")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             raise ShmUnavailable(f"cannot open {path}: {exc.strerror}") from None
         try:
             if os.fstat(fd).st_size != COOKIE_BYTES + size:
                 raise ShmUnavailable(f"{path} is not {size} bytes")
-            mapped = mmap.mmap(fd, COOKIE_BYTES + size)
+            mapped = mmap.mmap(fd, COOKIE_BYTES + size, prot=mmap.PROT_READ)  # the sender's to write
         except OSError as exc:
             raise ShmUnavailable(f"cannot map {path}: {exc}") from None
         finally:
@@ -199,3 +242,144 @@ class Link:
         for segment in (self.outbound, self.inbound):
             if segment is not None:
                 segment.close()
+
+
+class Channels:
+    """One rank's shared-memory links: the handshake, the sender's rings, the receiver's frees.
+
+    Methods take what a peer sent and return what to send back (``None``: nothing); the owner
+    moves the frames. A link's life: ``hello`` to every peer; ``on_hello`` from one on this host
+    makes our offer; ``on_offer`` maps theirs and answers; ``on_answer`` makes ours ready.
+    """
+
+    def __init__(self, allowed: bool, size: int = SEGMENT_BYTES) -> None:
+        self.allowed = allowed
+        self.size = size
+        self.links: dict[int, Link] = {}
+        self.settled: set[int] = set()  # peers whose answer about our segment is in (or moot)
+        self.host = ""
+        if allowed:
+            try:
+                self.host = host_key()
+            except OSError:
+                self.allowed = False
+            else:
+                sweep_stale()
+
+    def _link(self, peer: int) -> Link:
+        return self.links.setdefault(peer, Link())
+
+    def on_hello(self, peer: int, key: Any) -> tuple[str, int, bytes] | None:
+        """A peer's host key; returns our offer (path, size, cookie) if we can share memory."""
+        if not self.allowed or key != self.host or self._link(peer).outbound is not None:
+            self.settled.add(peer)
+            return None
+        try:
+            segment = Segment.create(self.size)
+        except ShmUnavailable:
+            self.settled.add(peer)
+            raise
+        self._link(peer).outbound = segment
+        return segment.path, segment.size, segment.cookie
+
+    def on_offer(self, peer: int, path: Any, size: Any, cookie: Any) -> tuple[bool, str]:
+        """A peer's segment: map it; returns the answer (accepted, why not)."""
+        if not self.allowed:
+            return False, "shared memory is off on this rank"
+        link = self._link(peer)
+        if link.inbound is not None:
+            return False, "this link already has a segment"
+        if not isinstance(path, str) or not isinstance(size, int) or not 0 < size <= 1 << 31:
+            return False, "malformed offer"
+        if not isinstance(cookie, bytes) or len(cookie) != COOKIE_BYTES:
+            return False, "malformed offer"
+        try:
+            segment = Segment.attach(path, size, cookie)
+        except ShmUnavailable as exc:
+            return False, str(exc)
+        segment.unlink()
+        link.inbound = segment
+        return True, ""
+
+    def on_answer(self, peer: int, accepted: Any) -> bool:
+        """The peer's answer to our offer; True if the link now carries payloads."""
+        self.settled.add(peer)
+        link = self.links.get(peer)
+        if link is None or link.outbound is None or link.ready:
+            return False
+        link.outbound.unlink()
+        if accepted is True:
+            link.space = RingSpace(link.outbound.size)
+            link.ready = True
+            return True
+        link.outbound.close()
+        link.outbound = None
+        return False
+
+    def abandon_unanswered(self) -> None:
+        """Close offers still waiting for an answer (init gave up waiting, or was cancelled)."""
+        for link in self.links.values():
+            if link.outbound is not None and not link.ready:
+                link.outbound.close()
+                link.outbound = None
+
+    def carries(self, peer: int, nbytes: int) -> bool:
+        """True if an ``nbytes`` payload to ``peer`` should go through shared memory."""
+        link = self.links.get(peer)
+        return nbytes >= MIN_PAYLOAD and link is not None and link.ready
+
+    def reserve(self, peer: int, nbytes: int) -> tuple[int, memoryview] | None:
+        """Room for a payload to ``peer`` (``carries`` must be true): (offset, where to copy
+        it), or ``None`` while the ring is full."""
+        link = self.links[peer]
+        assert link.space is not None and link.outbound is not None
+        offset = link.space.alloc(nbytes)
+        return None if offset is None else (offset, link.outbound.view(offset, nbytes))
+
+    def payload(self, peer: int, offset: Any, nbytes: Any) -> memoryview:
+        """The bytes a peer's frame points at in its segment (``ValueError`` if it cannot)."""
+        link = self.links.get(peer)
+        if link is None or link.inbound is None:
+            raise ValueError(f"rank {peer} sent a shared-memory payload without a segment")
+        if not isinstance(offset, int) or not isinstance(nbytes, int):
+            raise ValueError(f"rank {peer} sent a malformed shared-memory reference")
+        return link.inbound.view(offset, nbytes)
+
+    def free(self, peer: int, lease: int) -> bool:
+        """Note that ``peer`` may reuse ``lease`` (sent with ``take_frees``); False if the link is
+        gone."""
+        link = self.links.get(peer)
+        if link is None or link.inbound is None:
+            return False
+        link.to_free.append(lease)
+        return True
+
+    def take_frees(self) -> list[tuple[int, list[int]]]:
+        """Per peer, the offsets to hand back now."""
+        out = []
+        for peer, link in self.links.items():
+            if link.to_free:
+                out.append((peer, link.to_free))
+                link.to_free = []
+        return out
+
+    def on_free(self, peer: int, offsets: Any) -> None:
+        link = self.links.get(peer)
+        if link is None or link.space is None or not isinstance(offsets, list):
+            raise ValueError(f"rank {peer} freed shared memory it was never given")
+        for offset in offsets:
+            try:
+                link.space.free(offset)
+            except KeyError:
+                raise ValueError(f"rank {peer} freed offset {offset!r}, which it does not hold") from None
+
+    def drop(self, peer: int) -> None:
+        """The peer is gone: unmap both segments (views still in use keep their pages)."""
+        self.settled.add(peer)
+        link = self.links.pop(peer, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        for peer in list(self.links):
+            self.drop(peer)

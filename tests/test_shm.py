@@ -75,8 +75,10 @@ def test_segment_is_shared_and_leaves_no_file(shm_dir):
     theirs.unlink()
     mine.unlink()
     assert list(shm_dir.iterdir()) == []
-    theirs.view(0, 3)[:] = b"abc"  # the mapping outlives the file
-    assert bytes(mine.view(0, 3)) == b"abc"
+    mine.view(0, 3)[:] = b"abc"  # the mapping outlives the file
+    assert bytes(theirs.view(0, 3)) == b"abc"
+    with pytest.raises(TypeError):  # the receiver's mapping is read-only: the sender's to write
+        theirs.view(0, 3)[:] = b"xyz"
     with pytest.raises(ValueError, match="outside"):
         theirs.view(1 << 16, 1)
     mine.close()
@@ -109,6 +111,79 @@ def test_create_fails_cleanly_without_a_directory(monkeypatch, tmp_path):
     assert not shm.enabled()
 
 
+# -- Channels: the handshake between two ranks, without sockets ----------------------------
+def _pair(size: int = 1 << 16) -> tuple[shm.Channels, shm.Channels]:
+    return shm.Channels(allowed=True, size=size), shm.Channels(allowed=True, size=size)
+
+
+def test_channels_handshake_carries_payloads_and_frees(shm_dir):
+    a, b = _pair()
+    offer = a.on_hello(1, b.host)  # b said hello: same host key, so a offers
+    assert offer is not None and not a.carries(1, 1 << 16)
+    assert b.on_offer(0, *offer) == (True, "")
+    assert a.on_answer(1, True) and a.carries(1, 1 << 16) and 1 in a.settled
+    assert list(shm_dir.iterdir()) == []  # both unlinked: nothing to leak
+    assert not a.carries(1, shm.MIN_PAYLOAD - 1)  # small payloads stay inline
+    offset, dest = a.reserve(1, 40_000)
+    dest[:] = b"\x07" * 40_000
+    assert bytes(b.payload(0, offset, 40_000)) == b"\x07" * 40_000
+    assert b.free(0, offset)
+    [(peer, offsets)] = b.take_frees()
+    assert peer == 0 and offsets == [offset] and b.take_frees() == []
+    a.on_free(1, offsets)
+    with pytest.raises(ValueError, match="does not hold"):
+        a.on_free(1, offsets)  # a second free of the same range is the peer's bug, not ours
+    with pytest.raises(ValueError, match="outside"):
+        b.payload(0, 1 << 16, 1)
+    a.close()
+    b.close()
+
+
+def test_channels_other_host_or_refusal_stays_on_tcp(shm_dir):
+    a, b = _pair()
+    assert a.on_hello(1, "another-boot:1:2") is None and 1 in a.settled
+    assert not list(shm_dir.iterdir())  # nothing created for a peer elsewhere
+    offer = a.on_hello(2, b.host)
+    assert offer is not None
+    assert not a.on_answer(2, False) and not a.carries(2, 1 << 20)
+    assert list(shm_dir.iterdir()) == []
+    off = shm.Channels(allowed=False)
+    assert off.on_offer(0, *_pair()[0].on_hello(0, b.host))[0] is False
+
+
+def test_channels_refuse_malformed_and_repeated_offers(shm_dir):
+    a, b = _pair()
+    path, size, cookie = a.on_hello(1, b.host)
+    assert b.on_offer(0, path, size, 12345) == (False, "malformed offer")
+    assert b.on_offer(0, path, -1, cookie) == (False, "malformed offer")
+    assert b.on_offer(0, 7, size, cookie) == (False, "malformed offer")
+    assert b.on_offer(0, path, size, cookie)[0] is True
+    assert b.on_offer(0, path, size, cookie) == (False, "this link already has a segment")
+    with pytest.raises(ValueError, match="without a segment"):
+        a.payload(5, 0, 10)
+    with pytest.raises(ValueError, match="never given"):
+        b.on_free(0, [0])  # b never sent anything through shared memory
+    a.close()
+    b.close()
+
+
+def test_abandoned_offers_and_stale_files_are_removed(shm_dir):
+    a, b = _pair()
+    assert a.on_hello(1, b.host) is not None
+    a.abandon_unanswered()  # init stopped waiting for the answer
+    assert list(shm_dir.iterdir()) == []
+    stale = shm_dir / "arendez-999999999-left"  # a pid that cannot exist, an hour old
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    fresh = shm_dir / "arendez-999999999-handshaking"
+    fresh.write_bytes(b"x")
+    alive = shm_dir / f"arendez-{os.getpid()}-mine"
+    alive.write_bytes(b"x")
+    os.utime(alive, (time.time() - 3600, time.time() - 3600))
+    assert shm.sweep_stale() == 1
+    assert sorted(p.name for p in shm_dir.iterdir()) == sorted([fresh.name, alive.name])
+
+
 # -- real ranks ----------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_large_payloads_go_through_shared_memory_and_no_file_stays(arendez_server, shm_dir):
@@ -125,7 +200,7 @@ def test_a_full_ring_falls_back_to_tcp(arendez_server, shm_dir):
     env = {"ARENDEZ_SHM_BYTES": str(1536 * 1024)}
     results = run_ranks("shm_job", 4, f"{arendez_server.url}/shm-small", 1_000_003, 2, env=env)
     for res in results:
-        assert 0 < res["shm"] < 0.9 * res["received"], res
+        assert 0 < res["shm"] < 0.9 * res["received"] and res["full"] > 0, res
 
 
 @pytest.mark.timeout(60)
