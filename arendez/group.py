@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -46,6 +47,8 @@ Array = np.ndarray[Any, Any]
 DATA, MISMATCH, BYE, QUERY, ANSWER, P2P, SHM_HELLO, SHM_OFFER, SHM_ANSWER, SHM_FREE = range(10)
 SHM_KINDS = (SHM_HELLO, SHM_OFFER, SHM_ANSWER, SHM_FREE)
 
+#: Payloads at least this large that arrive before their receive land in pooled buffers.
+POOLED_EARLY_BYTES = 64 * 1024
 #: How long a timed-out collective waits for peers to report their progress.
 DIAGNOSE_SECONDS = 1.0
 
@@ -53,15 +56,21 @@ DIAGNOSE_SECONDS = 1.0
 class _Slot:
     """A receive: where the payload goes (``out``), who waits (``fut``), or data that came early."""
 
-    __slots__ = ("any", "data", "fp", "fut", "lease", "out")
+    __slots__ = ("any", "data", "fp", "fut", "give_back", "out", "shared")
 
     def __init__(self) -> None:
         self.any = False  # the receiver takes whichever buffer the payload landed in
         self.out: memoryview | None = None
         self.fut: asyncio.Future[Any] | None = None
         self.data: memoryview | None = None
-        self.lease: int | None = None  # offset of ``data`` in the sender's shared-memory segment
+        self.give_back: Callable[[], None] | None = None  # returns ``data``'s buffer once read
+        self.shared = False  # ``data`` lies in the sender's shared memory
         self.fp = ""
+
+
+def _give(give_back: Callable[[], None] | None) -> None:
+    if give_back is not None:
+        give_back()
 
 
 def _settle(fut: asyncio.Future[Any], exc: BaseException) -> None:
@@ -142,6 +151,7 @@ class World:
         self._early_mail: dict[int, dict[int, list[tuple[Any, ...]]]] = {}  # DATA for them, by seq
         self._pending_gids: set[int] = set()
         self.pool = BufferPool()
+        self._pooled: dict[int, Array] = {}  # pool buffers early payloads are arriving in
         self.shm = shm.Channels(allowed=False)  # init enables it unless disabled or under TLS
         self._shm_settled: asyncio.Future[None] | None = None
         self._shm_flush: asyncio.Handle | None = None
@@ -182,6 +192,10 @@ class World:
                 and slot.fp == header[5]
             ):
                 return slot.out  # (a mismatched frame goes to a throwaway buffer instead)
+            if nbytes >= POOLED_EARLY_BYTES:  # early: a reused buffer (fresh pages fault)
+                buffer = self.pool.take(nbytes)
+                self._pooled[id(buffer)] = buffer
+                return memoryview(cast(Any, buffer))
         elif kind == P2P:
             posted = self._claim_p2p(peer, header[1], header[2], nbytes)
             self._p2p_receiving.setdefault(peer, collections.deque()).append(posted)
@@ -243,36 +257,40 @@ class World:
 
     def _on_data(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
         gid, seq, fp = header[1], header[2], header[5]
-        lease: int | None = None
+        give_back: Callable[[], None] | None = None
         if len(header) > 7:  # the payload lies in the sender's shared-memory segment
             if peer in self.dead:
                 return  # its link (and what it pointed at) went with it
             try:
-                payload, lease = self.shm.payload(peer, header[6], header[7]), header[6]
+                payload = self.shm.payload(peer, header[6], header[7])
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
+            give_back = functools.partial(self.free_shm, peer, header[6])
             self.stats.received_bytes += payload.nbytes
             self.stats.shm_bytes += payload.nbytes
+        elif payload is not None and id(payload.obj) in self._pooled:  # came before its receive
+            give_back = functools.partial(self.pool.give, self._pooled.pop(id(payload.obj)))
+        shared = len(header) > 7
         key = (peer, gid, seq, header[3], header[4])
         group = self.groups.get(gid)
         op: Op | None = None
         if group is not None:
             op = group.active.get(seq)
             if op is None and seq < group.next_seq:
-                return self.free_shm(peer, lease)  # a late frame of a collective that already ended
+                return _give(give_back)  # a late frame of a collective that already ended
             if op is not None and op.fp != fp:
                 group.mismatch(seq, op.fp, fp, peer)
-                return self.free_shm(peer, lease)
+                return _give(give_back)
             if op is None:
                 group.early_fps.setdefault(seq, (peer, fp))
         elif gid < self.next_gid and gid not in self._pending_gids:
-            return self.free_shm(peer, lease)  # a group this rank destroyed or is not a member of
+            return _give(give_back)  # a group this rank destroyed or is not a member of
         slot = self._mail.get(key)
         if slot is None or slot.fut is None:
             stash = _Slot()
             stash.data = payload if payload is not None else memoryview(b"")
             stash.fp = fp
-            stash.lease = lease
+            stash.give_back, stash.shared = give_back, shared
             self._mail[key] = stash
             if op is not None:
                 op.keys.append(key)
@@ -284,10 +302,10 @@ class World:
         del self._mail[key]
         fut = slot.fut
         if fut.done():
-            return self.free_shm(peer, lease)
+            return _give(give_back)
         if slot.out is None or slot.any:
-            if op is not None and lease is not None and payload is not None:
-                op.hold(payload, peer, lease)
+            if op is not None and give_back is not None and payload is not None:
+                op.hold(payload, give_back)
             fut.set_result(payload if payload is not None else memoryview(b""))
             return
         if payload is not None and payload.obj is not slot.out.obj:
@@ -295,13 +313,12 @@ class World:
                 fut.set_exception(
                     CollectiveMismatchError(f"expected {slot.out.nbytes} bytes, got {payload.nbytes}")
                 )
-                return self.free_shm(peer, lease)
+                return _give(give_back)
             slot.out[:] = payload
-            if lease is None:
+            if not shared:  # (copying out of shared memory is the transfer itself, as the kernel's)
                 self.stats.copied_bytes += payload.nbytes
                 self.stats.copied_messages += 1
-            else:  # copying out of shared memory is the transfer itself, as the kernel's is
-                self.free_shm(peer, lease)
+            _give(give_back)
         fut.set_result(None)
 
     def _on_p2p(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
@@ -390,7 +407,7 @@ class World:
             slot = self._mail.get(key)
             if slot is not None and slot.fut is None:
                 del self._mail[key]
-                self.free_shm(key[0], slot.lease)
+                _give(slot.give_back)
 
     def mesh_send(self, peer: int, header: Any) -> None:
         """Send a control frame to ``peer`` if it is still connected."""
@@ -505,7 +522,7 @@ class Op:
         self.size = group.size
         self.error: BaseException | None = None
         self.keys: list[tuple[Any, ...]] = []
-        self._held: dict[int, tuple[int, int]] = {}  # id(view) -> (peer, lease) of shm payloads
+        self._held: dict[int, Callable[[], None]] = {}  # id(view) -> how to give it back
         self._waiting: set[asyncio.Future[Any]] = set()  # what fail() must wake
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -547,20 +564,19 @@ class Op:
             raise exc
         return conn
 
-    def hold(self, view: memoryview, peer: int, lease: int) -> None:
-        """``view`` lies in ``peer``'s segment: free it on ``release`` or when the op ends."""
-        self._held[id(view)] = (peer, lease)
+    def hold(self, view: memoryview, give_back: Callable[[], None]) -> None:
+        """``view`` is borrowed (a peer's shared memory, a pooled buffer): give it back on
+        ``release`` or when the op ends."""
+        self._held[id(view)] = give_back
 
     def release(self, buffer: memoryview) -> None:
-        held = self._held.pop(id(buffer), None)
-        if held is not None:
-            self.world.free_shm(*held)
+        _give(self._held.pop(id(buffer), None))
 
     def release_all(self) -> None:
-        """Free what this op still holds in peers' segments (it has ended)."""
+        """Give back what this op still borrows (it has ended)."""
         held, self._held = self._held, {}
-        for peer, lease in held.values():
-            self.world.free_shm(peer, lease)
+        for give_back in held.values():
+            give_back()
 
     def _send_shm(self, target: int, conn: Any, tag: int, raw: memoryview) -> bool:
         """Copy ``raw`` into our segment for ``target`` and send where it lies; False if there
@@ -626,17 +642,16 @@ class Op:
             if slot is not None and slot.data is not None:  # it came before we asked
                 del self.world._mail[key]
                 if slot.data.nbytes != part.nbytes:
-                    self.world.free_shm(key[0], slot.lease)
+                    _give(slot.give_back)
                     theirs = f"{slot.data.nbytes} bytes"
                     self.group.mismatch(self.seq, f"{self.fp} ({part.nbytes} bytes)", theirs, key[0])
                     self._check()
                 if part.nbytes:
                     part[:] = slot.data
-                    if slot.lease is None:
+                    if not slot.shared:  # (out of shared memory it is the transfer's one copy)
                         self.world.stats.copied_bytes += part.nbytes
                         self.world.stats.copied_messages += 1
-                    else:  # out of shared memory: the transfer's one copy
-                        self.world.free_shm(key[0], slot.lease)
+                _give(slot.give_back)
                 continue
             futs.append(self._wait_slot(key, part))
         if not futs:
@@ -654,8 +669,8 @@ class Op:
         key, slot = self._slot(peer, tag, 0)
         if slot is not None and slot.data is not None:
             del self.world._mail[key]
-            if slot.lease is not None:
-                self.hold(slot.data, key[0], slot.lease)
+            if slot.give_back is not None:
+                self.hold(slot.data, slot.give_back)
             return _done(slot.data)
         if scratch is None or scratch.nbytes > wire.MAX_SEGMENT:
             return self._wait_slot(key, None)
@@ -765,8 +780,8 @@ class ProcessGroup:
             mail = self.world._mail
             for key in op.keys:
                 slot = mail.pop(key, None)
-                if slot is not None and slot.lease is not None:  # came, but was never taken
-                    self.world.free_shm(key[0], slot.lease)
+                if slot is not None:  # came, but was never taken
+                    _give(slot.give_back)
             op.release_all()
             if not op.done.done():
                 op.done.set_result(None)

@@ -9,7 +9,7 @@ import pytest
 
 from arendez import wire
 from arendez.arrays import byte_view
-from arendez.group import P2P, World
+from arendez.group import DATA, P2P, World
 
 
 def _p2p(gid: int, tag: int, data: np.ndarray) -> bytes:
@@ -32,3 +32,37 @@ async def test_back_to_back_p2p_frames_in_one_read_reach_their_own_recvs():
     assert await asyncio.wait_for(a, 1) == 0 and await asyncio.wait_for(b, 1) == 0
     assert first.tolist() == [1, 1, 1] and second.tolist() == [2] * 5
     assert world.stats.copied_bytes == 0  # both landed in place
+
+
+def _feed(world: World, peer: int, frame: bytes) -> None:
+    """Push ``frame`` through a decoder in the pieces it asks for, routing what completes."""
+    decoder = wire.Decoder(lambda h, n: world.sink(peer, h, n))
+    view = memoryview(frame)
+    while view.nbytes:
+        buf = decoder.get_buffer()
+        n = min(len(buf), view.nbytes)
+        buf[:n] = view[:n]
+        view = view[n:]
+        for header, payload in decoder.feed(n):
+            world.route(peer, header, payload)
+
+
+@pytest.mark.timeout(10)
+async def test_early_payloads_land_in_a_pooled_buffer_that_is_reused():
+    """A frame that arrives before its receive lands in a pool buffer (fresh pages would fault
+    on every call); the receive takes it, releases it, and the next early frame reuses it."""
+    world = World(rank=1, world_size=2, timeout=5)
+    group = world.groups[0]
+    landed: list[tuple[object, float]] = []  # (the buffer itself: ids of dead objects recur)
+
+    async def body(op):
+        got = await op.recv_any(0, 0)
+        landed.append((got.obj, float(np.frombuffer(got, np.float32)[0])))
+        op.release(got)
+
+    for seq in range(3):
+        data = np.full(1 << 15, seq + 1, np.float32)  # 128 KiB: above the pooling threshold
+        _feed(world, 0, b"".join(bytes(b) for b in wire.encode([DATA, 0, seq, 0, 0, "fp"], byte_view(data))))
+        await group.run("test", "fp", body)
+    assert [value for _, value in landed] == [1.0, 2.0, 3.0]
+    assert all(buffer is landed[0][0] for buffer, _ in landed), "each early frame got a fresh buffer"
