@@ -677,8 +677,9 @@ async def scatter_object_list(
 
 
 def transport_stats() -> Stats:
-    """Transport counters of the current world: payload bytes received, and those the receive
-    path had to copy (a frame that arrived before its receive was posted)."""
+    """Transport counters of the current world: payload bytes received, those the receive path
+    had to copy (a frame that arrived before its receive was posted), those that came through
+    shared memory, and large sends that took TCP because the peer's ring was full."""
     world = _registry.world
     if world is None:
         raise NotInitializedError("no process group: call init_process_group() first")
