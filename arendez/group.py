@@ -258,7 +258,8 @@ class World:
     def _on_data(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
         gid, seq, fp = header[1], header[2], header[5]
         give_back: Callable[[], None] | None = None
-        if len(header) > 7:  # the payload lies in the sender's shared-memory segment
+        shared = len(header) > 7
+        if shared:  # the payload lies in the sender's shared-memory segment
             if peer in self.dead:
                 return  # its link (and what it pointed at) went with it
             try:
@@ -270,7 +271,6 @@ class World:
             self.stats.shm_bytes += payload.nbytes
         elif payload is not None and id(payload.obj) in self._pooled:  # came before its receive
             give_back = functools.partial(self.pool.give, self._pooled.pop(id(payload.obj)))
-        shared = len(header) > 7
         key = (peer, gid, seq, header[3], header[4])
         group = self.groups.get(gid)
         op: Op | None = None
@@ -641,17 +641,18 @@ class Op:
             key, slot = self._slot(peer, tag, seg)
             if slot is not None and slot.data is not None:  # it came before we asked
                 del self.world._mail[key]
-                if slot.data.nbytes != part.nbytes:
+                try:
+                    if slot.data.nbytes != part.nbytes:
+                        theirs = f"{slot.data.nbytes} bytes"
+                        self.group.mismatch(self.seq, f"{self.fp} ({part.nbytes} bytes)", theirs, key[0])
+                        self._check()
+                    if part.nbytes:
+                        part[:] = slot.data
+                        if not slot.shared:  # (out of shared memory it is the transfer's one copy)
+                            self.world.stats.copied_bytes += part.nbytes
+                            self.world.stats.copied_messages += 1
+                finally:
                     _give(slot.give_back)
-                    theirs = f"{slot.data.nbytes} bytes"
-                    self.group.mismatch(self.seq, f"{self.fp} ({part.nbytes} bytes)", theirs, key[0])
-                    self._check()
-                if part.nbytes:
-                    part[:] = slot.data
-                    if not slot.shared:  # (out of shared memory it is the transfer's one copy)
-                        self.world.stats.copied_bytes += part.nbytes
-                        self.world.stats.copied_messages += 1
-                _give(slot.give_back)
                 continue
             futs.append(self._wait_slot(key, part))
         if not futs:
