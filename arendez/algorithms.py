@@ -21,19 +21,22 @@ from typing import Any, Protocol
 import numpy as np
 
 from .arrays import ReduceOp, ufunc_for
+from .settings import env_int
 
 Array = np.ndarray[Any, Any]
 
+#: What ``ARENDEZ_ALGORITHM`` may force.
+ALGORITHMS = ("direct", "rdb", "ring", "rhd")
 #: Arrays up to this many bytes take the latency-bound path.
 SMALL_BYTES = 64 * 1024
 #: Bytes of one block of one ring lane; lanes of ``size`` blocks pipeline large messages.
-LANE_BYTES = int(os.environ.get("ARENDEZ_LANE_BYTES", 512 * 1024))
+LANE_BYTES = env_int("ARENDEZ_LANE_BYTES", 512 * 1024, minimum=4096)
 #: Lanes a bandwidth-bound message is cut into at least (blocks permitting).
-MIN_LANES = int(os.environ.get("ARENDEZ_MIN_LANES", 1))
+MIN_LANES = env_int("ARENDEZ_MIN_LANES", 1)
 #: Smallest lane block: below it, per-message overhead outweighs the overlap lanes buy.
 MIN_LANE_BYTES = 64 * 1024
 #: Ring lanes in flight at once (bounds scratch memory to a fixed chunk budget).
-LANES_IN_FLIGHT = int(os.environ.get("ARENDEZ_LANES_IN_FLIGHT", 4))
+LANES_IN_FLIGHT = env_int("ARENDEZ_LANES_IN_FLIGHT", 4)
 
 
 class Comm(Protocol):
@@ -63,9 +66,21 @@ class Comm(Protocol):
         end releases whatever is left)."""
 
 
+def check_algorithm(name: str | None, what: str = "algorithm") -> str | None:
+    """``name`` if it is an algorithm ``choose`` knows (or None); a clear error otherwise."""
+    if name is not None and name not in ALGORITHMS:
+        raise ValueError(f"{what} must be one of {', '.join(ALGORITHMS)}, got {name!r}")
+    return name
+
+
+def forced_algorithm() -> str | None:
+    """The algorithm ``ARENDEZ_ALGORITHM`` forces, if any."""
+    return check_algorithm(os.environ.get("ARENDEZ_ALGORITHM") or None, "ARENDEZ_ALGORITHM")
+
+
 def choose(collective: str, nbytes: int, size: int) -> str:
     """Pick the algorithm by message size and group size (``ARENDEZ_ALGORITHM`` overrides)."""
-    forced = os.environ.get("ARENDEZ_ALGORITHM")
+    forced = forced_algorithm()
     if forced:
         if forced == "rdb" and size & (size - 1):
             return "direct"

@@ -97,6 +97,7 @@ async def init_process_group(
         raise ValueError(f"backend {backend!r} is not available; use 'tcp' (or its alias 'gloo')")
     if _registry.default is not None:
         raise RendezvousError("the default process group is already initialized")
+    algo.forced_algorithm()  # a bad ARENDEZ_ALGORITHM fails here, not inside a collective
     limit = _seconds(timeout, DEFAULT_TIMEOUT)
     if store is not None:
         if world_size < 1:
@@ -343,6 +344,7 @@ async def all_reduce(
     if g is None:
         return
     x, rop = _reduction(tensor, op)
+    algo.check_algorithm(algorithm)
     await g.run("all_reduce", _fp("all_reduce", x, rop.name), lambda c: algo.all_reduce(c, x, rop, algorithm))
 
 
@@ -354,6 +356,7 @@ async def reduce(
     if g is None:
         return
     x, rop = _reduction(tensor, op)
+    algo.check_algorithm(algorithm)
     root = g.group_rank(dst, "dst")
     await g.run("reduce", _fp("reduce", x, rop.name, dst), lambda c: algo.reduce(c, x, root, rop, algorithm))
 
@@ -364,6 +367,7 @@ async def broadcast(tensor: Any, src: int, group: Any = None, *, algorithm: str 
     if g is None:
         return
     x = as_array(tensor)
+    algo.check_algorithm(algorithm)
     root = g.group_rank(src, "src")
     await g.run("broadcast", _fp("broadcast", x, src), lambda c: algo.broadcast(c, x, root, algorithm))
 

@@ -32,8 +32,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .settings import env_int
+
 #: Bytes of the segment a rank writes to one peer (``ARENDEZ_SHM_BYTES``).
-SEGMENT_BYTES = int(os.environ.get("ARENDEZ_SHM_BYTES", 8 << 20))
+SEGMENT_BYTES = env_int("ARENDEZ_SHM_BYTES", 8 << 20, minimum=4096)
 #: Payloads smaller than this go inline in the TCP frame: for them a shared-memory round trip
 #: saves nothing.
 MIN_PAYLOAD = 64 * 1024

@@ -9,6 +9,7 @@ import pytest
 
 import arendez as dist
 import arendez.sync as sdist
+from arendez.settings import env_int
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +60,24 @@ async def test_bad_arrays_are_clear_value_errors():
         await dist.all_reduce([1, 2, 3])
     with pytest.raises(ValueError, match="backend"):
         await dist.init_process_group("nccl")
+    with pytest.raises(ValueError, match="algorithm must be one of direct, rdb, ring, rhd, got 'tree'"):
+        await dist.all_reduce(np.ones(3), algorithm="tree")
+
+
+@pytest.mark.timeout(10)
+async def test_bad_tuning_variables_are_named(monkeypatch):
+    monkeypatch.setenv("ARENDEZ_ALGORITHM", "fastest")
+    with pytest.raises(ValueError, match=r"ARENDEZ_ALGORITHM must be one of .* got 'fastest'"):
+        await dist.init_process_group(world_size=1)
+    assert not dist.is_initialized()
+    monkeypatch.setenv("ARENDEZ_SHM_BYTES", "lots")
+    with pytest.raises(ValueError, match="ARENDEZ_SHM_BYTES must be an integer, got 'lots'"):
+        env_int("ARENDEZ_SHM_BYTES", 1 << 20)
+    monkeypatch.setenv("ARENDEZ_LANES_IN_FLIGHT", "0")
+    with pytest.raises(ValueError, match="ARENDEZ_LANES_IN_FLIGHT must be at least 1, got 0"):
+        env_int("ARENDEZ_LANES_IN_FLIGHT", 4)
+    monkeypatch.setenv("ARENDEZ_LANES_IN_FLIGHT", "")
+    assert env_int("ARENDEZ_LANES_IN_FLIGHT", 4) == 4
 
 
 @pytest.mark.timeout(10)
