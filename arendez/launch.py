@@ -6,7 +6,8 @@ port (unless ``--server`` names one), then four ``python train.py --lr 0.1`` pro
 script's ``await arendez.init_process_group()`` joins through ``env://``. Every output line is
 prefixed with ``[rank K]``. The first rank to fail decides the exit code and the others are
 terminated; SIGINT/SIGTERM are forwarded to every rank. Each rank runs in its own session, so
-its children are killed with it and nothing outlives the launcher.
+its children are killed with it, and a watchdog (``arendez.watchdog``) stops every session if
+the launcher itself is killed: nothing outlives the launcher.
 """
 
 from __future__ import annotations
@@ -312,6 +313,50 @@ async def _unless(stop: asyncio.Event, work: asyncio.Future[T]) -> asyncio.Futur
     return None
 
 
+class _Watchdog:
+    """The ``arendez.watchdog`` process that stops our children if we are killed."""
+
+    def __init__(self, proc: asyncio.subprocess.Process | None) -> None:
+        self._proc = proc
+
+    @classmethod
+    async def start(cls, grace: float) -> _Watchdog:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "arendez.watchdog",
+                str(grace),
+                stdin=asyncio.subprocess.PIPE,
+                start_new_session=True,  # a killpg of our group must not take it too
+            )
+        except OSError as exc:
+            _say(f"no watchdog ({exc}): if this launcher is killed, its ranks may outlive it")
+            return cls(None)
+        return cls(proc)
+
+    def _tell(self, line: str) -> None:
+        if self._proc is not None and self._proc.stdin is not None:
+            with contextlib.suppress(OSError, RuntimeError):
+                self._proc.stdin.write(f"{line}\n".encode())
+
+    def watch(self, child: _Child) -> None:
+        self._tell(str(child.proc.pid))  # start_new_session: its process group id
+
+    async def done(self) -> None:
+        """Everything was stopped by us: let the watchdog go."""
+        if self._proc is None:
+            return
+        self._tell("done")
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            await asyncio.wait_for(self._proc.wait(), 5.0)
+        except TimeoutError:
+            self._proc.kill()
+            await self._proc.wait()
+
+
 async def _run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     stop, kill_now = asyncio.Event(), asyncio.Event()
@@ -327,6 +372,7 @@ async def _run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     server: _Child | None = None
     ranks: list[_Child] = []
+    watchdog = await _Watchdog.start(args.grace)
     try:
         base = dict(os.environ)
         if args.server:
@@ -334,6 +380,7 @@ async def _run(args: argparse.Namespace) -> int:
         else:
             argv = [sys.executable, "-m", "arendez_server", "--host", "127.0.0.1", "--port", "0"]
             server = await _spawn("server", [*argv, "--log-level", "WARNING"], base)
+            watchdog.watch(server)
             started = await _unless(stop, asyncio.ensure_future(_server_url(server)))
             if started is None:
                 return 128 + received[0]
@@ -344,6 +391,7 @@ async def _run(args: argparse.Namespace) -> int:
                 break
             env = rank_env(base, url, rank, args.nproc)
             child = await _spawn(f"rank {rank}", [sys.executable, *target, *args.args], env)
+            watchdog.watch(child)
             child.pump(f"[rank {rank}] ".encode())
             ranks.append(child)
         outcome = await _unless(stop, asyncio.ensure_future(_first_failure(ranks)))
@@ -371,6 +419,7 @@ async def _run(args: argparse.Namespace) -> int:
         if server is not None:
             await _stop([server], signal.SIGTERM, args.grace, kill_now)
             await _drain([server])
+        await watchdog.done()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
 

@@ -181,6 +181,23 @@ def test_signals_are_forwarded_and_nothing_is_left(
 
 
 @pytest.mark.timeout(60)
+def test_a_sigkilled_launcher_leaves_nothing(tmp_path: Path, launcher: list[subprocess.Popen[str]]) -> None:
+    """SIGKILL gives the launcher no chance to clean up: its watchdog stops every rank's session
+    (children of ranks included) and the server."""
+    launcher.append(
+        proc := _launch(
+            "--nproc", "3", "--grace", "1", str(SCRIPTS / "sleeper.py"), env={"PIDDIR": str(tmp_path)}
+        )
+    )
+    pids = _rank_pids(tmp_path, 3, proc)
+    family = _descendants(proc.pid)  # the watchdog, the embedded server, the ranks and their children
+    assert pids <= family and len(family) >= 8
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=10)
+    assert not _wait_gone(family, timeout=10), "processes outlived the SIGKILLed launcher"
+
+
+@pytest.mark.timeout(60)
 def test_env_init_with_torchrun_variables() -> None:
     """MASTER_ADDR/MASTER_PORT without ARENDEZ_URL: rank 0 hosts the store (tcp:// semantics)."""
     with socket.socket() as s:
