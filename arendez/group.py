@@ -390,10 +390,10 @@ class World:
             raise ProtocolError(f"bad shared-memory frame from rank {peer}: {exc}") from None
         self._check_shm_settled()
 
-    def free_shm(self, peer: int, lease: int | None) -> None:
+    def free_shm(self, peer: int, lease: int) -> None:
         """Let ``peer`` reuse the range at ``lease`` of its segment (batched: one frame per
         peer per loop turn)."""
-        if lease is not None and self.shm.free(peer, lease) and self._shm_flush is None:
+        if self.shm.free(peer, lease) and self._shm_flush is None:
             self._shm_flush = asyncio.get_running_loop().call_soon(self._flush_frees)
 
     def _flush_frees(self) -> None:
