@@ -552,7 +552,7 @@ async def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
         raise ValueError("cannot send to this rank itself")
     assert world.mesh is not None
     conn = world.mesh.conns.get(dst)
-    if conn is None or not conn.is_open:
+    if conn is None or not conn.is_open or dst in world.dead:
         raise RankFailedError(dst, "send", world.dead.get(dst, "no connection"))
     raw = byte_view(x)
     if raw.nbytes > wire.MAX_SEGMENT:

@@ -557,7 +557,7 @@ class Op:
         target = self.group.ranks[peer]
         assert world.mesh is not None
         conn = world.mesh.conns.get(target)
-        if conn is None or not conn.is_open:
+        if conn is None or not conn.is_open or target in world.dead:
             reason = world.dead.get(target, "no connection")
             exc = RankFailedError(target, self.name, reason)
             self.fail(exc)
@@ -734,9 +734,9 @@ class ProcessGroup:
             )
         if self.closing:
             raise GroupDestroyedError("the process group is being destroyed")
-        for peer in self.ranks:
-            if peer in self.world.dead:
-                raise RankFailedError(peer, "this group", self.world.dead[peer])
+        for peer in self.ranks:  # (a peer that left cleanly may have sent all we still need)
+            if peer in self.world.failed:
+                raise RankFailedError(peer, "this group", self.world.failed[peer])
 
     async def run(
         self, name: str, fp: str, body: Callable[[Any], Awaitable[T]], timeout: float | None = None

@@ -475,6 +475,36 @@ async def forged_shm_reference(rank: int, ws: int, url: str) -> str:
 
 
 @scenario
+async def left_after_sending(rank: int, ws: int, url: str, size: int) -> str:
+    """Rank 1 broadcasts and leaves at once; rank 0 starts its broadcast only after the goodbye.
+    The data it needs already came, so it must succeed; the next collective must fail fast."""
+    await join(url, ws, rank)
+    x = np.full(size, float(rank + 7), np.float32)
+    if rank == 1:
+        await dist.broadcast(x, src=1)
+        await dist.destroy_process_group()
+        return "left"
+    from arendez import api
+
+    world = api._registry.world
+    assert world is not None
+    deadline = time.monotonic() + 10
+    while 1 not in world.dead and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert 1 in world.dead, "rank 1's goodbye never came"
+    await dist.broadcast(x, src=1)
+    assert np.all(x == 8.0), x[:4]
+    started = time.monotonic()
+    try:
+        await dist.all_reduce(x)
+        outcome = "no error"
+    except dist.RankFailedError as exc:
+        outcome = f"{exc} after {time.monotonic() - started:.2f}s"
+    await dist.destroy_process_group()
+    return outcome
+
+
+@scenario
 async def torch_tensors(rank: int, ws: int, url: str) -> list[float]:
     import torch
 

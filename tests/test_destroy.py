@@ -50,3 +50,13 @@ def test_reinit_over_embedded_tcp_server():
     results = run_ranks("reinit", 3, f"tcp://127.0.0.1:{port}", 2)
     for res in results:
         assert res[:2] == [3.0, 6.0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [1000, 300_001])  # inline over TCP; through shared memory
+def test_a_peer_that_left_after_sending_does_not_fail_what_it_fed(arendez_server, size):
+    url = f"{arendez_server.url}/left-{size}"
+    first, second = run_ranks("left_after_sending", 2, url, size, timeout=50)
+    assert second == "left"
+    assert "rank 1" in first and "destroyed its process group" in first, first
+    assert float(first.rsplit("after ", 1)[1].rstrip("s")) < 1.0, first  # at once, not at the deadline
