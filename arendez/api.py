@@ -544,7 +544,7 @@ async def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
     g = _resolve(group)
     if g is None:
         return
-    g.check_usable()
+    g.check_usable("send")
     x = as_array(tensor, writable=False)
     g.group_rank(dst, "dst")
     world = g.world
@@ -574,7 +574,7 @@ async def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int 
     g = _resolve(group)
     if g is None:
         return -1
-    g.check_usable()
+    g.check_usable("recv")
     out = as_array(tensor)
     if src is not None:
         g.group_rank(src, "src")

@@ -727,7 +727,8 @@ class ProcessGroup:
         except ValueError:
             raise ValueError(f"{what} {global_rank} is not in this group (ranks {self.ranks})") from None
 
-    def check_usable(self) -> None:
+    def check_usable(self, name: str = "this group") -> None:
+        """Raise if collective ``name`` cannot start: the group is destroyed or a member failed."""
         if self.destroyed:
             raise NotInitializedError(
                 "this process group was destroyed; call init_process_group() (or new_group()) again"
@@ -736,13 +737,13 @@ class ProcessGroup:
             raise GroupDestroyedError("the process group is being destroyed")
         for peer in self.ranks:  # (a peer that left cleanly may have sent all we still need)
             if peer in self.world.failed:
-                raise RankFailedError(peer, "this group", self.world.failed[peer])
+                raise RankFailedError(peer, name, self.world.failed[peer])
 
     async def run(
         self, name: str, fp: str, body: Callable[[Any], Awaitable[T]], timeout: float | None = None
     ) -> T:
         """Run ``body(op)`` as the group's next collective, under its deadline."""
-        self.check_usable()
+        self.check_usable(name)
         seq = self.next_seq
         self.next_seq += 1
         if self.size == 1:

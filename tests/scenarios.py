@@ -505,6 +505,32 @@ async def left_after_sending(rank: int, ws: int, url: str, size: int) -> str:
 
 
 @scenario
+async def dies_between_collectives(rank: int, ws: int, url: str) -> str:
+    """The last rank dies right after a collective; the others start the next one once they know:
+    the error names the rank and the collective that could not run."""
+    from arendez import api
+
+    await join(url, ws, rank)
+    world = api._registry.world
+    assert world is not None
+    await dist.all_reduce(np.ones(10, np.float32))
+    if rank == ws - 1:  # once every rank has its result (dying earlier fails that collective)
+        await world.store.wait([f"reduced-{r}" for r in range(ws - 1)], timeout=10)
+        os._exit(0)  # no goodbye: a crash
+    await world.store.set(f"reduced-{rank}", "1")
+    deadline = time.monotonic() + 10
+    while ws - 1 not in world.failed and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    try:
+        await dist.all_reduce(np.ones(10, np.float32))
+        outcome = "no error"
+    except dist.RankFailedError as exc:
+        outcome = f"{exc.rank} {exc.collective}"
+    await dist.destroy_process_group()
+    return outcome
+
+
+@scenario
 async def torch_tensors(rank: int, ws: int, url: str) -> list[float]:
     import torch
 

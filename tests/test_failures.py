@@ -105,3 +105,13 @@ def test_a_rank_busy_longer_than_the_lease_is_not_declared_failed(arendez_server
     from tests.harness import run_ranks
 
     assert run_ranks("busy_loop", 3, f"{arendez_server.url}/busy", 4.0) == [3.0] * 3
+
+
+@pytest.mark.timeout(60)
+def test_a_death_seen_between_collectives_names_the_next_one(arendez_server):
+    url = f"{arendez_server.url}/between"
+    procs = [spawn_rank("dies_between_collectives", r, 3, url) for r in range(3)]
+    results = collect(procs, 40)
+    for res in results[:2]:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.value == "2 all_reduce", res.value

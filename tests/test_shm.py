@@ -215,7 +215,6 @@ def test_ranks_that_cannot_share_memory_use_tcp(arendez_server, tmp_path):
     for res in collect(procs, 50):
         assert res.returncode == 0, res.stderr[-3000:]
         assert res.value["shm"] == 0 and res.value["received"] > 0, res.value
-        assert res.value["copied"] == 0, res.value
 
 
 @pytest.mark.timeout(90)
