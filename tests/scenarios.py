@@ -474,6 +474,18 @@ async def forged_shm_reference(rank: int, ws: int, url: str) -> str:
     return outcome
 
 
+async def _until(seen: Callable[[Any], bool], what: str, seconds: float = 10.0) -> None:
+    """Wait (bounded) until ``seen(world)`` holds for this rank's world; fail with ``what``."""
+    from arendez import api
+
+    world = api._registry.world
+    assert world is not None
+    deadline = time.monotonic() + seconds
+    while not seen(world) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert seen(world), what
+
+
 @scenario
 async def left_after_sending(rank: int, ws: int, url: str, size: int) -> str:
     """Rank 1 broadcasts and leaves at once; rank 0 starts its broadcast only after the goodbye.
@@ -484,14 +496,7 @@ async def left_after_sending(rank: int, ws: int, url: str, size: int) -> str:
         await dist.broadcast(x, src=1)
         await dist.destroy_process_group()
         return "left"
-    from arendez import api
-
-    world = api._registry.world
-    assert world is not None
-    deadline = time.monotonic() + 10
-    while 1 not in world.dead and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    assert 1 in world.dead, "rank 1's goodbye never came"
+    await _until(lambda world: 1 in world.dead, "rank 1's goodbye never came")
     await dist.broadcast(x, src=1)
     assert np.all(x == 8.0), x[:4]
     started = time.monotonic()
@@ -518,9 +523,7 @@ async def dies_between_collectives(rank: int, ws: int, url: str) -> str:
         await world.store.wait([f"reduced-{r}" for r in range(ws - 1)], timeout=10)
         os._exit(0)  # no goodbye: a crash
     await world.store.set(f"reduced-{rank}", "1")
-    deadline = time.monotonic() + 10
-    while ws - 1 not in world.failed and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    await _until(lambda world: ws - 1 in world.failed, f"rank {ws - 1}'s death was never seen")
     try:
         await dist.all_reduce(np.ones(10, np.float32))
         outcome = "no error"
