@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar
 
+from . import validate
+
 CHUNK = 1 << 16
 MAX_LINE = 1 << 16  # a longer line is passed on in pieces, each prefixed
 T = TypeVar("T")
@@ -35,13 +37,24 @@ def _parser() -> argparse.ArgumentParser:
         prog="arendez-run",
         description="Run N local ranks of a script with the arendez env:// convention.",
     )
-    p.add_argument("--nproc", "--nproc-per-node", type=int, default=1, help="ranks to start (default 1)")
+    p.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        type=validate.argtype(validate.at_least, 1, "--nproc"),
+        default=1,
+        help="ranks to start (default 1)",
+    )
     p.add_argument(
         "--server",
         help="arendez://[token@]host:port[/job] of a running arendez-server (default: start one here)",
     )
     p.add_argument("--job", help="job name on the server (default: a unique run-<pid>-<hex>)")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
+    p.add_argument(
+        "--grace",
+        type=validate.argtype(validate.seconds, "--grace", allow_zero=True),
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL (default 5)",
+    )
     p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     p.add_argument("script", help="the script (or module, with -m) every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -427,10 +440,11 @@ async def _run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``arendez-run``; returns the process exit status."""
     args = _parser().parse_args(argv)
-    if args.nproc < 1:
-        _parser().error("--nproc must be at least 1")
-    if args.grace < 0:
-        _parser().error("--grace must not be negative")
+    if not args.module:
+        try:
+            validate.readable_file(args.script, "script")
+        except (TypeError, ValueError) as exc:
+            _parser().error(str(exc))
     if args.server:
         try:
             job_url(args.server, args.job)
