@@ -50,6 +50,7 @@ from .errors import (
     StoreTimeoutError,
 )
 from .group import GroupMember, ProcessGroup
+from .registry import current_world
 from .store import PrefixStore, Store
 
 __version__ = "0.1.0"
@@ -80,6 +81,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object_list",
+    "current_world",
     "destroy_process_group",
     "gather",
     "gather_object",

@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from . import shm, wire
+from . import frames, shm, wire
 from .arrays import byte_view
 from .errors import (
     ArendezError,
@@ -42,10 +42,6 @@ log = logging.getLogger("arendez.group")
 
 T = TypeVar("T")
 Array = np.ndarray[Any, Any]
-
-# frame kinds on the mesh (headers are short lists)
-DATA, MISMATCH, BYE, QUERY, ANSWER, P2P, SHM_HELLO, SHM_OFFER, SHM_ANSWER, SHM_FREE = range(10)
-SHM_KINDS = (SHM_HELLO, SHM_OFFER, SHM_ANSWER, SHM_FREE)
 
 #: Payloads at least this large that arrive before their receive land in pooled buffers.
 POOLED_EARLY_BYTES = 64 * 1024
@@ -181,23 +177,18 @@ class World:
         return group
 
     # -- frames from the mesh --------------------------------------------------------------
-    def sink(self, peer: int, header: Any, nbytes: int) -> memoryview | None:
-        kind = header[0]
-        if kind == DATA:
-            slot = self._mail.get((peer, header[1], header[2], header[3], header[4]))
-            if (
-                slot is not None
-                and slot.out is not None
-                and slot.out.nbytes == nbytes
-                and slot.fp == header[5]
-            ):
-                return slot.out  # (a mismatched frame goes to a throwaway buffer instead)
+    def sink(self, peer: int, frame: frames.Frame, nbytes: int) -> memoryview | None:
+        if isinstance(frame, frames.Data):
+            slot = self._mail.get((peer, frame.gid, frame.seq, frame.tag, frame.seg))
+            out = slot.out if slot is not None and slot.fp == frame.fp else None
+            if out is not None and out.nbytes == nbytes:
+                return out  # (a mismatched frame goes to a throwaway buffer instead)
             if nbytes >= POOLED_EARLY_BYTES:  # early: a reused buffer (fresh pages fault)
                 buffer = self.pool.take(nbytes)
                 self._pooled[id(buffer)] = buffer
                 return memoryview(cast(Any, buffer))
-        elif kind == P2P:
-            posted = self._claim_p2p(peer, header[1], header[2], nbytes)
+        elif isinstance(frame, frames.P2P):
+            posted = self._claim_p2p(peer, frame.gid, frame.tag, nbytes)
             self._p2p_receiving.setdefault(peer, collections.deque()).append(posted)
             if posted is not None and posted.error is None:
                 return posted.out
@@ -217,61 +208,57 @@ class World:
                 return posted
         return None
 
-    def route(self, peer: int, header: Any, payload: memoryview | None) -> None:
-        if not isinstance(header, list) or not header or not isinstance(header[0], int):
-            return
+    def route(self, peer: int, frame: frames.Frame, payload: memoryview | None) -> None:
         if payload is not None:
             self.stats.received_bytes += payload.nbytes
-        kind = header[0]
-        if kind == DATA:
-            self._on_data(peer, header, payload)
-        elif kind == P2P:
-            self._on_p2p(peer, header, payload)
-        elif kind == MISMATCH:
-            group = self.groups.get(header[1])
+        if isinstance(frame, frames.Data | frames.ShmData):
+            self._on_data(peer, frame, payload)
+        elif isinstance(frame, frames.P2P):
+            self._on_p2p(peer, frame, payload)
+        elif isinstance(frame, frames.Mismatch):
+            group = self.groups.get(frame.gid)
             if group is not None:
-                group.poison(header[2], str(header[3]), tell=False)
-            elif header[1] >= self.next_gid and len(self._early_poison) < 1024:
-                self._early_poison.setdefault(header[1], {})[header[2]] = str(header[3])
-        elif kind == BYE:
+                group.poison(frame.seq, frame.message, tell=False)
+            elif frame.gid >= self.next_gid and len(self._early_poison) < 1024:
+                self._early_poison.setdefault(frame.gid, {})[frame.seq] = frame.message
+        elif isinstance(frame, frames.Bye):
             # the leaver tells us who it saw die: blame the root cause, not the messenger
-            failed = header[1] if len(header) > 1 and isinstance(header[1], dict) else {}
-            for rank, reason in failed.items():
-                if isinstance(rank, int) and rank != self.rank:
+            for rank, reason in frame.failed.items():
+                if rank != self.rank:
                     self.peer_lost(rank, f"{reason} (reported by rank {peer})")
             self.peer_lost(peer, "it destroyed its process group", left=True)
-        elif kind == QUERY:
-            group = self.groups.get(header[1])
-            started = group.next_seq if group is not None else -1
-            if self.mesh is not None and peer in self.mesh.conns:
-                self.mesh.send(peer, [ANSWER, header[2], started])
-        elif kind == ANSWER:
-            entry = self._queries.get(header[1])
+        elif isinstance(frame, frames.Query):
+            group = self.groups.get(frame.gid)
+            self.mesh_send(peer, frames.Answer(frame.qid, group.next_seq if group is not None else -1))
+        elif isinstance(frame, frames.Answer):
+            entry = self._queries.get(frame.qid)
             if entry is not None:
                 answers, done, expected = entry
-                answers[peer] = int(header[2])
+                answers[peer] = frame.started
                 if len(answers) >= expected and not done.done():
                     done.set_result(None)
-        elif kind in SHM_KINDS and peer not in self.dead:  # a dead peer's link is already gone
-            self._on_shm(peer, kind, header)
+        elif isinstance(frame, frames.Error):
+            self.peer_lost(peer, f"it reported {frame.exception()!r}")
+        elif peer not in self.dead:  # shared-memory control (a dead peer's link is already gone)
+            self._on_shm(peer, frame)
 
-    def _on_data(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
-        gid, seq, fp = header[1], header[2], header[5]
+    def _on_data(self, peer: int, frame: frames.Data | frames.ShmData, payload: memoryview | None) -> None:
+        gid, seq, fp = frame.gid, frame.seq, frame.fp
         give_back: Callable[[], None] | None = None
-        shared = len(header) > 7
-        if shared:  # the payload lies in the sender's shared-memory segment
+        shared = isinstance(frame, frames.ShmData)
+        if isinstance(frame, frames.ShmData):  # the payload lies in the sender's shared memory
             if peer in self.dead:
                 return  # its link (and what it pointed at) went with it
             try:
-                payload = self.shm.payload(peer, header[6], header[7])
+                payload = self.shm.payload(peer, frame.offset, frame.nbytes)
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
-            give_back = functools.partial(self.free_shm, peer, header[6])
+            give_back = functools.partial(self.free_shm, peer, frame.offset)
             self.stats.received_bytes += payload.nbytes
             self.stats.shm_bytes += payload.nbytes
         elif payload is not None and id(payload.obj) in self._pooled:  # came before its receive
             give_back = functools.partial(self.pool.give, self._pooled.pop(id(payload.obj)))
-        key = (peer, gid, seq, header[3], header[4])
+        key = (peer, gid, seq, frame.tag, frame.seg)
         group = self.groups.get(gid)
         op: Op | None = None
         if group is not None:
@@ -321,13 +308,13 @@ class World:
             _give(give_back)
         fut.set_result(None)
 
-    def _on_p2p(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
+    def _on_p2p(self, peer: int, frame: frames.P2P, payload: memoryview | None) -> None:
         claims = self._p2p_receiving.get(peer)
         posted = claims.popleft() if payload is not None and claims else None
         if posted is None:  # the recv may have been posted while the payload streamed in
-            posted = self._claim_p2p(peer, header[1], header[2], 0 if payload is None else payload.nbytes)
+            posted = self._claim_p2p(peer, frame.gid, frame.tag, 0 if payload is None else payload.nbytes)
         if posted is None:
-            self._p2p_stash.append((peer, header[1], header[2], payload))
+            self._p2p_stash.append((peer, frame.gid, frame.tag, payload))
             return
         if posted.fut.done():
             return
@@ -352,7 +339,7 @@ class World:
         self._shm_settled = asyncio.get_running_loop().create_future()
         try:
             for peer in sorted(self.mesh.conns):
-                self.mesh_send(peer, [SHM_HELLO, self.shm.host])
+                self.mesh_send(peer, frames.ShmHello(self.shm.host))
             self._check_shm_settled()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
@@ -368,25 +355,25 @@ class World:
         if all(p in self.shm.settled for p in mesh.conns):
             done.set_result(None)
 
-    def _on_shm(self, peer: int, kind: int, header: list[Any]) -> None:
+    def _on_shm(self, peer: int, frame: frames.Frame) -> None:
         try:
-            if kind == SHM_HELLO:
+            if isinstance(frame, frames.ShmHello):
                 try:
-                    offer = self.shm.on_hello(peer, header[1])
+                    offer = self.shm.on_hello(peer, frame.host)
                 except shm.ShmUnavailable as exc:
                     log.info("rank %d: no shared memory for rank %d: %s", self.rank, peer, exc)
                 else:
                     if offer is not None:
-                        self.mesh_send(peer, [SHM_OFFER, *offer])
-            elif kind == SHM_OFFER:
-                accepted, why = self.shm.on_offer(peer, header[1], header[2], header[3])
-                self.mesh_send(peer, [SHM_ANSWER, accepted, why])
-            elif kind == SHM_ANSWER:
-                if not self.shm.on_answer(peer, header[1]):
-                    log.info("rank %d: rank %d takes no shared memory: %s", self.rank, peer, header[2])
-            else:
-                self.shm.on_free(peer, header[1])
-        except (ValueError, IndexError) as exc:
+                        self.mesh_send(peer, frames.ShmOffer(*offer))
+            elif isinstance(frame, frames.ShmOffer):
+                accepted, why = self.shm.on_offer(peer, frame.path, frame.size, frame.cookie)
+                self.mesh_send(peer, frames.ShmAnswer(accepted, why))
+            elif isinstance(frame, frames.ShmAnswer):
+                if not self.shm.on_answer(peer, frame.accepted):
+                    log.info("rank %d: rank %d takes no shared memory: %s", self.rank, peer, frame.why)
+            elif isinstance(frame, frames.ShmFree):
+                self.shm.on_free(peer, frame.offsets)
+        except ValueError as exc:
             raise ProtocolError(f"bad shared-memory frame from rank {peer}: {exc}") from None
         self._check_shm_settled()
 
@@ -399,7 +386,7 @@ class World:
     def _flush_frees(self) -> None:
         self._shm_flush = None
         for peer, offsets in self.shm.take_frees():
-            self.mesh_send(peer, [SHM_FREE, offsets])
+            self.mesh_send(peer, frames.ShmFree(offsets))
 
     def drop_stashes(self, keys: list[tuple[Any, ...]]) -> None:
         """Forget frames that came for receives that will never be posted."""
@@ -409,11 +396,11 @@ class World:
                 del self._mail[key]
                 _give(slot.give_back)
 
-    def mesh_send(self, peer: int, header: Any) -> None:
+    def mesh_send(self, peer: int, frame: frames.Frame) -> None:
         """Send a control frame to ``peer`` if it is still connected."""
         if self.mesh is not None and peer in self.mesh.conns:
             with contextlib.suppress(ConnectionError):
-                self.mesh.send(peer, header)
+                self.mesh.send(peer, frame)
 
     # -- point to point --------------------------------------------------------------------
     def post_p2p(self, src: int | None, gid: int, tag: int, out: memoryview) -> asyncio.Future[int]:
@@ -439,6 +426,39 @@ class World:
             return fut
         self._p2p_posted.append(_P2PRecv(src, gid, tag, out, fut))
         return fut
+
+    async def send_p2p(self, dst: int, gid: int, tag: int, fp: str, raw: memoryview, timeout: float) -> None:
+        """Send one point-to-point message and wait until its bytes are in the kernel."""
+        conn = self.mesh.conns.get(dst) if self.mesh is not None else None
+        if conn is None or not conn.is_open or dst in self.dead:
+            raise RankFailedError(dst, "send", self.dead.get(dst, "no connection"))
+        try:
+            conn.send(frames.encode(frames.P2P(gid, tag, fp)), raw if raw.nbytes else None)
+            async with asyncio.timeout(timeout):
+                await conn.drain()
+        except ConnectionError as exc:
+            raise RankFailedError(dst, "send", f"connection lost ({exc})") from None
+        except TimeoutError:
+            raise CollectiveTimeoutError("send", timeout, [dst]) from None
+
+    async def recv_p2p(
+        self, src: int | None, gid: int, tag: int, out: memoryview, timeout: float, others: list[int]
+    ) -> int:
+        """Receive one point-to-point message into ``out``; return its sender."""
+        fut = self.post_p2p(src, gid, tag, out)
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except TimeoutError:
+            raise CollectiveTimeoutError("recv", timeout, others) from None
+        finally:
+            self.cancel_p2p(fut)  # a recv that timed out or was cancelled must not eat a message
+
+    def say_goodbye(self) -> None:
+        """Tell every peer this rank leaves, and which ranks it saw fail."""
+        if self.mesh is not None:
+            for peer in list(self.mesh.conns):
+                self.mesh_send(peer, frames.Bye(dict(self.failed)))
 
     def cancel_p2p(self, fut: asyncio.Future[int]) -> None:
         self._p2p_posted = [p for p in self._p2p_posted if p.fut is not fut]
@@ -489,7 +509,7 @@ class World:
         try:
             for peer in peers:
                 with contextlib.suppress(ConnectionError):
-                    self.mesh.send(peer, [QUERY, group.gid, qid])
+                    self.mesh.send(peer, frames.Query(group.gid, qid))
             if peers:
                 try:
                     async with asyncio.timeout(timeout):
@@ -590,7 +610,8 @@ class Op:
             return False
         offset, dest = room
         dest[:] = raw if raw.ndim == 1 else raw.cast("B")
-        conn.send([DATA, self.group.gid, self.seq, tag, 0, self.fp, offset, raw.nbytes])
+        frame = frames.ShmData(self.group.gid, self.seq, tag, 0, self.fp, offset, raw.nbytes)
+        conn.send(frames.encode(frame))
         return True
 
     def send(self, peer: int, tag: int, data: Array) -> Awaitable[None] | None:
@@ -601,11 +622,11 @@ class Op:
         if self._send_shm(self.group.ranks[peer], conn, tag, raw):
             return None  # copied: the caller may reuse ``data`` at once
         if raw.nbytes <= wire.MAX_SEGMENT:
-            conn.send([DATA, gid, self.seq, tag, 0, self.fp], raw if raw.nbytes else None)
+            conn.send(frames.encode(frames.Data(gid, self.seq, tag, 0, self.fp)), raw if raw.nbytes else None)
         else:
             for seg, start in enumerate(range(0, raw.nbytes, wire.MAX_SEGMENT)):
                 part = raw[start : start + wire.MAX_SEGMENT]
-                conn.send([DATA, gid, self.seq, tag, seg, self.fp], part)
+                conn.send(frames.encode(frames.Data(gid, self.seq, tag, seg, self.fp)), part)
         fut: asyncio.Future[None] | None = conn.drain_future()
         if fut is not None:
             self._wait_on(fut)
@@ -829,7 +850,7 @@ class ProcessGroup:
             for peer in self.ranks:
                 if peer != self.world.rank and peer in mesh.conns:
                     with contextlib.suppress(ConnectionError):
-                        mesh.send(peer, [MISMATCH, self.gid, seq, message])
+                        mesh.send(peer, frames.Mismatch(self.gid, seq, message))
 
     async def drain(self, timeout: float) -> None:
         """Mark closing, let in-flight collectives finish within ``timeout``, fail the rest."""

@@ -15,14 +15,18 @@ import ssl as _ssl
 from collections.abc import Callable
 from typing import Any
 
-from . import transport, wire
+from . import frames, transport, wire
 from .errors import AuthenticationError, ProtocolError, RendezvousError
 
 log = logging.getLogger("arendez.mesh")
 
-FrameRouter = Callable[[int, Any, memoryview | None], None]
-SinkRouter = Callable[[int, Any, int], memoryview | None]
+FrameRouter = Callable[[int, frames.Frame, memoryview | None], None]
+SinkRouter = Callable[[int, frames.Frame, int], memoryview | None]
 LossHandler = Callable[[int, str], None]
+
+
+def _error_header(exc: BaseException) -> Any:
+    return frames.encode(frames.Error.of(exc))
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -164,6 +168,8 @@ class Mesh:
             lambda header, payload: route(peer, header, payload),
             lambda exc: self._lost(peer, exc),
             sink=lambda header, nbytes: sink(peer, header, nbytes),
+            parse=frames.decode,
+            error_header=_error_header,
         )
         self._check_complete()
 
@@ -175,9 +181,10 @@ class Mesh:
         if self.conns.get(peer) is not None and not self._closing and self._on_lost is not None:
             self._on_lost(peer, f"connection lost ({exc or 'closed by peer'})")
 
-    def send(self, peer: int, header: Any, payload: memoryview | None = None) -> transport.Connection:
+    def send(self, peer: int, frame: frames.Frame, payload: memoryview | None = None) -> transport.Connection:
+        """Send ``frame`` (and its payload) to ``peer``; ``KeyError`` if not connected."""
         conn = self.conns[peer]
-        conn.send(header, payload)
+        conn.send(frames.encode(frame), payload)
         return conn
 
     async def close(self, timeout: float) -> None:

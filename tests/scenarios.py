@@ -453,15 +453,15 @@ async def shm_job(rank: int, ws: int, url: str, size: int, rounds: int) -> dict[
 async def forged_shm_reference(rank: int, ws: int, url: str) -> str:
     """Rank 1 points a data frame far outside its shared-memory segment; rank 0 must drop the
     link and fail its all_reduce naming rank 1."""
-    from arendez import api, group
+    from arendez import frames
 
     await join(url, ws, rank)
-    world = api._registry.world
-    assert world is not None and world.mesh is not None
+    world = dist.current_world()
+    assert world.mesh is not None
     if rank == 1:
         assert world.shm.carries(0, 1 << 20), "the link should have shared memory"
         seq = world.groups[0].next_seq
-        world.mesh.send(0, [group.DATA, 0, seq, 0, 0, "forged", 1 << 40, 4096])
+        world.mesh.send(0, frames.ShmData(0, seq, 0, 0, "forged", 1 << 40, 4096))
         await asyncio.wait_for(asyncio.shield(world.mesh.conns[0].closed), 10)
         await dist.destroy_process_group()
         return "sent"
@@ -476,10 +476,7 @@ async def forged_shm_reference(rank: int, ws: int, url: str) -> str:
 
 async def _until(seen: Callable[[Any], bool], what: str, seconds: float = 10.0) -> None:
     """Wait (bounded) until ``seen(world)`` holds for this rank's world; fail with ``what``."""
-    from arendez import api
-
-    world = api._registry.world
-    assert world is not None
+    world = dist.current_world()
     deadline = time.monotonic() + seconds
     while not seen(world) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
@@ -513,11 +510,8 @@ async def left_after_sending(rank: int, ws: int, url: str, size: int) -> str:
 async def dies_between_collectives(rank: int, ws: int, url: str) -> str:
     """The last rank dies right after a collective; the others start the next one once they know:
     the error names the rank and the collective that could not run."""
-    from arendez import api
-
     await join(url, ws, rank)
-    world = api._registry.world
-    assert world is not None
+    world = dist.current_world()
     await dist.all_reduce(np.ones(10, np.float32))
     if rank == ws - 1:  # once every rank has its result (dying earlier fails that collective)
         await world.store.wait([f"reduced-{r}" for r in range(ws - 1)], timeout=10)
@@ -607,7 +601,7 @@ async def guarded_job(rank: int, ws: int, url: str, out_dir: str) -> list[float]
     await join(url, ws, rank)
     x = np.full(1000, rank + 1.0)
     await dist.all_reduce(x)
-    Path(out_dir, f"addr-{rank}").write_text(dist.api._registry.world.address)  # type: ignore[union-attr]
+    Path(out_dir, f"addr-{rank}").write_text(dist.current_world().address)
     deadline = time.monotonic() + 20
     while not Path(out_dir, "probed").exists() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -632,7 +626,7 @@ async def server_outage(rank: int, ws: int, url: str, out_dir: str) -> dict[str,
         return poll()
 
     await join(url, ws, rank)
-    store = dist.api._registry.world.store  # type: ignore[union-attr]
+    store = dist.current_world().store
     x = np.ones(50_000)
     await dist.all_reduce(x)
     Path(out_dir, f"ready-{rank}").write_text("1")
