@@ -18,12 +18,13 @@ from . import algorithms as algo
 from . import shm, tls
 from .arrays import ReduceOp
 from .errors import RendezvousError
-from .group import GroupMember, ProcessGroup, World
+from .group import GroupMember, ProcessGroup
 from .handle import Handle
 from .mesh import Mesh
 from .registry import DEFAULT_TIMEOUT, _registry, default_group, install, resolve, seconds, uninstall
 from .rendezvous import Plan, is_loopback, plan
 from .store import Store
+from .world import World
 
 log = logging.getLogger("arendez")
 

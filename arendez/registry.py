@@ -14,7 +14,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
 from .errors import NotInitializedError
-from .group import GroupMember, ProcessGroup, Stats, World
+from .group import GroupMember, ProcessGroup, Stats
+from .world import World
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -9,7 +9,7 @@ import pytest
 
 from arendez import frames, wire
 from arendez.arrays import byte_view
-from arendez.group import World
+from arendez.world import World
 
 
 def _p2p(gid: int, tag: int, data: np.ndarray) -> bytes:
@@ -20,8 +20,8 @@ def _p2p(gid: int, tag: int, data: np.ndarray) -> bytes:
 async def test_back_to_back_p2p_frames_in_one_read_reach_their_own_recvs():
     world = World(rank=1, world_size=2, timeout=5)
     first, second = np.zeros(3, np.int32), np.zeros(5, np.int32)
-    a = world.post_p2p(0, 0, 0, byte_view(first))
-    b = world.post_p2p(0, 0, 0, byte_view(second))
+    a = world.p2p.post(0, 0, 0, byte_view(first), world.dead)
+    b = world.p2p.post(0, 0, 0, byte_view(second), world.dead)
     decoder = wire.Decoder(lambda h, n: world.sink(0, h, n))
     decoder.set_parser(frames.decode)
     data = _p2p(0, 0, np.full(3, 1, np.int32)) + _p2p(0, 0, np.full(5, 2, np.int32))
