@@ -44,14 +44,6 @@ DIAGNOSE_SECONDS = 1.0
 __all__ = ["GroupMember", "Op", "ProcessGroup", "Stats"]
 
 
-@dataclass
-class _Trivial:
-    """The ``Comm`` of a one-rank group: nothing to send."""
-
-    rank: int = 0
-    size: int = 1
-
-
 class Op:
     """One collective in flight: the ``Comm`` its algorithm runs over."""
 
@@ -273,8 +265,6 @@ class ProcessGroup:
         self.check_usable(name)
         seq = self.next_seq
         self.next_seq += 1
-        if self.size == 1:
-            return await body(_Trivial())
         op = Op(self, seq, name, fp)
         self.active[seq] = op
         op.keys.extend(self.early_keys.pop(seq, ()))

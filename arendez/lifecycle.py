@@ -21,9 +21,10 @@ from .errors import RendezvousError
 from .group import GroupMember, ProcessGroup
 from .handle import Handle
 from .mesh import Mesh
-from .registry import DEFAULT_TIMEOUT, _registry, default_group, install, resolve, seconds, uninstall
+from .registry import DEFAULT_TIMEOUT, default_group, install, resolve, seconds, uninstall, world_or_none
 from .rendezvous import Plan, is_loopback, plan
 from .store import Store
+from .transports import inproc
 from .world import World
 
 log = logging.getLogger("arendez")
@@ -60,8 +61,13 @@ async def init_process_group(
 
 
 async def _build_world(where: Plan, timeout: float, given: Store | None) -> World:
-    if where.local:
-        return World(0, 1, timeout)
+    if where.local:  # one rank, or ranks of this event loop: no store, links in memory
+        job = where.job if where.transport == "inproc" else f"local-{os.urandom(8).hex()}"
+        links = await inproc.join(job, where.world_size, where.rank, timeout)
+        local = World(links.rank, where.world_size, timeout)
+        local.mesh = links
+        links.attach(local.route, local.sink, local.peer_lost)
+        return local
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     secure = tls.from_env()
@@ -162,7 +168,7 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
     ``group=None`` destroys the default group and every subgroup; a subgroup leaves the
     default group alive. Quiet when nothing is initialized or the group is already gone.
     """
-    world, default = _registry.world, default_group()
+    world, default = world_or_none(), default_group()
     if world is None or default is None or group is GroupMember.NON_GROUP_MEMBER:
         return
     if group is not None and group is not GroupMember.WORLD and group is not default:

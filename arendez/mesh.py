@@ -187,6 +187,15 @@ class Mesh:
         conn.send(frames.encode(frame), payload)
         return conn
 
+    def abort(self) -> None:
+        """Drop every connection without a goodbye, as a crash would (tests use it)."""
+        self._closing = True
+        if self._listener is not None:
+            self._listener.close()
+        for conn in self.conns.values():
+            conn.abort()
+        self.conns.clear()
+
     async def close(self, timeout: float) -> None:
         """Close the listener and every connection (flushing first) within ``timeout``."""
         self._closing = True

@@ -1,5 +1,8 @@
 """The one registry of this process: the current world, its default group, and what it answers.
 
+The registry lives in a context variable: a process has one, except that ranks run as tasks of
+one event loop (``arendez.testing``) each get their own (``fresh_context``).
+
 Every API call that takes ``group=`` resolves it here, once (``on_group``): ``None`` or
 ``GroupMember.WORLD`` means the default group; a rank outside the group gets the call's
 "not a member" value without any work.
@@ -7,6 +10,7 @@ Every API call that takes ``group=`` resolves it here, once (``on_group``): ``No
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import functools
 import inspect
@@ -23,37 +27,59 @@ R = TypeVar("R")
 DEFAULT_TIMEOUT = 300.0
 
 
-class _Registry:
-    """The only global state: the current world (with its default group and subgroups)."""
+class Registry:
+    """The current world (with its default group and subgroups)."""
 
-    world: World | None = None
-    default: ProcessGroup | None = None
+    def __init__(self) -> None:
+        self.world: World | None = None
+        self.default: ProcessGroup | None = None
 
 
-_registry = _Registry()
+_process = Registry()  # the registry of code not run through ``fresh_context``
+_current: contextvars.ContextVar[Registry | None] = contextvars.ContextVar("arendez_registry", default=None)
+
+
+def _get() -> Registry:
+    return _current.get() or _process
+
+
+def fresh_context() -> contextvars.Context:
+    """A copy of this context with an empty registry: a rank that runs as a task in it has its
+    own world (tasks it creates share that world)."""
+    context = contextvars.copy_context()
+    context.run(_current.set, Registry())
+    return context
 
 
 def install(world: World) -> None:
     """Make ``world`` (and its group 0) the current world and default group."""
-    _registry.world, _registry.default = world, world.groups[0]
+    registry = _get()
+    registry.world, registry.default = world, world.groups[0]
     GroupMember.WORLD = world.groups[0]
 
 
 def uninstall() -> None:
     """Forget the current world (destroy does this before it closes anything)."""
-    _registry.world = _registry.default = None
-    GroupMember.WORLD = None
+    registry = _get()
+    if GroupMember.WORLD is registry.default:
+        GroupMember.WORLD = None
+    registry.world = registry.default = None
 
 
 def current_world() -> World:
     """The world ``init_process_group`` built in this process (a hook for tests and tools)."""
-    if _registry.world is None:
+    world = _get().world
+    if world is None:
         raise NotInitializedError("no process group: call init_process_group() first")
-    return _registry.world
+    return world
+
+
+def world_or_none() -> World | None:
+    return _get().world
 
 
 def default_group() -> ProcessGroup | None:
-    return _registry.default
+    return _get().default
 
 
 def seconds(timeout: float | datetime.timedelta | None, default: float) -> float:
@@ -70,13 +96,14 @@ def resolve(group: Any) -> ProcessGroup | None:
     """The group a call acts on; None for a rank outside ``group``."""
     if group is GroupMember.NON_GROUP_MEMBER:
         return None
+    registry = _get()
     if group is None or group is GroupMember.WORLD:
-        if _registry.default is None:
+        if registry.default is None:
             raise NotInitializedError("no default process group: call init_process_group() first")
-        return _registry.default
+        return registry.default
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup, got {type(group).__name__}")
-    if group.destroyed or group.world is not _registry.world:
+    if group.destroyed or group.world is not registry.world:
         raise NotInitializedError(
             "this process group was destroyed; call init_process_group() / new_group() again"
         )
@@ -117,7 +144,7 @@ def on_group(
 # -- queries ---------------------------------------------------------------------------------
 def is_initialized() -> bool:
     """True between a successful ``init_process_group`` and ``destroy_process_group``."""
-    return _registry.default is not None
+    return _get().default is not None
 
 
 def get_rank(group: Any = None) -> int:

@@ -19,10 +19,10 @@ from . import frames, shm
 from .errors import CollectiveTimeoutError, ProtocolError, RankFailedError
 from .group import ProcessGroup
 from .mailbox import BufferPool, Key, Mailbox, Outcome, Stats, give
-from .mesh import Mesh
 from .p2pmatch import P2PMatcher
 from .progress import Progress
 from .shmlink import ShmControl
+from .transports import Links
 
 log = logging.getLogger("arendez.world")
 
@@ -39,7 +39,7 @@ class World:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
-        self.mesh: Mesh | None = None
+        self.mesh: Links | None = None  # the peer links (tcp mesh or in-process)
         self.store: Any = None
         self.server: Any = None  # the embedded server this rank hosts, if any
         self.address = ""  # host:port of this rank's peer listener

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +158,27 @@ def spawn_rank(
 ) -> subprocess.Popen[str]:
     argv = [PY, "-m", "tests.scenarios", scenario, str(rank), str(world_size), url, json.dumps(list(args))]
     return popen(argv, env)
+
+
+def run_function(
+    fn: Callable[..., Awaitable[Any]],
+    world_size: int,
+    url: str,
+    *args: Any,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` as ``world_size`` rank processes joined at ``url``
+    (``tests/rank.py``); every rank must succeed; return their values."""
+    target = f"{fn.__module__}:{fn.__qualname__}"
+    argv = [PY, "-m", "tests.rank", target]
+    procs = [
+        popen([*argv, str(r), str(world_size), url, json.dumps(list(args))], env) for r in range(world_size)
+    ]
+    results = collect(procs, timeout)
+    for res in results:
+        assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}:\n{res.stderr[-4000:]}"
+    return [res.value for res in results]
 
 
 def collect(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[RankResult]:

@@ -58,15 +58,6 @@ def test_eight_overlapping_collectives(arendez_server):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind", ["dtype", "count", "op"])
-def test_mismatch_raises_on_every_rank(arendez_server, kind):
-    results = run_ranks("mismatch", 3, f"{arendez_server.url}/mismatch-{kind}", kind, timeout=50)
-    for res in results:
-        assert res.startswith("CollectiveMismatchError"), res
-        assert res.endswith("next sum 3")
-
-
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("shm", ["1", "0"])
 def test_large_all_reduce_receives_without_copies(arendez_server, shm):
     """Over TCP payloads land in place; on one host they come through shared memory instead."""
