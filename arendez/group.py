@@ -342,12 +342,14 @@ class ProcessGroup:
                 if peer != self.world.rank:
                     self.world.send_control(peer, frames.Mismatch(self.gid, seq, message))
 
-    async def drain(self, timeout: float) -> None:
-        """Mark closing, let in-flight collectives finish within ``timeout``, fail the rest."""
+    async def drain(self, deadline: float) -> None:
+        """Mark closing, let in-flight collectives finish by ``deadline`` (loop time), fail the
+        rest."""
         self.closing = True
+        loop = asyncio.get_running_loop()
         pending = [op.done for op in self.active.values()]
         if pending:
-            await asyncio.wait(pending, timeout=timeout)
+            await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()))
         leftovers = list(self.active.values())
         for op in leftovers:
             op.fail(GroupDestroyedError(f"{op.name} cancelled: the process group was destroyed"))
@@ -355,7 +357,7 @@ class ProcessGroup:
             self.gid, GroupDestroyedError("recv cancelled: the process group was destroyed")
         )
         if leftovers:  # their awaiters wake on the next loop turns
-            await asyncio.wait([op.done for op in leftovers], timeout=0.5)
+            await asyncio.wait([op.done for op in leftovers], timeout=max(0.0, deadline - loop.time()))
         for keys in self.early_keys.values():  # frames of collectives this rank never started
             self.world.mail.drop(keys)
         self.early_keys.clear()

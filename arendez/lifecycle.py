@@ -29,6 +29,11 @@ from .world import World
 
 log = logging.getLogger("arendez")
 
+#: The longest the rank hosting the embedded server waits for the others to leave.
+LINGER_SECONDS = 10.0
+#: The longest init waits for same-host peers to answer a shared-memory offer.
+SHM_SETUP_SECONDS = 2.0
+
 
 async def init_process_group(
     backend: str | None = "tcp",
@@ -112,9 +117,9 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
             world.route,
             world.sink,
             world.peer_lost,
-            max(0.1, deadline - loop.time()),
+            max(0.0, deadline - loop.time()),
         )
-        await world.open_shm(max(0.1, min(2.0, deadline - loop.time())))
+        await world.open_shm(max(0.0, min(SHM_SETUP_SECONDS, deadline - loop.time())))
         return world
     except BaseException:
         if world is not None:
@@ -163,51 +168,48 @@ def _on_server_event(world: World, event: dict[str, Any]) -> None:
 
 
 async def destroy_process_group(group: Any = None, timeout: float | datetime.timedelta | None = None) -> None:
-    """Drain in-flight collectives within ``timeout``, cancel the rest, close, leave.
+    """Drain in-flight collectives, cancel the rest, leave, close: all within ``timeout``.
 
     ``group=None`` destroys the default group and every subgroup; a subgroup leaves the
     default group alive. Quiet when nothing is initialized or the group is already gone.
+    The rank that hosts the embedded server (``tcp://``) keeps it up until the other ranks
+    have said goodbye (or failed), within the same deadline.
     """
     world, default = world_or_none(), default_group()
     if world is None or default is None or group is GroupMember.NON_GROUP_MEMBER:
         return
+    loop = asyncio.get_running_loop()
     if group is not None and group is not GroupMember.WORLD and group is not default:
         if isinstance(group, ProcessGroup) and not group.destroyed and group.world is world:
-            await group.drain(seconds(timeout, group.timeout))
+            await group.drain(loop.time() + seconds(timeout, group.timeout))
             world.groups.pop(group.gid, None)
         return
-    loop = asyncio.get_running_loop()
-    budget = seconds(timeout, default.timeout)
-    deadline = loop.time() + budget
+    deadline = loop.time() + seconds(timeout, default.timeout)
+
+    def left() -> float:
+        return max(0.0, deadline - loop.time())
+
     groups = sorted(world.groups.values(), key=lambda g: -g.gid)  # subgroups first
     for g in groups:
         g.closing = True  # new collectives now raise GroupDestroyedError
     try:
-        await asyncio.gather(*(g.drain(max(0.0, deadline - loop.time())) for g in groups))
+        await asyncio.gather(*(g.drain(deadline) for g in groups))
     finally:
         uninstall()
     world.groups.clear()
     world.closed = True
+    if world.store is not None:  # before the goodbye: a rank that said it has left the store
+        await world.store.leave(left())
     world.say_goodbye()
+    if world.server is not None:  # the others still need the store until they have left
+        await world.peers_gone(min(deadline, loop.time() + LINGER_SECONDS))
     if world.mesh is not None:
-        await world.mesh.close(max(0.2, min(2.0, deadline - loop.time())))
+        await world.mesh.close(left())
     world.shm.close()
     if world.store is not None:
-        await world.store.leave(max(0.2, min(2.0, deadline - loop.time())))
-        if world.server is not None:
-            await _linger(world, deadline)
         await world.store.close()
     if world.server is not None:
-        await world.server.close(max(0.2, min(2.0, deadline - loop.time())))
-
-
-async def _linger(world: World, deadline: float) -> None:
-    """The hosting rank keeps its embedded server up until the other ranks have left."""
-    loop = asyncio.get_running_loop()
-    until = min(deadline, loop.time() + 10.0)
-    nonce = world.mesh.nonce if world.mesh is not None else b""
-    while world.server.members_active(world.store.job, nonce) and loop.time() < until:
-        await asyncio.sleep(0.02)
+        await world.server.close(left())
 
 
 @contextlib.asynccontextmanager

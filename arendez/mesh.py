@@ -99,8 +99,11 @@ class Mesh:
         except (ProtocolError, AuthenticationError) as exc:
             log.warning("refused a peer connection from %s: %s", conn.peer, exc)
             conn.fail(exc, tell_peer=True)
-        except (TimeoutError, ConnectionError, asyncio.CancelledError):
+        except (TimeoutError, ConnectionError):
             conn.abort()
+        except asyncio.CancelledError:  # the mesh is closing
+            conn.abort()
+            raise
 
     async def connect(
         self,
@@ -207,8 +210,9 @@ class Mesh:
         self.conns.clear()
         if not self._round.done():
             self._round.cancel()
+        deadline = asyncio.get_running_loop().time() + timeout
         await asyncio.gather(*(c.wait_closed(timeout) for c in conns), return_exceptions=True)
         if self._listener is not None:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout_at(deadline):
                     await self._listener.wait_closed()

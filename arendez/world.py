@@ -10,6 +10,7 @@ everything that waits on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -58,6 +59,9 @@ class World:
         self._pending_gids: set[int] = set()
         self.shm_control = ShmControl(rank, shm.Channels(allowed=False), self.send_control)
         self.closed = False
+        self._peers_gone = asyncio.Event()
+        if world_size == 1:
+            self._peers_gone.set()
         self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
         self.next_gid = 1
 
@@ -236,11 +240,22 @@ class World:
                 self._early_mail.setdefault(gid, {}).setdefault(seq, []).append(key)
 
     # -- failures --------------------------------------------------------------------------
+    async def peers_gone(self, deadline: float) -> None:
+        """Wait until every other rank has said goodbye or been lost, or until ``deadline``
+        (loop time)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await self._peers_gone.wait()
+
     def peer_lost(self, peer: int, reason: str, *, left: bool = False) -> None:
         """``peer`` died, left or was declared failed: fail everything that depends on it."""
-        if peer in self.dead or peer == self.rank or self.closed:
+        if peer in self.dead or peer == self.rank:
             return
         self.dead[peer] = reason
+        if len(self.dead) >= self.world_size - 1:
+            self._peers_gone.set()
+        if self.closed:  # destroy is under way: nothing left to fail
+            return
         self.shm_control.drop(peer)
         if not left:
             self.failed[peer] = reason
