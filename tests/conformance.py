@@ -231,3 +231,22 @@ async def peer_lost(rank: int, ws: int) -> str:
         return "no error"
     except dist.RankFailedError as exc:
         return f"RankFailedError {exc.rank}"
+
+
+async def destroy_beside_a_stuck_peer(rank: int, ws: int, marks: str, budget: float) -> float:
+    """The last rank is stopped (SIGSTOP) by the test; the others then destroy with ``budget``
+    seconds and return how long destroy took."""
+    from pathlib import Path
+
+    await dist.barrier()
+    if rank == ws - 1:
+        Path(marks, "ready").write_text("1")
+        await asyncio.sleep(60)  # stopped, then killed by the test
+        return -1.0
+    deadline = time.monotonic() + 20
+    while not Path(marks, "stopped").exists():
+        assert time.monotonic() < deadline, "the test never stopped the last rank"
+        await asyncio.sleep(0.01)
+    started = time.monotonic()
+    await dist.destroy_process_group(timeout=budget)
+    return time.monotonic() - started

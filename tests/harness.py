@@ -1,7 +1,7 @@
-"""Real processes for tests: a standalone server and N ranks running a named scenario.
+"""Real processes for tests: a standalone server, and N ranks running a rank function.
 
-A scenario is an async function in ``tests/scenarios.py`` taking ``(rank, world_size, url,
-*args)`` and returning something JSON-serialisable; each rank prints it as its last line.
+Rank functions are passed as objects (``tests/jobs``, ``tests/conformance.py``); each rank
+process (``tests/rank.py``) imports it by module and name and prints its JSON result last.
 """
 
 from __future__ import annotations
@@ -153,32 +153,23 @@ def popen(argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.
     )
 
 
+def _target(fn: Callable[..., Awaitable[Any]]) -> str:
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
 def spawn_rank(
-    scenario: str, rank: int, world_size: int, url: str, *args: Any, env: dict[str, str] | None = None
-) -> subprocess.Popen[str]:
-    argv = [PY, "-m", "tests.scenarios", scenario, str(rank), str(world_size), url, json.dumps(list(args))]
-    return popen(argv, env)
-
-
-def run_function(
     fn: Callable[..., Awaitable[Any]],
+    rank: int,
     world_size: int,
     url: str,
     *args: Any,
-    timeout: float = 60.0,
     env: dict[str, str] | None = None,
-) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` as ``world_size`` rank processes joined at ``url``
-    (``tests/rank.py``); every rank must succeed; return their values."""
-    target = f"{fn.__module__}:{fn.__qualname__}"
-    argv = [PY, "-m", "tests.rank", target]
-    procs = [
-        popen([*argv, str(r), str(world_size), url, json.dumps(list(args))], env) for r in range(world_size)
-    ]
-    results = collect(procs, timeout)
-    for res in results:
-        assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}:\n{res.stderr[-4000:]}"
-    return [res.value for res in results]
+    join: bool = False,
+) -> subprocess.Popen[str]:
+    """Start one rank process running ``fn`` (``tests/rank.py``); with ``join`` the runner
+    joins ``url`` for it."""
+    argv = [PY, "-m", "tests.rank", *(["--join"] if join else []), _target(fn)]
+    return popen([*argv, str(rank), str(world_size), url, json.dumps(list(args))], env)
 
 
 def collect(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[RankResult]:
@@ -203,17 +194,35 @@ def collect(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[Rank
     return results
 
 
+def _succeeded(results: list[RankResult]) -> list[Any]:
+    for res in results:
+        assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}:\n{res.stderr[-4000:]}"
+    return [res.value for res in results]
+
+
 def run_ranks(
-    scenario: str,
+    fn: Callable[..., Awaitable[Any]],
     world_size: int,
     url: str,
     *args: Any,
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``scenario`` on ``world_size`` ranks; every rank must succeed; return their values."""
-    procs = [spawn_rank(scenario, r, world_size, url, *args, env=env) for r in range(world_size)]
-    results = collect(procs, timeout)
-    for res in results:
-        assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}:\n{res.stderr[-4000:]}"
-    return [res.value for res in results]
+    """Run ``fn(rank, world_size, url, *args)`` (rank code that joins by itself) on
+    ``world_size`` rank processes; every rank must succeed; return their values."""
+    procs = [spawn_rank(fn, r, world_size, url, *args, env=env) for r in range(world_size)]
+    return _succeeded(collect(procs, timeout))
+
+
+def run_function(
+    fn: Callable[..., Awaitable[Any]],
+    world_size: int,
+    url: str,
+    *args: Any,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` with the default group joined at ``url`` on
+    ``world_size`` rank processes; every rank must succeed; return their values."""
+    procs = [spawn_rank(fn, r, world_size, url, *args, env=env, join=True) for r in range(world_size)]
+    return _succeeded(collect(procs, timeout))
