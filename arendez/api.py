@@ -24,7 +24,6 @@ from .lifecycle import destroy_process_group, init_process_group, new_group, pro
 from .objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .p2p import recv, send
 from .registry import (
-    DEFAULT_TIMEOUT,
     get_process_group_ranks,
     get_rank,
     get_world_size,
@@ -33,7 +32,6 @@ from .registry import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",

@@ -186,14 +186,7 @@ async def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any]
         if a.dtype != ins[0].dtype or b.dtype != ins[0].dtype:
             raise ValueError(f"all_to_all tensors must share one dtype (tensor {i} differs)")
     fp = "|".join(["all_to_all", ins[0].dtype.str, str(g.size)])
-    await g.run("all_to_all", fp, lambda c: _exchange(c, outs, ins))
-
-
-async def _exchange(comm: Any, outs: list[np.ndarray[Any, Any]], ins: list[np.ndarray[Any, Any]]) -> None:
-    if comm.size == 1:
-        np.copyto(outs[0], ins[0])
-    else:
-        await algo.all_to_all(comm, outs, ins)
+    await g.run("all_to_all", fp, lambda c: algo.all_to_all(c, outs, ins))
 
 
 def _split(
@@ -226,4 +219,4 @@ async def all_to_all_single(
     ins = _split(x, tuple(np.shape(input)), input_split_sizes, g.size, "input")
     outs = _split(out, tuple(np.shape(output)), output_split_sizes, g.size, "output")
     fp = "|".join(["all_to_all_single", x.dtype.str, str(g.size)])
-    await g.run("all_to_all_single", fp, lambda c: _exchange(c, outs, ins))
+    await g.run("all_to_all_single", fp, lambda c: algo.all_to_all(c, outs, ins))

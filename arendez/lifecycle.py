@@ -121,16 +121,16 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
         )
         await world.open_shm(max(0.0, min(SHM_SETUP_SECONDS, deadline - loop.time())))
         return world
-    except BaseException:
+    except BaseException:  # undo what was built, within what is left of init's deadline
         if world is not None:
             world.shm.close()
         if mesh is not None:
-            await mesh.close(1.0)
-        await store.leave(1.0)
+            await mesh.close(max(0.0, deadline - loop.time()))
+        await store.leave(max(0.0, deadline - loop.time()))
         if given is None:
             await store.close()
         if server is not None:
-            await server.close()
+            await server.close(max(0.0, deadline - loop.time()))
         raise
 
 

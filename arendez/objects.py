@@ -1,12 +1,13 @@
-"""Object collectives: msgpack-serialisable values (never pickle) over the byte algorithms."""
+"""Object collectives: msgpack-serialisable values (never pickle), sent as variable-size bytes."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import msgpack
+import numpy as np
 
-from . import algorithms as algo
+from .algorithms import Comm, others, wait_all
 from .group import ProcessGroup
 from .registry import on_group
 
@@ -31,10 +32,7 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: Any = None)
         raise ValueError(f"object_list must have {g.size} entries, got {len(object_list)}")
     mine = _pack(obj)
 
-    async def body(c: Any) -> list[bytes]:
-        return [mine] if g.size == 1 else await algo.all_gather_bytes(c, mine)
-
-    parts = await g.run("all_gather_object", "all_gather_object", body)
+    parts = await g.run("all_gather_object", "all_gather_object", lambda c: _all_gather_bytes(c, mine))
     object_list[:] = [_unpack(p) for p in parts]
 
 
@@ -46,10 +44,7 @@ async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any
     mine = _pack(list(object_list)) if g.rank == root else None
     fp = f"broadcast_object_list|{src}|{len(object_list)}"
 
-    async def body(c: Any) -> bytes:
-        return mine if g.size == 1 else await algo.broadcast_bytes(c, mine, root)  # type: ignore[return-value]
-
-    data = await g.run("broadcast_object_list", fp, body)
+    data = await g.run("broadcast_object_list", fp, lambda c: _broadcast_bytes(c, mine, root))
     object_list[:] = _unpack(data)
 
 
@@ -64,10 +59,7 @@ async def gather_object(
         raise ValueError(f"object_gather_list on the dst rank must have {g.size} entries")
     mine = _pack(obj)
 
-    async def body(c: Any) -> list[bytes] | None:
-        return [mine] if g.size == 1 else await algo.gather_bytes(c, mine, root)
-
-    parts = await g.run("gather_object", f"gather_object|{dst}", body)
+    parts = await g.run("gather_object", f"gather_object|{dst}", lambda c: _gather_bytes(c, mine, root))
     if parts is not None and object_gather_list is not None:
         object_gather_list[:] = [_unpack(p) for p in parts]
 
@@ -90,8 +82,50 @@ async def scatter_object_list(
     if not scatter_object_output_list:
         raise ValueError("scatter_object_output_list must have at least one entry")
 
-    async def body(c: Any) -> bytes:
-        return parts[0] if g.size == 1 and parts else await algo.scatter_bytes(c, parts, root)
-
-    data = await g.run("scatter_object_list", f"scatter_object_list|{src}", body)
+    fp = f"scatter_object_list|{src}"
+    data = await g.run("scatter_object_list", fp, lambda c: _scatter_bytes(c, parts, root))
     scatter_object_output_list[0] = _unpack(data)
+
+
+# -- variable-size byte messages --------------------------------------------------------------
+async def _all_gather_bytes(comm: Comm, mine: bytes) -> list[bytes]:
+    peers = others(comm)
+    recvs = [comm.recv_any(p, 0) for p in peers]
+    data = np.frombuffer(mine, np.uint8)
+    await wait_all([comm.send(p, 0, data) for p in peers])
+    got = await wait_all(recvs)
+    out = [b""] * comm.size
+    out[comm.rank] = mine
+    for p, buf in zip(peers, got, strict=True):
+        out[p] = bytes(buf)
+    return out
+
+
+async def _broadcast_bytes(comm: Comm, mine: bytes | None, src: int) -> bytes:
+    if comm.rank == src:
+        assert mine is not None
+        data = np.frombuffer(mine, np.uint8)
+        await wait_all([comm.send(p, 0, data) for p in others(comm)])
+        return mine
+    return bytes(await comm.recv_any(src, 0))
+
+
+async def _gather_bytes(comm: Comm, mine: bytes, dst: int) -> list[bytes] | None:
+    if comm.rank != dst:
+        await wait_all([comm.send(dst, 0, np.frombuffer(mine, np.uint8))])
+        return None
+    peers = others(comm)
+    got = await wait_all([comm.recv_any(p, 0) for p in peers])
+    out = [b""] * comm.size
+    out[dst] = mine
+    for p, buf in zip(peers, got, strict=True):
+        out[p] = bytes(buf)
+    return out
+
+
+async def _scatter_bytes(comm: Comm, parts: list[bytes] | None, src: int) -> bytes:
+    if comm.rank != src:
+        return bytes(await comm.recv_any(src, 0))
+    assert parts is not None
+    await wait_all([comm.send(p, 0, np.frombuffer(parts[p], np.uint8)) for p in others(comm)])
+    return parts[src]

@@ -38,7 +38,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import select
 import signal
 import socket
@@ -67,6 +66,7 @@ from bench_common import (
 )
 from bench_report import (
     compare,
+    machine_info,
     markdown,
 )
 
@@ -355,48 +355,6 @@ def build_cases(args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
                     continue
                 cases.append({"collective": coll, "size": s})
     return cases
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def machine_info(args: argparse.Namespace) -> dict[str, Any]:
-    commit = None
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        commit = (
-            subprocess.run(
-                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-            or None
-        )
-    cpu_model = None
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": _version("numpy"),
-        "torch": _version("torch"),
-        "uvloop": _version("uvloop"),
-        "msgpack": _version("msgpack"),
-        "arendez": _version("arendez"),
-        "git_commit": commit,
-        "uvloop_disabled_env": os.environ.get("ARENDEZ_NO_UVLOOP") == "1",
-        "arendez_algorithm": args.algorithm or os.environ.get("ARENDEZ_ALGORITHM") or "auto",
-    }
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

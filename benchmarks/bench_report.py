@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import importlib.metadata
+import os
+import platform
+import subprocess
 from typing import Any
 
 from bench_common import (
@@ -9,6 +15,7 @@ from bench_common import (
     BACKENDS,
     COLLECTIVES,
     MEMORY_SIZE,
+    ROOT,
     MiB,
     bus_bytes,
     fmt_bw,
@@ -184,3 +191,45 @@ def markdown(
     bounds = f"min {policy['min_iters']}, max {policy['max_iters']}"
     lines += ["", f"Iterations: {budget} ({bounds}), barrier before each."]
     return "\n".join(lines)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(args: argparse.Namespace) -> dict[str, Any]:
+    commit = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
+    cpu_model = None
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": cpu_model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "torch": _version("torch"),
+        "uvloop": _version("uvloop"),
+        "msgpack": _version("msgpack"),
+        "arendez": _version("arendez"),
+        "git_commit": commit,
+        "uvloop_disabled_env": os.environ.get("ARENDEZ_NO_UVLOOP") == "1",
+        "arendez_algorithm": args.algorithm or os.environ.get("ARENDEZ_ALGORITHM") or "auto",
+    }

@@ -194,12 +194,6 @@ def collect(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[Rank
     return results
 
 
-def _succeeded(results: list[RankResult]) -> list[Any]:
-    for res in results:
-        assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}:\n{res.stderr[-4000:]}"
-    return [res.value for res in results]
-
-
 def run_ranks(
     fn: Callable[..., Awaitable[Any]],
     world_size: int,
@@ -207,22 +201,22 @@ def run_ranks(
     *args: Any,
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
+    join: bool = False,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, url, *args)`` (rank code that joins by itself) on
-    ``world_size`` rank processes; every rank must succeed; return their values."""
-    procs = [spawn_rank(fn, r, world_size, url, *args, env=env) for r in range(world_size)]
-    return _succeeded(collect(procs, timeout))
+    """Run ``fn`` on ``world_size`` rank processes; every rank must succeed; return their values.
+
+    ``fn(rank, world_size, url, *args)`` joins by itself (``tests/jobs``); with ``join``,
+    ``fn(rank, world_size, *args)`` runs with the default group joined at ``url`` for it.
+    """
+    procs = [spawn_rank(fn, r, world_size, url, *args, env=env, join=join) for r in range(world_size)]
+    results = collect(procs, timeout)
+    for res in results:
+        assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}:\n{res.stderr[-4000:]}"
+    return [res.value for res in results]
 
 
 def run_function(
-    fn: Callable[..., Awaitable[Any]],
-    world_size: int,
-    url: str,
-    *args: Any,
-    timeout: float = 60.0,
-    env: dict[str, str] | None = None,
+    fn: Callable[..., Awaitable[Any]], world_size: int, url: str, *args: Any, **kw: Any
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` with the default group joined at ``url`` on
-    ``world_size`` rank processes; every rank must succeed; return their values."""
-    procs = [spawn_rank(fn, r, world_size, url, *args, env=env, join=True) for r in range(world_size)]
-    return _succeeded(collect(procs, timeout))
+    """``run_ranks(..., join=True)``: rank code that expects the default group joined."""
+    return run_ranks(fn, world_size, url, *args, join=True, **kw)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import run_ranks
+from tests import conformance
+from tests.harness import run_function, run_ranks
 from tests.jobs import collectives as collectives_jobs
 
 DTYPES = ["float32", "int64", "uint8", "float16", "bool"]
@@ -18,9 +19,7 @@ def test_every_collective_dtype_and_size(arendez_server, world_size, shm):
     """Large blocks go through shared memory by default; ``shm=0`` keeps every byte on TCP."""
     url = f"{arendez_server.url}/matrix{world_size}-{shm}"
     env = {"ARENDEZ_SHM": shm}
-    counts = run_ranks(
-        collectives_jobs.collectives_matrix, world_size, url, DTYPES, SIZES, timeout=140, env=env
-    )
+    counts = run_function(conformance.every_collective, world_size, url, DTYPES, SIZES, timeout=140, env=env)
     per_group = 16 * len(DTYPES) * len(SIZES)
     assert counts[0] == per_group
     assert counts[1:] == [2 * per_group] * (world_size - 1)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 import arendez as dist
-from tests.conformance import contribution, every_collective_once, reduced
+from tests.conformance import contribution, reduced
 from tests.jobs import join
 
 
@@ -51,23 +51,6 @@ async def steady_all_reduce(rank: int, ws: int, url: str, rounds: int, size: int
         total = float(x[0])
     await dist.destroy_process_group()
     return total
-
-
-async def collectives_matrix(rank: int, ws: int, url: str, dtypes: list[str], sizes: list[int]) -> int:
-    """Every collective x dtypes x sizes, on the default group and on a subgroup of all but rank 0."""
-    await join(url, ws, rank)
-    checked = 0
-    sub_ranks = list(range(1, ws))
-    sub = await dist.new_group(sub_ranks)
-    for dtype in dtypes:
-        for size in sizes:
-            checked += await every_collective_once(rank, ws, dtype, size, None, list(range(ws)))
-            if rank in sub_ranks:
-                checked += await every_collective_once(rank, ws, dtype, size, sub, sub_ranks)
-            else:
-                assert sub is dist.GroupMember.NON_GROUP_MEMBER
-    await dist.destroy_process_group()
-    return checked
 
 
 async def point_to_point(rank: int, ws: int, url: str, size: int) -> list[int]:
