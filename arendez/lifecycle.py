@@ -9,7 +9,7 @@ import hashlib
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,18 +61,24 @@ async def init_process_group(
         where = Plan(world_size, rank, store.host, store.port, store.job)
     else:
         where = plan(init_method, world_size, rank)
-    world = await _build_world(where, limit, store)
-    install(world)
+    build = _BUILDERS.get(where.transport)
+    if build is None:
+        raise RendezvousError(f"no transport {where.transport!r}; known: {', '.join(_BUILDERS)}")
+    install(await build(where, limit, store))
 
 
-async def _build_world(where: Plan, timeout: float, given: Store | None) -> World:
-    if where.local:  # one rank, or ranks of this event loop: no store, links in memory
-        job = where.job if where.transport == "inproc" else f"local-{os.urandom(8).hex()}"
-        links = await inproc.join(job, where.world_size, where.rank, timeout)
-        local = World(links.rank, where.world_size, timeout)
-        local.mesh = links
-        links.attach(local.route, local.sink, local.peer_lost)
-        return local
+async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> World:
+    """Ranks that are tasks of this event loop (one rank: a world of its own): no store."""
+    job = where.job or f"local-{os.urandom(8).hex()}"
+    links = await inproc.join(job, where.world_size, where.rank, timeout)
+    world = World(links.rank, where.world_size, timeout)
+    world.mesh = links
+    links.attach(world.route, world.sink, world.peer_lost)
+    return world
+
+
+async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
+    """Join through the store, connect the peer mesh, set up same-host shared memory."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     secure = tls.from_env()
@@ -132,6 +138,13 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
         if server is not None:
             await server.close(max(0.0, deadline - loop.time()))
         raise
+
+
+#: how each transport (``Plan.transport``, from the ``init_method`` scheme) builds a world
+_BUILDERS: dict[str, Callable[[Plan, float, Store | None], Awaitable[World]]] = {
+    "tcp": _tcp_world,
+    "inproc": _inproc_world,
+}
 
 
 async def _host_server(where: Plan, ssl_context: Any) -> Any:

@@ -68,7 +68,7 @@ def plan(
         if world_size in (-1, 1) and (env_world in (None, 1)) and not env.get("ARENDEZ_URL"):
             if rank not in (-1, 0):
                 raise RendezvousError(f"rank {rank} is impossible in a world of size 1")
-            return Plan(world_size=1, rank=0)
+            return Plan(world_size=1, rank=0, job="", transport="inproc")
         init_method = "env://"
     url = urllib.parse.urlsplit(init_method)
     token = env.get("ARENDEZ_TOKEN") or None

@@ -4,8 +4,10 @@
   same-host payloads through shared memory (``arendez.shm``) when both ranks allow it;
 - ``inproc``: ranks that are tasks of one event loop, linked in memory (``inproc``).
 
-Both give the world a ``Links`` object; everything above it (``World``, ``Op``, the algorithms)
-is the same code whichever transport carries the frames.
+``rendezvous.plan`` maps the ``init_method`` scheme to one of them (``Plan.transport``) and
+``lifecycle`` builds the world with it. Both give the world a ``Links`` object; everything
+above it (``World``, ``Op``, the algorithms) is the same code whichever transport carries
+the frames.
 """
 
 from __future__ import annotations
@@ -14,9 +16,6 @@ from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol
 
 from .. import frames
-
-#: the schemes ``init_method`` URLs may name, and the transport that carries their peer frames
-SCHEMES = {"tcp": "tcp", "env": "tcp", "arendez": "tcp", "inproc": "inproc"}
 
 
 class Link(Protocol):
