@@ -20,11 +20,11 @@ from .arrays import ReduceOp
 from .errors import RendezvousError
 from .group import GroupMember, ProcessGroup
 from .handle import Handle
-from .mesh import Mesh
 from .registry import DEFAULT_TIMEOUT, default_group, install, resolve, seconds, uninstall, world_or_none
 from .rendezvous import Plan, is_loopback, plan
 from .store import Store
 from .transports import inproc
+from .transports.tcp import Mesh
 from .world import World
 
 log = logging.getLogger("arendez")

@@ -1,6 +1,6 @@
 """Peer transports, one per URL scheme: what a ``World`` needs to exchange frames with its peers.
 
-- ``tcp``: one authenticated asyncio connection per pair of ranks (``arendez.mesh``), with
+- ``tcp``: one authenticated asyncio connection per pair of ranks (``tcp``), with
   same-host payloads through shared memory (``arendez.shm``) when both ranks allow it;
 - ``inproc``: ranks that are tasks of one event loop, linked in memory (``inproc``).
 

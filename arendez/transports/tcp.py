@@ -15,10 +15,10 @@ import ssl as _ssl
 from collections.abc import Callable
 from typing import Any
 
-from . import frames, transport, wire
-from .errors import AuthenticationError, ProtocolError, RendezvousError
+from .. import frames, transport, wire
+from ..errors import AuthenticationError, ProtocolError, RendezvousError
 
-log = logging.getLogger("arendez.mesh")
+log = logging.getLogger("arendez.tcp")
 
 FrameRouter = Callable[[int, frames.Frame, memoryview | None], None]
 SinkRouter = Callable[[int, frames.Frame, int], memoryview | None]
