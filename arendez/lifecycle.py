@@ -113,6 +113,7 @@ async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
         member = await store.join(where.world_size, where.rank, address, deadline - loop.time())
         world = World(member.rank, member.world_size, timeout)
         world.store, world.mesh, world.server, world.address = store, mesh, server, address
+        world.embedded_store = where.embedded
         world.shm = shm.Channels(allowed=shm.enabled() and secure is None)  # before peers say hello
         store.on_event = lambda event, w=world: _on_server_event(w, event)
         await mesh.connect(
@@ -178,6 +179,8 @@ def _on_server_event(world: World, event: dict[str, Any]) -> None:
     rank = event.get("rank")
     if kind == "rank_failed" and isinstance(rank, int):
         world.peer_lost(rank, f"declared failed by the server ({event.get('reason')})")
+    elif kind == "server_shutdown":
+        world.store_gone.set()
 
 
 async def destroy_process_group(group: Any = None, timeout: float | datetime.timedelta | None = None) -> None:
@@ -219,6 +222,12 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
     if world.mesh is not None:
         await world.mesh.close(left())
     world.shm.close()
+    if world.embedded_store and world.server is None:
+        # rank 0 closes its store once every rank has said goodbye: wait for that, so that a
+        # rank that re-joins at once cannot find the old store still up
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(min(deadline, loop.time() + LINGER_SECONDS)):
+                await world.store_gone.wait()
     if world.store is not None:
         await world.store.close()
     if world.server is not None:
