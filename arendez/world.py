@@ -191,8 +191,10 @@ class World:
                     self.peer_lost(rank, f"{reason} (reported by rank {peer})")
             self.peer_lost(peer, "it destroyed its process group", left=True)
         elif isinstance(frame, frames.Query):
-            group = self.groups.get(frame.gid)
-            self.send_control(peer, frames.Answer(frame.qid, group.next_seq if group is not None else -1))
+            if not self.closed:  # (a rank that is leaving has no progress to report: silence)
+                group = self.groups.get(frame.gid)
+                started = group.next_seq if group is not None else -1  # -1: not made (yet)
+                self.send_control(peer, frames.Answer(frame.qid, started))
         elif isinstance(frame, frames.Answer):
             self.progress.on_answer(peer, frame)
         elif isinstance(frame, frames.Error):

@@ -120,3 +120,15 @@ async def test_drain_fails_what_is_in_flight_and_drops_early_frames():
     assert group.destroyed and len(world.mail) == 0
     with pytest.raises(Exception, match="process group was destroyed"):
         await task
+
+
+@pytest.mark.timeout(10)
+async def test_a_rank_that_is_leaving_does_not_answer_progress_queries():
+    sent: list[tuple[int, frames.Frame]] = []
+    world = World(rank=0, world_size=2, timeout=5)
+    world.send_control = lambda peer, frame: sent.append((peer, frame)) or True  # type: ignore[method-assign]
+    world.route(1, frames.Query(0, 7), None)
+    assert sent == [(1, frames.Answer(7, 0))]
+    world.closed = True  # destroy cleared the groups: answering -1 would read as "never started"
+    world.route(1, frames.Query(0, 8), None)
+    assert sent == [(1, frames.Answer(7, 0))]
