@@ -6,96 +6,23 @@ scripts, ``import arendez.sync as dist`` offers the same names, blocking.
 
 from __future__ import annotations
 
-from .api import (
-    all_gather,
-    all_gather_into_tensor,
-    all_gather_object,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    barrier,
-    broadcast,
-    broadcast_object_list,
-    destroy_process_group,
-    gather,
-    gather_object,
-    get_process_group_ranks,
-    get_rank,
-    get_world_size,
-    init_process_group,
-    is_initialized,
-    new_group,
-    process_group,
-    recv,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_tensor,
-    scatter,
-    scatter_object_list,
-    send,
-    transport_stats,
-)
+from . import api, errors
+from .api import *  # noqa: F403 - the API's names (api.__all__)
 from .arrays import ReduceOp
-from .errors import (
-    ArendezError,
-    AuthenticationError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    GroupDestroyedError,
-    NotInitializedError,
-    ProtocolError,
-    RankFailedError,
-    RendezvousError,
-    StoreError,
-    StoreTimeoutError,
-)
+from .errors import *  # noqa: F403 - the error hierarchy (errors.__all__)
 from .group import GroupMember, ProcessGroup
+from .registry import current_world
 from .store import PrefixStore, Store
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArendezError",
-    "AuthenticationError",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
-    "GroupDestroyedError",
+    *api.__all__,
+    *errors.__all__,
     "GroupMember",
-    "NotInitializedError",
     "PrefixStore",
     "ProcessGroup",
-    "ProtocolError",
-    "RankFailedError",
     "ReduceOp",
-    "RendezvousError",
     "Store",
-    "StoreError",
-    "StoreTimeoutError",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "destroy_process_group",
-    "gather",
-    "gather_object",
-    "get_process_group_ranks",
-    "get_rank",
-    "get_world_size",
-    "init_process_group",
-    "is_initialized",
-    "new_group",
-    "process_group",
-    "recv",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "transport_stats",
+    "current_world",
 ]

@@ -113,7 +113,8 @@ def _release(comm: Comm, buffers: list[memoryview]) -> None:
         comm.release(buffer)
 
 
-def _others(comm: Comm) -> list[int]:
+def others(comm: Comm) -> list[int]:
+    """The group ranks other than this one."""
     return [p for p in range(comm.size) if p != comm.rank]
 
 
@@ -187,7 +188,7 @@ async def all_reduce(comm: Comm, x: Array, op: ReduceOp, algorithm: str | None =
 
 
 async def _direct_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
-    peers = _others(comm)
+    peers = others(comm)
     recvs = [comm.recv_any(p, 0) for p in peers]
     await wait_all([comm.send(p, 0, x) for p in peers])
     got = await wait_all(recvs)
@@ -343,7 +344,7 @@ async def reduce(comm: Comm, x: Array, dst: int, op: ReduceOp, algorithm: str | 
         if algo == "ring":
             await _ring_reduce(comm, x, dst, ufunc)
         elif comm.rank == dst:
-            peers = _others(comm)
+            peers = others(comm)
             got = await wait_all([comm.recv_any(p, 0) for p in peers])
             received = {p: _view(b, x.dtype) for p, b in zip(peers, got, strict=True)}
             _combine_in_rank_order(comm, x, received, ufunc, x)
@@ -391,7 +392,7 @@ async def reduce_scatter(
 
             await _run_lanes(len(lanes), lane)
         else:
-            peers = _others(comm)
+            peers = others(comm)
             recvs = [comm.recv_any(p, 0) for p in peers]
             await wait_all([comm.send(p, 0, inputs[p]) for p in peers])
             got = await wait_all(recvs)
@@ -411,7 +412,7 @@ async def broadcast(comm: Comm, x: Array, src: int, algorithm: str | None = None
     algo = algorithm or choose("broadcast", x.nbytes, n)
     if algo != "ring":
         if r == src:
-            await wait_all([comm.send(p, 0, x) for p in _others(comm)])
+            await wait_all([comm.send(p, 0, x) for p in others(comm)])
         else:
             await comm.recv_into(src, 0, x)
         return
@@ -441,7 +442,7 @@ async def all_gather(comm: Comm, blocks: list[Array], algorithm: str | None = No
         return
     algo = algorithm or choose("all_gather", blocks[r].nbytes * n, n)
     if algo != "ring":
-        peers = _others(comm)
+        peers = others(comm)
         recvs = [comm.recv_into(p, 0, blocks[p]) for p in peers]
         await wait_all([comm.send(p, 0, blocks[r]) for p in peers])
         await wait_all(recvs)
@@ -462,7 +463,7 @@ async def gather(comm: Comm, x: Array, outs: list[Array] | None, dst: int) -> No
         return
     assert outs is not None
     np.copyto(outs[dst], x)
-    await wait_all([comm.recv_into(p, 0, outs[p]) for p in _others(comm)])
+    await wait_all([comm.recv_into(p, 0, outs[p]) for p in others(comm)])
 
 
 async def scatter(comm: Comm, out: Array, ins: list[Array] | None, src: int) -> None:
@@ -472,57 +473,13 @@ async def scatter(comm: Comm, out: Array, ins: list[Array] | None, src: int) -> 
         return
     assert ins is not None
     np.copyto(out, ins[src])
-    await wait_all([comm.send(p, 0, ins[p]) for p in _others(comm)])
+    await wait_all([comm.send(p, 0, ins[p]) for p in others(comm)])
 
 
 async def all_to_all(comm: Comm, outs: list[Array], ins: list[Array]) -> None:
     """``outs[p]`` on rank ``r`` = ``ins[r]`` on rank ``p``."""
-    peers = _others(comm)
+    peers = others(comm)
     recvs = [comm.recv_into(p, 0, outs[p]) for p in peers]
     np.copyto(outs[comm.rank], ins[comm.rank])
     await wait_all([comm.send(p, 0, ins[p]) for p in peers])
     await wait_all(recvs)
-
-
-# -- variable-size byte messages (object collectives) ----------------------------------------
-async def all_gather_bytes(comm: Comm, mine: bytes) -> list[bytes]:
-    peers = _others(comm)
-    recvs = [comm.recv_any(p, 0) for p in peers]
-    data = np.frombuffer(mine, np.uint8)
-    await wait_all([comm.send(p, 0, data) for p in peers])
-    got = await wait_all(recvs)
-    out = [b""] * comm.size
-    out[comm.rank] = mine
-    for p, buf in zip(peers, got, strict=True):
-        out[p] = bytes(buf)
-    return out
-
-
-async def broadcast_bytes(comm: Comm, mine: bytes | None, src: int) -> bytes:
-    if comm.rank == src:
-        assert mine is not None
-        data = np.frombuffer(mine, np.uint8)
-        await wait_all([comm.send(p, 0, data) for p in _others(comm)])
-        return mine
-    return bytes(await comm.recv_any(src, 0))
-
-
-async def gather_bytes(comm: Comm, mine: bytes, dst: int) -> list[bytes] | None:
-    if comm.rank != dst:
-        await wait_all([comm.send(dst, 0, np.frombuffer(mine, np.uint8))])
-        return None
-    peers = _others(comm)
-    got = await wait_all([comm.recv_any(p, 0) for p in peers])
-    out = [b""] * comm.size
-    out[dst] = mine
-    for p, buf in zip(peers, got, strict=True):
-        out[p] = bytes(buf)
-    return out
-
-
-async def scatter_bytes(comm: Comm, parts: list[bytes] | None, src: int) -> bytes:
-    if comm.rank != src:
-        return bytes(await comm.recv_any(src, 0))
-    assert parts is not None
-    await wait_all([comm.send(p, 0, np.frombuffer(parts[p], np.uint8)) for p in _others(comm)])
-    return parts[src]

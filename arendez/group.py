@@ -1,31 +1,24 @@
-"""Process groups over a world's peer mesh: sequencing, matching, failure and destroy.
-
-A ``World`` is what one ``init_process_group`` built: its rank, the store, the mesh and every
-group over it. Incoming frames are matched to receives by ``(sender, group, seq, tag, segment)``;
-a receive posted before its frame arrives gets the payload written straight into its buffer.
+"""Process groups and the collective running on one (``Op``).
 
 Each collective is an ``Op``: it has the group's next sequence number and a fingerprint
 (collective, op, dtype, count) carried by every frame, so ranks that started different
 collectives at the same sequence number fail with ``CollectiveMismatchError`` instead of
 exchanging garbage. An ``Op`` fails as a unit: a dead peer, a deadline or a destroy wakes every
-future it waits on with the same error.
+future it waits on with the same error. Its receives go through the world's ``Mailbox``; a
+receive posted before its frame arrives gets the payload written straight into its buffer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
-import functools
-import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from . import shm, wire
+from . import frames, wire
 from .arrays import byte_view
 from .errors import (
     ArendezError,
@@ -33,480 +26,22 @@ from .errors import (
     CollectiveTimeoutError,
     GroupDestroyedError,
     NotInitializedError,
-    ProtocolError,
     RankFailedError,
 )
-from .mesh import Mesh
+from .mailbox import Key, Slot, Stats, give, settle
+
+if TYPE_CHECKING:
+    from .world import World
 
 log = logging.getLogger("arendez.group")
 
 T = TypeVar("T")
 Array = np.ndarray[Any, Any]
 
-# frame kinds on the mesh (headers are short lists)
-DATA, MISMATCH, BYE, QUERY, ANSWER, P2P, SHM_HELLO, SHM_OFFER, SHM_ANSWER, SHM_FREE = range(10)
-SHM_KINDS = (SHM_HELLO, SHM_OFFER, SHM_ANSWER, SHM_FREE)
-
-#: Payloads at least this large that arrive before their receive land in pooled buffers.
-POOLED_EARLY_BYTES = 64 * 1024
 #: How long a timed-out collective waits for peers to report their progress.
 DIAGNOSE_SECONDS = 1.0
 
-
-class _Slot:
-    """A receive: where the payload goes (``out``), who waits (``fut``), or data that came early."""
-
-    __slots__ = ("any", "data", "fp", "fut", "give_back", "out", "shared")
-
-    def __init__(self) -> None:
-        self.any = False  # the receiver takes whichever buffer the payload landed in
-        self.out: memoryview | None = None
-        self.fut: asyncio.Future[Any] | None = None
-        self.data: memoryview | None = None
-        self.give_back: Callable[[], None] | None = None  # returns ``data``'s buffer once read
-        self.shared = False  # ``data`` lies in the sender's shared memory
-        self.fp = ""
-
-
-def _give(give_back: Callable[[], None] | None) -> None:
-    if give_back is not None:
-        give_back()
-
-
-def _settle(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-        fut.exception()  # mark retrieved: the op reports the error once, through its caller
-
-
-@dataclass
-class _P2PRecv:
-    src: int | None
-    gid: int
-    tag: int
-    out: memoryview
-    fut: asyncio.Future[int]
-    error: BaseException | None = None
-
-
-class BufferPool:
-    """Work buffers reused across collectives: fresh pages cost a fault each, every call."""
-
-    def __init__(self, budget: int = 64 << 20) -> None:
-        self._free: dict[int, list[Array]] = {}
-        self._held = 0
-        self._budget = budget
-
-    def take(self, nbytes: int) -> Array:
-        free = self._free.get(nbytes)
-        if free:
-            self._held -= nbytes
-            return free.pop()
-        return np.empty(nbytes, np.uint8)
-
-    def give(self, buffer: Array) -> None:
-        if self._held + buffer.nbytes <= self._budget:
-            self._free.setdefault(buffer.nbytes, []).append(buffer)
-            self._held += buffer.nbytes
-
-
-@dataclass
-class Stats:
-    """Counters a benchmark or test can read: payload bytes the receive path had to copy."""
-
-    copied_bytes: int = 0
-    copied_messages: int = 0
-    received_bytes: int = 0
-    #: the part of ``received_bytes`` that came through shared memory, not the socket
-    shm_bytes: int = 0
-    #: large payloads sent inline because the peer's shared-memory ring was full
-    shm_full: int = 0
-
-
-class World:
-    """One initialised process group world: rank, store, mesh and groups."""
-
-    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = timeout
-        self.mesh: Mesh | None = None
-        self.store: Any = None
-        self.server: Any = None  # the embedded server this rank hosts, if any
-        self.address = ""  # host:port of this rank's peer listener
-        self.groups: dict[int, ProcessGroup] = {}
-        self.next_gid = 0
-        self.dead: dict[int, str] = {}  # ranks gone for good, with why
-        self.failed: dict[int, str] = {}  # the subset that died rather than left
-        self.stats = Stats()
-        self._mail: dict[tuple[Any, ...], _Slot] = {}
-        self._p2p_posted: list[_P2PRecv] = []
-        # per peer, what the sink chose for each P2P frame whose payload is still arriving (the
-        # decoder may consult the sink for the next frame before the current one is routed)
-        self._p2p_receiving: dict[int, collections.deque[_P2PRecv | None]] = {}
-        self._p2p_stash: collections.deque[tuple[int, int, int, memoryview | None]] = collections.deque()
-        self._queries: dict[int, tuple[dict[int, int], asyncio.Future[None], int]] = {}
-        self._qids = itertools.count()
-        self._early_poison: dict[int, dict[int, str]] = {}  # MISMATCH for groups not made yet
-        self._early_mail: dict[int, dict[int, list[tuple[Any, ...]]]] = {}  # DATA for them, by seq
-        self._pending_gids: set[int] = set()
-        self.pool = BufferPool()
-        self._pooled: dict[int, Array] = {}  # pool buffers early payloads are arriving in
-        self.shm = shm.Channels(allowed=False)  # init enables it unless disabled or under TLS
-        self._shm_settled: asyncio.Future[None] | None = None
-        self._shm_flush: asyncio.Handle | None = None
-        self.closed = False
-        self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
-        self.next_gid = 1
-
-    def reserve_gid(self) -> int:
-        """The next subgroup's id, taken before new_group's barrier so ranks never disagree."""
-        gid = self.next_gid
-        self.next_gid += 1
-        self._pending_gids.add(gid)
-        return gid
-
-    def add_group(self, gid: int, ranks: list[int], timeout: float) -> ProcessGroup | None:
-        """Register subgroup ``gid`` (None for a rank outside it)."""
-        self._pending_gids.discard(gid)
-        early = self._early_mail.pop(gid, {})
-        if self.rank not in ranks:
-            self._early_poison.pop(gid, None)
-            for keys in early.values():
-                self.drop_stashes(keys)
-            return None
-        group = self.groups[gid] = ProcessGroup(self, gid, ranks, timeout)
-        group.poisoned.update(self._early_poison.pop(gid, {}))
-        group.early_keys.update(early)
-        return group
-
-    # -- frames from the mesh --------------------------------------------------------------
-    def sink(self, peer: int, header: Any, nbytes: int) -> memoryview | None:
-        kind = header[0]
-        if kind == DATA:
-            slot = self._mail.get((peer, header[1], header[2], header[3], header[4]))
-            if (
-                slot is not None
-                and slot.out is not None
-                and slot.out.nbytes == nbytes
-                and slot.fp == header[5]
-            ):
-                return slot.out  # (a mismatched frame goes to a throwaway buffer instead)
-            if nbytes >= POOLED_EARLY_BYTES:  # early: a reused buffer (fresh pages fault)
-                buffer = self.pool.take(nbytes)
-                self._pooled[id(buffer)] = buffer
-                return memoryview(cast(Any, buffer))
-        elif kind == P2P:
-            posted = self._claim_p2p(peer, header[1], header[2], nbytes)
-            self._p2p_receiving.setdefault(peer, collections.deque()).append(posted)
-            if posted is not None and posted.error is None:
-                return posted.out
-        return None
-
-    def _claim_p2p(self, peer: int, gid: int, tag: int, nbytes: int) -> _P2PRecv | None:
-        """Take the oldest posted recv that a message from ``peer`` satisfies."""
-        for i, posted in enumerate(self._p2p_posted):
-            if posted.fut.done():
-                continue
-            if posted.gid == gid and posted.tag == tag and posted.src in (None, peer):
-                del self._p2p_posted[i]
-                if posted.out.nbytes != nbytes:
-                    posted.error = CollectiveMismatchError(
-                        f"recv of {posted.out.nbytes} bytes from rank {peer} got a send of {nbytes}"
-                    )
-                return posted
-        return None
-
-    def route(self, peer: int, header: Any, payload: memoryview | None) -> None:
-        if not isinstance(header, list) or not header or not isinstance(header[0], int):
-            return
-        if payload is not None:
-            self.stats.received_bytes += payload.nbytes
-        kind = header[0]
-        if kind == DATA:
-            self._on_data(peer, header, payload)
-        elif kind == P2P:
-            self._on_p2p(peer, header, payload)
-        elif kind == MISMATCH:
-            group = self.groups.get(header[1])
-            if group is not None:
-                group.poison(header[2], str(header[3]), tell=False)
-            elif header[1] >= self.next_gid and len(self._early_poison) < 1024:
-                self._early_poison.setdefault(header[1], {})[header[2]] = str(header[3])
-        elif kind == BYE:
-            # the leaver tells us who it saw die: blame the root cause, not the messenger
-            failed = header[1] if len(header) > 1 and isinstance(header[1], dict) else {}
-            for rank, reason in failed.items():
-                if isinstance(rank, int) and rank != self.rank:
-                    self.peer_lost(rank, f"{reason} (reported by rank {peer})")
-            self.peer_lost(peer, "it destroyed its process group", left=True)
-        elif kind == QUERY:
-            group = self.groups.get(header[1])
-            started = group.next_seq if group is not None else -1
-            if self.mesh is not None and peer in self.mesh.conns:
-                self.mesh.send(peer, [ANSWER, header[2], started])
-        elif kind == ANSWER:
-            entry = self._queries.get(header[1])
-            if entry is not None:
-                answers, done, expected = entry
-                answers[peer] = int(header[2])
-                if len(answers) >= expected and not done.done():
-                    done.set_result(None)
-        elif kind in SHM_KINDS and peer not in self.dead:  # a dead peer's link is already gone
-            self._on_shm(peer, kind, header)
-
-    def _on_data(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
-        gid, seq, fp = header[1], header[2], header[5]
-        give_back: Callable[[], None] | None = None
-        shared = len(header) > 7
-        if shared:  # the payload lies in the sender's shared-memory segment
-            if peer in self.dead:
-                return  # its link (and what it pointed at) went with it
-            try:
-                payload = self.shm.payload(peer, header[6], header[7])
-            except ValueError as exc:
-                raise ProtocolError(str(exc)) from None
-            give_back = functools.partial(self.free_shm, peer, header[6])
-            self.stats.received_bytes += payload.nbytes
-            self.stats.shm_bytes += payload.nbytes
-        elif payload is not None and id(payload.obj) in self._pooled:  # came before its receive
-            give_back = functools.partial(self.pool.give, self._pooled.pop(id(payload.obj)))
-        key = (peer, gid, seq, header[3], header[4])
-        group = self.groups.get(gid)
-        op: Op | None = None
-        if group is not None:
-            op = group.active.get(seq)
-            if op is None and seq < group.next_seq:
-                return _give(give_back)  # a late frame of a collective that already ended
-            if op is not None and op.fp != fp:
-                group.mismatch(seq, op.fp, fp, peer)
-                return _give(give_back)
-            if op is None:
-                group.early_fps.setdefault(seq, (peer, fp))
-        elif gid < self.next_gid and gid not in self._pending_gids:
-            return _give(give_back)  # a group this rank destroyed or is not a member of
-        slot = self._mail.get(key)
-        if slot is None or slot.fut is None:
-            stash = _Slot()
-            stash.data = payload if payload is not None else memoryview(b"")
-            stash.fp = fp
-            stash.give_back, stash.shared = give_back, shared
-            self._mail[key] = stash
-            if op is not None:
-                op.keys.append(key)
-            elif group is not None:
-                group.early_keys.setdefault(seq, []).append(key)
-            else:  # a subgroup this rank has not made yet: add_group hands these over
-                self._early_mail.setdefault(gid, {}).setdefault(seq, []).append(key)
-            return
-        del self._mail[key]
-        fut = slot.fut
-        if fut.done():
-            return _give(give_back)
-        if slot.out is None or slot.any:
-            if op is not None and give_back is not None and payload is not None:
-                op.hold(payload, give_back)
-            fut.set_result(payload if payload is not None else memoryview(b""))
-            return
-        if payload is not None and payload.obj is not slot.out.obj:
-            if payload.nbytes != slot.out.nbytes:
-                fut.set_exception(
-                    CollectiveMismatchError(f"expected {slot.out.nbytes} bytes, got {payload.nbytes}")
-                )
-                return _give(give_back)
-            slot.out[:] = payload
-            if not shared:  # (copying out of shared memory is the transfer itself, as the kernel's)
-                self.stats.copied_bytes += payload.nbytes
-                self.stats.copied_messages += 1
-            _give(give_back)
-        fut.set_result(None)
-
-    def _on_p2p(self, peer: int, header: list[Any], payload: memoryview | None) -> None:
-        claims = self._p2p_receiving.get(peer)
-        posted = claims.popleft() if payload is not None and claims else None
-        if posted is None:  # the recv may have been posted while the payload streamed in
-            posted = self._claim_p2p(peer, header[1], header[2], 0 if payload is None else payload.nbytes)
-        if posted is None:
-            self._p2p_stash.append((peer, header[1], header[2], payload))
-            return
-        if posted.fut.done():
-            return
-        if posted.error is not None:
-            posted.fut.set_exception(posted.error)
-            return
-        if payload is not None and payload.obj is not posted.out.obj:
-            posted.out[:] = payload
-            self.stats.copied_bytes += payload.nbytes
-        posted.fut.set_result(peer)
-
-    # -- shared memory ---------------------------------------------------------------------
-    async def open_shm(self, timeout: float) -> None:
-        """Set up shared memory with the peers on this host, waiting at most ``timeout``.
-
-        Peers elsewhere (or that cannot map our segment) stay on TCP only. ``self.shm`` must be
-        in place before the mesh connects: a faster peer's hello may come first.
-        """
-        assert self.mesh is not None
-        if not self.shm.allowed:
-            return
-        self._shm_settled = asyncio.get_running_loop().create_future()
-        try:
-            for peer in sorted(self.mesh.conns):
-                self.mesh_send(peer, [SHM_HELLO, self.shm.host])
-            self._check_shm_settled()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self._shm_settled
-        finally:
-            self._shm_settled = None
-            self.shm.abandon_unanswered()  # no answer in time (or init was cancelled): TCP only
-
-    def _check_shm_settled(self) -> None:
-        done, mesh = self._shm_settled, self.mesh
-        if done is None or done.done() or mesh is None:
-            return
-        if all(p in self.shm.settled for p in mesh.conns):
-            done.set_result(None)
-
-    def _on_shm(self, peer: int, kind: int, header: list[Any]) -> None:
-        try:
-            if kind == SHM_HELLO:
-                try:
-                    offer = self.shm.on_hello(peer, header[1])
-                except shm.ShmUnavailable as exc:
-                    log.info("rank %d: no shared memory for rank %d: %s", self.rank, peer, exc)
-                else:
-                    if offer is not None:
-                        self.mesh_send(peer, [SHM_OFFER, *offer])
-            elif kind == SHM_OFFER:
-                accepted, why = self.shm.on_offer(peer, header[1], header[2], header[3])
-                self.mesh_send(peer, [SHM_ANSWER, accepted, why])
-            elif kind == SHM_ANSWER:
-                if not self.shm.on_answer(peer, header[1]):
-                    log.info("rank %d: rank %d takes no shared memory: %s", self.rank, peer, header[2])
-            else:
-                self.shm.on_free(peer, header[1])
-        except (ValueError, IndexError) as exc:
-            raise ProtocolError(f"bad shared-memory frame from rank {peer}: {exc}") from None
-        self._check_shm_settled()
-
-    def free_shm(self, peer: int, lease: int) -> None:
-        """Let ``peer`` reuse the range at ``lease`` of its segment (batched: one frame per
-        peer per loop turn)."""
-        if self.shm.free(peer, lease) and self._shm_flush is None:
-            self._shm_flush = asyncio.get_running_loop().call_soon(self._flush_frees)
-
-    def _flush_frees(self) -> None:
-        self._shm_flush = None
-        for peer, offsets in self.shm.take_frees():
-            self.mesh_send(peer, [SHM_FREE, offsets])
-
-    def drop_stashes(self, keys: list[tuple[Any, ...]]) -> None:
-        """Forget frames that came for receives that will never be posted."""
-        for key in keys:
-            slot = self._mail.get(key)
-            if slot is not None and slot.fut is None:
-                del self._mail[key]
-                _give(slot.give_back)
-
-    def mesh_send(self, peer: int, header: Any) -> None:
-        """Send a control frame to ``peer`` if it is still connected."""
-        if self.mesh is not None and peer in self.mesh.conns:
-            with contextlib.suppress(ConnectionError):
-                self.mesh.send(peer, header)
-
-    # -- point to point --------------------------------------------------------------------
-    def post_p2p(self, src: int | None, gid: int, tag: int, out: memoryview) -> asyncio.Future[int]:
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        for i, (sender, g, t, data) in enumerate(self._p2p_stash):
-            if g == gid and t == tag and src in (None, sender):
-                del self._p2p_stash[i]
-                size = 0 if data is None else data.nbytes
-                if size != out.nbytes:
-                    fut.set_exception(
-                        CollectiveMismatchError(
-                            f"recv of {out.nbytes} bytes from rank {sender} got a send of {size}"
-                        )
-                    )
-                else:
-                    if data is not None:
-                        out[:] = data
-                        self.stats.copied_bytes += size
-                    fut.set_result(sender)
-                return fut
-        if src is not None and src in self.dead:
-            fut.set_exception(RankFailedError(src, "recv", self.dead[src]))
-            return fut
-        self._p2p_posted.append(_P2PRecv(src, gid, tag, out, fut))
-        return fut
-
-    def cancel_p2p(self, fut: asyncio.Future[int]) -> None:
-        self._p2p_posted = [p for p in self._p2p_posted if p.fut is not fut]
-
-    def fail_p2p(self, gid: int, exc: BaseException) -> None:
-        """Wake every pending recv of group ``gid`` with ``exc``."""
-        for posted in self._p2p_posted:
-            if posted.gid == gid:
-                _settle(posted.fut, exc)
-        for claims in self._p2p_receiving.values():
-            for claimed in claims:
-                if claimed is not None and claimed.gid == gid:
-                    _settle(claimed.fut, exc)
-
-    # -- failures --------------------------------------------------------------------------
-    def peer_lost(self, peer: int, reason: str, *, left: bool = False) -> None:
-        """``peer`` died, left or was declared failed: fail everything that depends on it."""
-        if peer in self.dead or peer == self.rank or self.closed:
-            return
-        self.dead[peer] = reason
-        self.shm.drop(peer)
-        self._check_shm_settled()
-        if not left:
-            self.failed[peer] = reason
-        (log.info if left else log.warning)("rank %d: peer rank %d %s", self.rank, peer, reason)
-        for group in list(self.groups.values()):
-            if peer in group.ranks:
-                for op in list(group.active.values()):
-                    # A rank that left said goodbye after its last frame: only what we still
-                    # expect from it is lost. A rank that died may hold up anyone: fail all.
-                    if not left or op.expects_from(peer):
-                        op.fail(RankFailedError(peer, op.name, reason))
-        for posted in self._p2p_posted:
-            if posted.src == peer:
-                _settle(posted.fut, RankFailedError(peer, "recv", reason))
-        for claimed in self._p2p_receiving.pop(peer, ()):
-            if claimed is not None:
-                _settle(claimed.fut, RankFailedError(peer, "recv", reason))
-
-    async def progress(self, group: ProcessGroup, timeout: float) -> dict[int, int]:
-        """Ask every live member of ``group`` how many of its collectives it has started."""
-        assert self.mesh is not None
-        peers = [g for g in group.ranks if g != self.rank and g in self.mesh.conns]
-        qid = next(self._qids)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        answers: dict[int, int] = {}
-        self._queries[qid] = (answers, done, len(peers))
-        try:
-            for peer in peers:
-                with contextlib.suppress(ConnectionError):
-                    self.mesh.send(peer, [QUERY, group.gid, qid])
-            if peers:
-                try:
-                    async with asyncio.timeout(timeout):
-                        await done
-                except TimeoutError:
-                    pass
-            return dict(answers)
-        finally:
-            del self._queries[qid]
-
-
-@dataclass
-class _Trivial:
-    """The ``Comm`` of a one-rank group: nothing to send."""
-
-    rank: int = 0
-    size: int = 1
+__all__ = ["GroupMember", "Op", "ProcessGroup", "Stats"]
 
 
 class Op:
@@ -521,7 +56,7 @@ class Op:
         self.rank = group.rank
         self.size = group.size
         self.error: BaseException | None = None
-        self.keys: list[tuple[Any, ...]] = []
+        self.keys: list[Key] = []
         self._held: dict[int, Callable[[], None]] = {}  # id(view) -> how to give it back
         self._waiting: set[asyncio.Future[Any]] = set()  # what fail() must wake
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -532,21 +67,11 @@ class Op:
         self.error = exc
         waiting, self._waiting = self._waiting, set()
         for fut in waiting:
-            _settle(fut, exc)
+            settle(fut, exc)
 
     def _wait_on(self, fut: asyncio.Future[Any]) -> None:
         self._waiting.add(fut)
         fut.add_done_callback(self._waiting.discard)  # done ones (and their buffers) let go
-
-    def expects_from(self, peer: int) -> bool:
-        """True if this op still waits for a frame from global rank ``peer``."""
-        mail = self.world._mail
-        for key in self.keys:
-            if key[0] == peer:
-                slot = mail.get(key)
-                if slot is not None and slot.fut is not None and not slot.fut.done():
-                    return True
-        return False
 
     def _check(self) -> None:
         if self.error is not None:
@@ -555,9 +80,8 @@ class Op:
     def _conn(self, peer: int) -> Any:
         world = self.world
         target = self.group.ranks[peer]
-        assert world.mesh is not None
-        conn = world.mesh.conns.get(target)
-        if conn is None or not conn.is_open or target in world.dead:
+        conn = world.connection(target)
+        if conn is None:
             reason = world.dead.get(target, "no connection")
             exc = RankFailedError(target, self.name, reason)
             self.fail(exc)
@@ -570,7 +94,7 @@ class Op:
         self._held[id(view)] = give_back
 
     def release(self, buffer: memoryview) -> None:
-        _give(self._held.pop(id(buffer), None))
+        give(self._held.pop(id(buffer), None))
 
     def release_all(self) -> None:
         """Give back what this op still borrows (it has ended)."""
@@ -590,7 +114,8 @@ class Op:
             return False
         offset, dest = room
         dest[:] = raw if raw.ndim == 1 else raw.cast("B")
-        conn.send([DATA, self.group.gid, self.seq, tag, 0, self.fp, offset, raw.nbytes])
+        frame = frames.ShmData(self.group.gid, self.seq, tag, 0, self.fp, offset, raw.nbytes)
+        conn.send(frames.encode(frame))
         return True
 
     def send(self, peer: int, tag: int, data: Array) -> Awaitable[None] | None:
@@ -601,30 +126,26 @@ class Op:
         if self._send_shm(self.group.ranks[peer], conn, tag, raw):
             return None  # copied: the caller may reuse ``data`` at once
         if raw.nbytes <= wire.MAX_SEGMENT:
-            conn.send([DATA, gid, self.seq, tag, 0, self.fp], raw if raw.nbytes else None)
+            conn.send(frames.encode(frames.Data(gid, self.seq, tag, 0, self.fp)), raw if raw.nbytes else None)
         else:
             for seg, start in enumerate(range(0, raw.nbytes, wire.MAX_SEGMENT)):
                 part = raw[start : start + wire.MAX_SEGMENT]
-                conn.send([DATA, gid, self.seq, tag, seg, self.fp], part)
+                conn.send(frames.encode(frames.Data(gid, self.seq, tag, seg, self.fp)), part)
         fut: asyncio.Future[None] | None = conn.drain_future()
         if fut is not None:
             self._wait_on(fut)
         return fut
 
-    def _slot(self, peer: int, tag: int, seg: int) -> tuple[tuple[Any, ...], _Slot | None]:
+    def _slot(self, peer: int, tag: int, seg: int) -> tuple[Key, Slot | None]:
         key = (self.group.ranks[peer], self.group.gid, self.seq, tag, seg)
-        slot = self.world._mail.get(key)
+        slot = self.world.mail.peek(key)
         if slot is not None and slot.data is not None and slot.fp != self.fp:
             self.group.mismatch(self.seq, self.fp, slot.fp, key[0])
             self._check()
         return key, slot
 
-    def _wait_slot(self, key: tuple[Any, ...], out: memoryview | None) -> asyncio.Future[Any]:
-        slot = _Slot()
-        slot.out = out
-        slot.fp = self.fp
-        slot.fut = fut = asyncio.get_running_loop().create_future()
-        self.world._mail[key] = slot
+    def _wait_slot(self, key: Key, out: memoryview | None, any_buffer: bool = False) -> asyncio.Future[Any]:
+        fut = self.world.mail.post(key, out, self.fp, any_buffer=any_buffer)
         self.keys.append(key)
         self._wait_on(fut)
         target = key[0]
@@ -640,7 +161,7 @@ class Op:
         for seg, part in enumerate(parts or [raw]):
             key, slot = self._slot(peer, tag, seg)
             if slot is not None and slot.data is not None:  # it came before we asked
-                del self.world._mail[key]
+                self.world.mail.take(key)
                 try:
                     if slot.data.nbytes != part.nbytes:
                         theirs = f"{slot.data.nbytes} bytes"
@@ -652,7 +173,7 @@ class Op:
                             self.world.stats.copied_bytes += part.nbytes
                             self.world.stats.copied_messages += 1
                 finally:
-                    _give(slot.give_back)
+                    give(slot.give_back)
                 continue
             futs.append(self._wait_slot(key, part))
         if not futs:
@@ -669,15 +190,13 @@ class Op:
         self._check()
         key, slot = self._slot(peer, tag, 0)
         if slot is not None and slot.data is not None:
-            del self.world._mail[key]
+            self.world.mail.take(key)
             if slot.give_back is not None:
                 self.hold(slot.data, slot.give_back)
             return _done(slot.data)
         if scratch is None or scratch.nbytes > wire.MAX_SEGMENT:
             return self._wait_slot(key, None)
-        fut = self._wait_slot(key, byte_view(scratch))
-        self.world._mail[key].any = True
-        return fut
+        return self._wait_slot(key, byte_view(scratch), any_buffer=True)
 
 
 async def _gather(futs: list[asyncio.Future[Any]]) -> None:
@@ -746,8 +265,6 @@ class ProcessGroup:
         self.check_usable(name)
         seq = self.next_seq
         self.next_seq += 1
-        if self.size == 1:
-            return await body(_Trivial())
         op = Op(self, seq, name, fp)
         self.active[seq] = op
         op.keys.extend(self.early_keys.pop(seq, ()))
@@ -779,11 +296,7 @@ class ProcessGroup:
         finally:
             timer.cancel()
             del self.active[seq]
-            mail = self.world._mail
-            for key in op.keys:
-                slot = mail.pop(key, None)
-                if slot is not None:  # came, but was never taken
-                    _give(slot.give_back)
+            self.world.mail.close(op.keys)  # (what came but was never taken is given back)
             op.release_all()
             if not op.done.done():
                 op.done.set_result(None)
@@ -797,8 +310,8 @@ class ProcessGroup:
 
     def _expire(self, op: Op, limit: float) -> None:
         async def diagnose() -> None:
-            progress = await self.world.progress(self, min(DIAGNOSE_SECONDS, limit))
             peers = [g for g in self.ranks if g != self.world.rank]
+            progress = await self.world.progress.ask(self.gid, peers, min(DIAGNOSE_SECONDS, limit))
             missing = [g for g in peers if g in progress and progress[g] <= op.seq]
             silent = [g for g in peers if g not in progress]
             op.fail(CollectiveTimeoutError(f"{op.name} (seq {op.seq})", limit, missing, silent))
@@ -824,26 +337,28 @@ class ProcessGroup:
             self.poisoned[seq] = message
         else:
             return
-        mesh = self.world.mesh
-        if tell and mesh is not None:
+        if tell:
             for peer in self.ranks:
-                if peer != self.world.rank and peer in mesh.conns:
-                    with contextlib.suppress(ConnectionError):
-                        mesh.send(peer, [MISMATCH, self.gid, seq, message])
+                if peer != self.world.rank:
+                    self.world.send_control(peer, frames.Mismatch(self.gid, seq, message))
 
-    async def drain(self, timeout: float) -> None:
-        """Mark closing, let in-flight collectives finish within ``timeout``, fail the rest."""
+    async def drain(self, deadline: float) -> None:
+        """Mark closing, let in-flight collectives finish by ``deadline`` (loop time), fail the
+        rest."""
         self.closing = True
+        loop = asyncio.get_running_loop()
         pending = [op.done for op in self.active.values()]
         if pending:
-            await asyncio.wait(pending, timeout=timeout)
+            await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()))
         leftovers = list(self.active.values())
         for op in leftovers:
             op.fail(GroupDestroyedError(f"{op.name} cancelled: the process group was destroyed"))
-        self.world.fail_p2p(self.gid, GroupDestroyedError("recv cancelled: the process group was destroyed"))
+        self.world.p2p.fail_group(
+            self.gid, GroupDestroyedError("recv cancelled: the process group was destroyed")
+        )
         if leftovers:  # their awaiters wake on the next loop turns
-            await asyncio.wait([op.done for op in leftovers], timeout=0.5)
+            await asyncio.wait([op.done for op in leftovers], timeout=max(0.0, deadline - loop.time()))
         for keys in self.early_keys.values():  # frames of collectives this rank never started
-            self.world.drop_stashes(keys)
+            self.world.mail.drop(keys)
         self.early_keys.clear()
         self.destroyed = True

@@ -25,9 +25,12 @@ class Plan:
     job: str = DEFAULT_JOB
     token: str | None = None
     host_server: bool = False  # tcp:// semantics: rank 0 runs the server in its own loop
+    transport: str = "tcp"  # "inproc": every rank is a task of this event loop
+    embedded: bool = False  # the store lives in rank 0's process (tcp://)
 
     @property
     def local(self) -> bool:
+        """True when no store is needed: one rank, or ranks of one event loop."""
         return not self.host
 
 
@@ -66,7 +69,7 @@ def plan(
         if world_size in (-1, 1) and (env_world in (None, 1)) and not env.get("ARENDEZ_URL"):
             if rank not in (-1, 0):
                 raise RendezvousError(f"rank {rank} is impossible in a world of size 1")
-            return Plan(world_size=1, rank=0)
+            return Plan(world_size=1, rank=0, job="", transport="inproc")
         init_method = "env://"
     url = urllib.parse.urlsplit(init_method)
     token = env.get("ARENDEZ_TOKEN") or None
@@ -89,7 +92,12 @@ def plan(
         host, port, _ = _hostport(url.netloc, init_method)
         if rank < 0:
             raise RendezvousError("tcp:// needs an explicit rank (argument or RANK): rank 0 hosts the store")
-        return Plan(world_size, rank, host, port, DEFAULT_JOB, token, host_server=rank == 0)
+        return Plan(world_size, rank, host, port, DEFAULT_JOB, token, host_server=rank == 0, embedded=True)
+    if url.scheme == "inproc":
+        job = (url.netloc + url.path).strip("/")
+        if world_size < 1 or not job:
+            raise RendezvousError(f"{init_method} needs a job name (inproc://job) and world_size")
+        return Plan(world_size, rank, job=job, transport="inproc")
     if url.scheme == "arendez":
         host, port, url_token = _hostport(url.netloc, init_method)
         job = url.path.strip("/") or DEFAULT_JOB
@@ -97,8 +105,8 @@ def plan(
             raise RendezvousError(f"{init_method} needs world_size (argument or WORLD_SIZE)")
         return Plan(world_size, rank, host, port, job, url_token or token)
     raise RendezvousError(
-        f"unsupported init_method {init_method!r}: use None, env://, tcp://host:port or "
-        "arendez://[token@]host:port[/job]"
+        f"unsupported init_method {init_method!r}: use None, env://, tcp://host:port, "
+        "arendez://[token@]host:port[/job] or inproc://job"
     )
 
 

@@ -61,6 +61,7 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = asyncio.get_running_loop().create_future()
         self.error: BaseException | None = None
         self.peer: Any = None
+        self._error_header: Callable[[BaseException], Any] = error_frame
 
     # -- asyncio protocol callbacks ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -126,11 +127,32 @@ class Connection(asyncio.BufferedProtocol):
         return self._transport is not None and not self._transport.is_closing()
 
     def set_handlers(
-        self, on_frame: FrameHandler, on_close: CloseHandler, sink: wire.Sink | None = None
+        self,
+        on_frame: FrameHandler,
+        on_close: CloseHandler,
+        sink: wire.Sink | None = None,
+        *,
+        parse: Callable[[Any], Any] | None = None,
+        error_header: Callable[[BaseException], Any] | None = None,
     ) -> None:
-        """Deliver frames (queued ones first) to ``on_frame``; payloads go where ``sink`` says."""
+        """Deliver frames (queued ones first) to ``on_frame``; payloads go where ``sink`` says.
+
+        With ``parse``, later headers reach ``sink`` and ``on_frame`` as ``parse(header)``
+        (frames already queued are parsed on delivery); ``error_header`` builds the frame
+        that tells the other side why this connection fails.
+        """
         if sink is not None:
             self._decoder.set_sink(sink)
+        if parse is not None:
+            self._decoder.set_parser(parse)
+        if error_header is not None:
+            self._error_header = error_header
+        if parse is not None:
+            try:
+                self._queue = collections.deque((parse(h), p) for h, p in self._queue)
+            except ProtocolError as exc:
+                self._queue.clear()
+                self.fail(exc, tell_peer=True)
         self._on_frame = on_frame
         self._on_close = on_close
         while self._queue:
@@ -192,7 +214,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         if tell_peer and not transport.is_closing():
             with contextlib.suppress(Exception):  # best effort on a broken stream
-                transport.writelines(wire.encode(error_frame(exc)))
+                transport.writelines(wire.encode(self._error_header(exc)))
         transport.close()
 
     def close(self) -> None:

@@ -60,12 +60,17 @@ def _default_sink(header: Any, nbytes: int) -> memoryview | None:
     return None
 
 
+def _as_is(header: Any) -> Any:
+    return header
+
+
 class Decoder:
     """Incremental frame decoder: ``get_buffer`` to read into, ``feed`` to parse what arrived."""
 
     def __init__(self, sink: Sink = _default_sink, limits: Limits = Limits()) -> None:
         self._sink = sink
         self._limits = limits
+        self._parse_header: Callable[[Any], Any] = _as_is
         self._scratch = bytearray(_SCRATCH)
         self._view = memoryview(self._scratch)
         self._filled = 0
@@ -79,6 +84,13 @@ class Decoder:
 
     def set_limits(self, limits: Limits) -> None:
         self._limits = limits
+
+    def set_parser(self, parse: Callable[[Any], Any]) -> None:
+        """Turn every later header into ``parse(header)`` before the sink or the caller sees it
+        (``parse`` raises ``ProtocolError`` for a header it rejects)."""
+        self._parse_header = parse
+        if self._header is not None:  # a payload is arriving: its header was read unparsed
+            self._header = parse(self._header)
 
     def get_buffer(self) -> memoryview:
         """Where the next bytes from the stream should be written.
@@ -130,6 +142,7 @@ class Decoder:
                 header = msgpack.unpackb(view[body : body + hlen], raw=False, strict_map_key=False)
             except Exception as exc:  # msgpack raises several unrelated types
                 raise ProtocolError(f"undecodable frame header: {exc}") from None
+            header = self._parse_header(header)
             start = body + hlen
             if plen == 0:
                 frames.append((header, None))

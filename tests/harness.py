@@ -1,7 +1,7 @@
-"""Real processes for tests: a standalone server and N ranks running a named scenario.
+"""Real processes for tests: a standalone server, and N ranks running a rank function.
 
-A scenario is an async function in ``tests/scenarios.py`` taking ``(rank, world_size, url,
-*args)`` and returning something JSON-serialisable; each rank prints it as its last line.
+Rank functions are passed as objects (``tests/jobs``, ``tests/conformance.py``); each rank
+process (``tests/rank.py``) imports it by module and name and prints its JSON result last.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,11 +153,23 @@ def popen(argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.
     )
 
 
+def _target(fn: Callable[..., Awaitable[Any]]) -> str:
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
 def spawn_rank(
-    scenario: str, rank: int, world_size: int, url: str, *args: Any, env: dict[str, str] | None = None
+    fn: Callable[..., Awaitable[Any]],
+    rank: int,
+    world_size: int,
+    url: str,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    join: bool = False,
 ) -> subprocess.Popen[str]:
-    argv = [PY, "-m", "tests.scenarios", scenario, str(rank), str(world_size), url, json.dumps(list(args))]
-    return popen(argv, env)
+    """Start one rank process running ``fn`` (``tests/rank.py``); with ``join`` the runner
+    joins ``url`` for it."""
+    argv = [PY, "-m", "tests.rank", *(["--join"] if join else []), _target(fn)]
+    return popen([*argv, str(rank), str(world_size), url, json.dumps(list(args))], env)
 
 
 def collect(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[RankResult]:
@@ -183,16 +195,28 @@ def collect(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[Rank
 
 
 def run_ranks(
-    scenario: str,
+    fn: Callable[..., Awaitable[Any]],
     world_size: int,
     url: str,
     *args: Any,
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
+    join: bool = False,
 ) -> list[Any]:
-    """Run ``scenario`` on ``world_size`` ranks; every rank must succeed; return their values."""
-    procs = [spawn_rank(scenario, r, world_size, url, *args, env=env) for r in range(world_size)]
+    """Run ``fn`` on ``world_size`` rank processes; every rank must succeed; return their values.
+
+    ``fn(rank, world_size, url, *args)`` joins by itself (``tests/jobs``); with ``join``,
+    ``fn(rank, world_size, *args)`` runs with the default group joined at ``url`` for it.
+    """
+    procs = [spawn_rank(fn, r, world_size, url, *args, env=env, join=join) for r in range(world_size)]
     results = collect(procs, timeout)
     for res in results:
         assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}:\n{res.stderr[-4000:]}"
     return [res.value for res in results]
+
+
+def run_function(
+    fn: Callable[..., Awaitable[Any]], world_size: int, url: str, *args: Any, **kw: Any
+) -> list[Any]:
+    """``run_ranks(..., join=True)``: rank code that expects the default group joined."""
+    return run_ranks(fn, world_size, url, *args, join=True, **kw)

@@ -97,7 +97,11 @@ def test_sync_facade_same_names_blocking():
         x = np.ones(4)
         sdist.all_reduce(x)
         work = sdist.all_reduce(x, async_op=True)
-        assert work.wait() and work.is_completed()
+        work.wait()
+        assert work.is_completed()
+        failing = sdist.all_reduce(np.ones(2), op="NOPE", async_op=True)
+        with pytest.raises(ValueError, match="NOPE"):  # wait() re-raises the collective's error
+            failing.wait()
         assert sdist.get_world_size() == 1 and sdist.is_initialized()
     finally:
         sdist.destroy_process_group()

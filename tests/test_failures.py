@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from tests.harness import collect, spawn_rank, wait_for_files
+from tests.jobs import failures as failures_jobs
+from tests.jobs import lifecycle as lifecycle_jobs
 
 
 def _kill_during_all_reduce(server_url: str, tmp: Path, world_size: int, victim: int, sig: int, size: int):
     url = f"{server_url}/kill-{world_size}-{victim}-{sig}-{tmp.name}"
     procs = [
-        spawn_rank("reduce_until_failure", r, world_size, url, str(tmp), size, 40.0)
+        spawn_rank(failures_jobs.reduce_until_failure, r, world_size, url, str(tmp), size, 40.0)
         for r in range(world_size)
     ]
     try:
@@ -63,7 +65,7 @@ def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
 @pytest.mark.timeout(60)
 def test_timeout_names_the_rank_that_never_arrived(arendez_server):
     url = f"{arendez_server.url}/straggler"
-    procs = [spawn_rank("straggler", r, 3, url, 1.5) for r in range(3)]
+    procs = [spawn_rank(failures_jobs.straggler, r, 3, url, 1.5) for r in range(3)]
     results = collect(procs, 30)
     for res in results[:2]:
         assert res.returncode == 0, res.stderr[-3000:]
@@ -77,7 +79,7 @@ def test_timeout_names_the_rank_that_never_arrived(arendez_server):
 @pytest.mark.timeout(60)
 def test_kill_during_destroy_ends_the_drain_at_once(arendez_server, tmp_path):
     url = f"{arendez_server.url}/kill-in-destroy"
-    procs = [spawn_rank("destroy_while_peer_dies", r, 2, url, str(tmp_path)) for r in range(2)]
+    procs = [spawn_rank(lifecycle_jobs.destroy_while_peer_dies, r, 2, url, str(tmp_path)) for r in range(2)]
     try:
         wait_for_files(tmp_path, "ready-*", 2)
         time.sleep(0.3)  # rank 0 is inside destroy_process_group, draining
@@ -97,20 +99,20 @@ def test_kill_during_destroy_ends_the_drain_at_once(arendez_server, tmp_path):
 def test_slow_rendezvous_does_not_expire_early_joiners(arendez_server):
     from tests.harness import run_ranks
 
-    assert run_ranks("late_joiner", 3, f"{arendez_server.url}/late", 4.0) == [3.0] * 3
+    assert run_ranks(lifecycle_jobs.late_joiner, 3, f"{arendez_server.url}/late", 4.0) == [3.0] * 3
 
 
 @pytest.mark.timeout(60)
 def test_a_rank_busy_longer_than_the_lease_is_not_declared_failed(arendez_server):
     from tests.harness import run_ranks
 
-    assert run_ranks("busy_loop", 3, f"{arendez_server.url}/busy", 4.0) == [3.0] * 3
+    assert run_ranks(lifecycle_jobs.busy_loop, 3, f"{arendez_server.url}/busy", 4.0) == [3.0] * 3
 
 
 @pytest.mark.timeout(60)
 def test_a_death_seen_between_collectives_names_the_next_one(arendez_server):
     url = f"{arendez_server.url}/between"
-    procs = [spawn_rank("dies_between_collectives", r, 3, url) for r in range(3)]
+    procs = [spawn_rank(failures_jobs.dies_between_collectives, r, 3, url) for r in range(3)]
     results = collect(procs, 40)
     for res in results[:2]:
         assert res.returncode == 0, res.stderr[-3000:]

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.harness import collect, raw_frame, rss_kib, server, spawn_rank
+from tests.jobs import store as store_jobs
 
 FRAMES_PER_BATCH = 50
 BATCHES = 220
@@ -89,7 +90,7 @@ def test_server_survives_random_frames_while_a_job_runs():
     sent = [0]
     with server() as srv:
         url = f"{srv.url}/fuzzed-job"
-        procs = [spawn_rank("store_and_reduce", r, 2, url, 400) for r in range(2)]
+        procs = [spawn_rank(store_jobs.store_and_reduce, r, 2, url, 400) for r in range(2)]
         try:
             baseline = rss_kib(srv.proc.pid)
 

@@ -10,6 +10,7 @@ import pytest
 
 import arendez as dist
 from tests.harness import collect, raw_frame, read_until_closed, rss_kib, spawn_rank
+from tests.jobs import store as store_jobs
 
 
 def _handshake(port: int, job: str = "evil") -> socket.socket:
@@ -32,7 +33,7 @@ GARBAGE = [
 @pytest.mark.timeout(60)
 def test_garbage_closes_only_that_connection(arendez_server):
     url = f"{arendez_server.url}/victim"
-    procs = [spawn_rank("store_and_reduce", r, 2, url, 40) for r in range(2)]
+    procs = [spawn_rank(store_jobs.store_and_reduce, r, 2, url, 40) for r in range(2)]
     try:
         for junk in GARBAGE:
             with socket.create_connection(("127.0.0.1", arendez_server.port), timeout=5) as sock:

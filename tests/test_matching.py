@@ -7,22 +7,23 @@ import asyncio
 import numpy as np
 import pytest
 
-from arendez import wire
+from arendez import frames, wire
 from arendez.arrays import byte_view
-from arendez.group import DATA, P2P, World
+from arendez.world import World
 
 
 def _p2p(gid: int, tag: int, data: np.ndarray) -> bytes:
-    return b"".join(bytes(b) for b in wire.encode([P2P, gid, tag, "fp"], byte_view(data)))
+    return b"".join(bytes(b) for b in wire.encode(frames.encode(frames.P2P(gid, tag, "fp")), byte_view(data)))
 
 
 @pytest.mark.timeout(10)
 async def test_back_to_back_p2p_frames_in_one_read_reach_their_own_recvs():
     world = World(rank=1, world_size=2, timeout=5)
     first, second = np.zeros(3, np.int32), np.zeros(5, np.int32)
-    a = world.post_p2p(0, 0, 0, byte_view(first))
-    b = world.post_p2p(0, 0, 0, byte_view(second))
+    a = world.p2p.post(0, 0, 0, byte_view(first), world.dead)
+    b = world.p2p.post(0, 0, 0, byte_view(second), world.dead)
     decoder = wire.Decoder(lambda h, n: world.sink(0, h, n))
+    decoder.set_parser(frames.decode)
     data = _p2p(0, 0, np.full(3, 1, np.int32)) + _p2p(0, 0, np.full(5, 2, np.int32))
     buf = decoder.get_buffer()
     assert len(buf) >= len(data)  # both frames in one read: the sink sees frame 2 before frame 1 is routed
@@ -37,6 +38,7 @@ async def test_back_to_back_p2p_frames_in_one_read_reach_their_own_recvs():
 def _feed(world: World, peer: int, frame: bytes) -> None:
     """Push ``frame`` through a decoder in the pieces it asks for, routing what completes."""
     decoder = wire.Decoder(lambda h, n: world.sink(peer, h, n))
+    decoder.set_parser(frames.decode)
     view = memoryview(frame)
     while view.nbytes:
         buf = decoder.get_buffer()
@@ -62,7 +64,8 @@ async def test_early_payloads_land_in_a_pooled_buffer_that_is_reused():
 
     for seq in range(3):
         data = np.full(1 << 15, seq + 1, np.float32)  # 128 KiB: above the pooling threshold
-        _feed(world, 0, b"".join(bytes(b) for b in wire.encode([DATA, 0, seq, 0, 0, "fp"], byte_view(data))))
+        header = frames.encode(frames.Data(0, seq, 0, 0, "fp"))
+        _feed(world, 0, b"".join(bytes(b) for b in wire.encode(header, byte_view(data))))
         await group.run("test", "fp", body)
     assert [value for _, value in landed] == [1.0, 2.0, 3.0]
     assert all(buffer is landed[0][0] for buffer, _ in landed), "each early frame got a fresh buffer"

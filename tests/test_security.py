@@ -10,6 +10,10 @@ import pytest
 
 import arendez as dist
 from tests.harness import collect, raw_frame, read_until_closed, run_ranks, server, spawn_rank, wait_for_files
+from tests.jobs import collectives as collectives_jobs
+from tests.jobs import failures as failures_jobs
+from tests.jobs import lifecycle as lifecycle_jobs
+from tests.jobs import shm as shm_jobs
 
 TOKEN = "s3cret-token"
 
@@ -48,7 +52,7 @@ def test_without_token_nothing_but_the_handshake_is_answered(token_server):
 @pytest.mark.timeout(60)
 def test_token_job_and_stranger_cannot_join_the_mesh(token_server, tmp_path):
     url = f"arendez://{TOKEN}@127.0.0.1:{token_server.port}/guarded"
-    procs = [spawn_rank("guarded_job", r, 2, url, str(tmp_path)) for r in range(2)]
+    procs = [spawn_rank(failures_jobs.guarded_job, r, 2, url, str(tmp_path)) for r in range(2)]
     try:
         wait_for_files(tmp_path, "addr-*", 2, 20)
         host, port = (tmp_path / "addr-0").read_text().rsplit(":", 1)
@@ -115,10 +119,10 @@ def test_tls_round_trip_server_and_peers(tmp_path):
     certs = _make_certs(tmp_path)
     env = {"ARENDEZ_TLS_CA": certs["ca"], "ARENDEZ_TLS_CERT": certs["cert"], "ARENDEZ_TLS_KEY": certs["key"]}
     with server("--tls-cert", certs["cert"], "--tls-key", certs["key"]) as srv:
-        values = run_ranks("steady_all_reduce", 2, f"{srv.url}/tls", 5, 100_000, env=env)
+        values = run_ranks(collectives_jobs.steady_all_reduce, 2, f"{srv.url}/tls", 5, 100_000, env=env)
         assert values == [9.0, 9.0]  # (0 + 4) + (1 + 4) in the last round
         # under TLS large payloads too go through TLS, not shared memory
-        for res in run_ranks("shm_job", 2, f"{srv.url}/tls-shm", 300_001, 1, env=env):
+        for res in run_ranks(shm_jobs.shm_job, 2, f"{srv.url}/tls-shm", 300_001, 1, env=env):
             assert res["shm"] == 0 and res["received"] > 300_001, res
         # plain TCP to a TLS server fails with a clear error, not a hang
         store = dist.Store("127.0.0.1", srv.port, "plain", timeout=2)
@@ -139,4 +143,4 @@ def test_tls_with_embedded_tcp_server(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert run_ranks("reinit", 2, f"tcp://127.0.0.1:{port}", 1, env=env)[0][0] == 1.0
+    assert run_ranks(lifecycle_jobs.reinit, 2, f"tcp://127.0.0.1:{port}", 1, env=env)[0][0] == 1.0

@@ -9,6 +9,7 @@ import pytest
 
 import arendez as dist
 from tests.harness import collect, spawn_rank, start_server, wait_for_files
+from tests.jobs import store as store_jobs
 
 
 @pytest.mark.timeout(30)
@@ -34,7 +35,7 @@ def test_job_survives_server_kill_and_restart(tmp_path):
     srv = start_server()
     port = srv.port
     url = f"{srv.url}/outage"
-    procs = [spawn_rank("server_outage", r, 2, url, str(tmp_path)) for r in range(2)]
+    procs = [spawn_rank(store_jobs.server_outage, r, 2, url, str(tmp_path)) for r in range(2)]
     try:
         wait_for_files(tmp_path, "ready-*", 2)
         srv.proc.kill()

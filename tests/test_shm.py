@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from arendez import shm
 from tests.harness import collect, run_ranks, spawn_rank, wait_for_files
+from tests.jobs import failures as failures_jobs
+from tests.jobs import shm as shm_jobs
 
 
 # -- RingSpace -----------------------------------------------------------------------------
@@ -187,7 +189,7 @@ def test_abandoned_offers_and_stale_files_are_removed(shm_dir):
 # -- real ranks ----------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_large_payloads_go_through_shared_memory_and_no_file_stays(arendez_server, shm_dir):
-    results = run_ranks("shm_job", 3, f"{arendez_server.url}/shm", 300_001, 3, env={})
+    results = run_ranks(shm_jobs.shm_job, 3, f"{arendez_server.url}/shm", 300_001, 3, env={})
     for res in results:
         assert res["shm"] > 0.8 * res["received"], res
         assert res["copied"] == 0, res
@@ -198,7 +200,7 @@ def test_large_payloads_go_through_shared_memory_and_no_file_stays(arendez_serve
 def test_a_full_ring_falls_back_to_tcp(arendez_server, shm_dir):
     """A ring far smaller than what is in flight: part of the bytes take TCP, none are lost."""
     env = {"ARENDEZ_SHM_BYTES": str(1536 * 1024)}
-    results = run_ranks("shm_job", 4, f"{arendez_server.url}/shm-small", 1_000_003, 2, env=env)
+    results = run_ranks(shm_jobs.shm_job, 4, f"{arendez_server.url}/shm-small", 1_000_003, 2, env=env)
     for res in results:
         assert 0 < res["shm"] < 0.9 * res["received"] and res["full"] > 0, res
 
@@ -211,7 +213,9 @@ def test_ranks_that_cannot_share_memory_use_tcp(arendez_server, tmp_path):
     for rank, folder in enumerate(dirs):
         folder.mkdir()
         env = {"ARENDEZ_SHM_DIR": str(folder)}
-        procs.append(spawn_rank("shm_job", rank, 2, f"{arendez_server.url}/shm-apart", 300_001, 2, env=env))
+        procs.append(
+            spawn_rank(shm_jobs.shm_job, rank, 2, f"{arendez_server.url}/shm-apart", 300_001, 2, env=env)
+        )
     for res in collect(procs, 50):
         assert res.returncode == 0, res.stderr[-3000:]
         assert res.value["shm"] == 0 and res.value["received"] > 0, res.value
@@ -223,7 +227,10 @@ def test_kill_9_while_payloads_sit_in_shared_memory(arendez_server, tmp_path, mo
     shm_dir.mkdir()
     monkeypatch.setenv("ARENDEZ_SHM_DIR", str(shm_dir))
     url = f"{arendez_server.url}/shm-kill"
-    procs = [spawn_rank("reduce_until_failure", r, 3, url, str(tmp_path), 500_000, 40.0) for r in range(3)]
+    procs = [
+        spawn_rank(failures_jobs.reduce_until_failure, r, 3, url, str(tmp_path), 500_000, 40.0)
+        for r in range(3)
+    ]
     try:
         wait_for_files(tmp_path, "ready-*", 3)
         os.kill(procs[1].pid, signal.SIGKILL)
@@ -243,7 +250,7 @@ def test_kill_9_while_payloads_sit_in_shared_memory(arendez_server, tmp_path, mo
 def test_forged_shared_memory_reference_closes_only_that_link(arendez_server):
     """A peer that points outside its segment (or has none) gets its connection closed; the rank
     raises RankFailedError instead of reading out of bounds, and the server is unharmed."""
-    results = run_ranks("forged_shm_reference", 2, f"{arendez_server.url}/shm-forged", timeout=25)
+    results = run_ranks(failures_jobs.forged_shm_reference, 2, f"{arendez_server.url}/shm-forged", timeout=25)
     assert "RankFailedError" in results[0] and "rank 1" in results[0], results[0]
     assert results[1] == "sent"
     with socket.create_connection(("127.0.0.1", arendez_server.port), timeout=5):

@@ -9,6 +9,7 @@ import pytest
 
 import arendez as dist
 from tests.harness import run_ranks
+from tests.jobs import store as store_jobs
 
 
 async def _client(srv, job: str = "store") -> dist.Store:
@@ -108,5 +109,5 @@ async def test_store_unreachable_is_a_store_error():
 
 @pytest.mark.timeout(60)
 def test_concurrent_add_from_processes(arendez_server):
-    totals = run_ranks("store_add", 4, f"{arendez_server.url}/adders", 200)
+    totals = run_ranks(store_jobs.store_add, 4, f"{arendez_server.url}/adders", 200)
     assert totals == [800] * 4

@@ -15,14 +15,18 @@ import ssl as _ssl
 from collections.abc import Callable
 from typing import Any
 
-from . import transport, wire
-from .errors import AuthenticationError, ProtocolError, RendezvousError
+from .. import frames, transport, wire
+from ..errors import AuthenticationError, ProtocolError, RendezvousError
 
-log = logging.getLogger("arendez.mesh")
+log = logging.getLogger("arendez.tcp")
 
-FrameRouter = Callable[[int, Any, memoryview | None], None]
-SinkRouter = Callable[[int, Any, int], memoryview | None]
+FrameRouter = Callable[[int, frames.Frame, memoryview | None], None]
+SinkRouter = Callable[[int, frames.Frame, int], memoryview | None]
 LossHandler = Callable[[int, str], None]
+
+
+def _error_header(exc: BaseException) -> Any:
+    return frames.encode(frames.Error.of(exc))
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -95,8 +99,11 @@ class Mesh:
         except (ProtocolError, AuthenticationError) as exc:
             log.warning("refused a peer connection from %s: %s", conn.peer, exc)
             conn.fail(exc, tell_peer=True)
-        except (TimeoutError, ConnectionError, asyncio.CancelledError):
+        except (TimeoutError, ConnectionError):
             conn.abort()
+        except asyncio.CancelledError:  # the mesh is closing
+            conn.abort()
+            raise
 
     async def connect(
         self,
@@ -164,6 +171,8 @@ class Mesh:
             lambda header, payload: route(peer, header, payload),
             lambda exc: self._lost(peer, exc),
             sink=lambda header, nbytes: sink(peer, header, nbytes),
+            parse=frames.decode,
+            error_header=_error_header,
         )
         self._check_complete()
 
@@ -175,10 +184,20 @@ class Mesh:
         if self.conns.get(peer) is not None and not self._closing and self._on_lost is not None:
             self._on_lost(peer, f"connection lost ({exc or 'closed by peer'})")
 
-    def send(self, peer: int, header: Any, payload: memoryview | None = None) -> transport.Connection:
+    def send(self, peer: int, frame: frames.Frame, payload: memoryview | None = None) -> transport.Connection:
+        """Send ``frame`` (and its payload) to ``peer``; ``KeyError`` if not connected."""
         conn = self.conns[peer]
-        conn.send(header, payload)
+        conn.send(frames.encode(frame), payload)
         return conn
+
+    def abort(self) -> None:
+        """Drop every connection without a goodbye, as a crash would (tests use it)."""
+        self._closing = True
+        if self._listener is not None:
+            self._listener.close()
+        for conn in self.conns.values():
+            conn.abort()
+        self.conns.clear()
 
     async def close(self, timeout: float) -> None:
         """Close the listener and every connection (flushing first) within ``timeout``."""
@@ -191,8 +210,9 @@ class Mesh:
         self.conns.clear()
         if not self._round.done():
             self._round.cancel()
+        deadline = asyncio.get_running_loop().time() + timeout
         await asyncio.gather(*(c.wait_closed(timeout) for c in conns), return_exceptions=True)
         if self._listener is not None:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout_at(deadline):
                     await self._listener.wait_closed()

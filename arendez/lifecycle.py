@@ -1,0 +1,273 @@
+"""Lifecycle: build a world (store, peer mesh, shared memory) and take it down again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import hashlib
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import algorithms as algo
+from . import shm, tls
+from .arrays import ReduceOp
+from .errors import RendezvousError
+from .group import GroupMember, ProcessGroup
+from .handle import Handle
+from .registry import DEFAULT_TIMEOUT, default_group, install, resolve, seconds, uninstall, world_or_none
+from .rendezvous import Plan, is_loopback, plan
+from .store import Store
+from .transports import inproc
+from .transports.tcp import Mesh
+from .world import World
+
+log = logging.getLogger("arendez")
+
+#: The longest the rank hosting the embedded server waits for the others to leave.
+LINGER_SECONDS = 10.0
+#: The longest init waits for same-host peers to answer a shared-memory offer.
+SHM_SETUP_SECONDS = 2.0
+
+
+async def init_process_group(
+    backend: str | None = "tcp",
+    init_method: str | None = None,
+    *,
+    world_size: int = -1,
+    rank: int = -1,
+    timeout: float | datetime.timedelta | None = None,
+    store: Store | None = None,
+    group_name: str = "",
+) -> None:
+    """Join (or form) the default process group (``init_method``: see the README).
+
+    ``group_name`` is accepted for torch compatibility and unused.
+    """
+    if backend not in (None, "tcp", "gloo", "arendez"):
+        raise ValueError(f"backend {backend!r} is not available; use 'tcp' (or its alias 'gloo')")
+    if default_group() is not None:
+        raise RendezvousError("the default process group is already initialized")
+    algo.forced_algorithm()  # a bad ARENDEZ_ALGORITHM fails here, not inside a collective
+    limit = seconds(timeout, DEFAULT_TIMEOUT)
+    if store is not None:
+        if world_size < 1:
+            raise RendezvousError("init_process_group(store=...) needs world_size")
+        where = Plan(world_size, rank, store.host, store.port, store.job)
+    else:
+        where = plan(init_method, world_size, rank)
+    build = _BUILDERS.get(where.transport)
+    if build is None:
+        raise RendezvousError(f"no transport {where.transport!r}; known: {', '.join(_BUILDERS)}")
+    install(await build(where, limit, store))
+
+
+async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> World:
+    """Ranks that are tasks of this event loop (one rank: a world of its own): no store."""
+    job = where.job or f"local-{os.urandom(8).hex()}"
+    links = await inproc.join(job, where.world_size, where.rank, timeout)
+    world = World(links.rank, where.world_size, timeout)
+    world.mesh = links
+    links.attach(world.route, world.sink, world.peer_lost)
+    return world
+
+
+async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
+    """Join through the store, connect the peer mesh, set up same-host shared memory."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    secure = tls.from_env()
+    if secure is not None and secure.server is None and where.world_size != 1:
+        raise RendezvousError(
+            "with ARENDEZ_TLS_CA set, every rank needs ARENDEZ_TLS_CERT and ARENDEZ_TLS_KEY"
+        )
+    server = None
+    if where.host_server:
+        server = await _host_server(where, secure.server if secure else None)
+    store = given or Store(
+        where.host,
+        where.port,
+        where.job,
+        token=where.token,
+        ssl=secure.client if secure else None,
+        timeout=timeout,
+    )
+    mesh: Mesh | None = None
+    world: World | None = None
+    try:
+        if given is None:
+            await store.connect(timeout)
+        mesh = Mesh(
+            token=where.token,
+            server_ssl=secure.server if secure else None,
+            client_ssl=secure.client if secure else None,
+        )
+        advertise = os.environ.get("ARENDEZ_ADVERTISE_ADDR") or _local_address(store, where.host)
+        port = await mesh.listen(os.environ.get("ARENDEZ_LISTEN_ADDR") or advertise, 0)
+        address = f"[{advertise}]:{port}" if ":" in advertise else f"{advertise}:{port}"
+        member = await store.join(where.world_size, where.rank, address, deadline - loop.time())
+        world = World(member.rank, member.world_size, timeout)
+        world.store, world.mesh, world.server, world.address = store, mesh, server, address
+        world.embedded_store = where.embedded
+        world.shm = shm.Channels(allowed=shm.enabled() and secure is None)  # before peers say hello
+        store.on_event = lambda event, w=world: _on_server_event(w, event)
+        await mesh.connect(
+            member.rank,
+            member.world_size,
+            member.nonce,
+            member.peers,
+            world.route,
+            world.sink,
+            world.peer_lost,
+            max(0.0, deadline - loop.time()),
+        )
+        await world.open_shm(max(0.0, min(SHM_SETUP_SECONDS, deadline - loop.time())))
+        return world
+    except BaseException:  # undo what was built, within what is left of init's deadline
+        if world is not None:
+            world.shm.close()
+        if mesh is not None:
+            await mesh.close(max(0.0, deadline - loop.time()))
+        await store.leave(max(0.0, deadline - loop.time()))
+        if given is None:
+            await store.close()
+        if server is not None:
+            await server.close(max(0.0, deadline - loop.time()))
+        raise
+
+
+#: how each transport (``Plan.transport``, from the ``init_method`` scheme) builds a world
+_BUILDERS: dict[str, Callable[[Plan, float, Store | None], Awaitable[World]]] = {
+    "tcp": _tcp_world,
+    "inproc": _inproc_world,
+}
+
+
+async def _host_server(where: Plan, ssl_context: Any) -> Any:
+    # the server package ships in this distribution (mapped from server/, which mypy checks as
+    # ``server``): the library imports it only on the rank that hosts the store
+    from arendez_server import Server, ServerConfig  # type: ignore[import-not-found,unused-ignore]
+
+    for host in (where.host, "0.0.0.0"):
+        srv = Server(ServerConfig(host=host, port=where.port, token=where.token, ssl=ssl_context))
+        try:
+            await srv.start()
+            return srv
+        except OSError as exc:
+            if host == "0.0.0.0":
+                raise RendezvousError(f"rank 0 cannot host the store on port {where.port}: {exc}") from None
+    raise AssertionError("unreachable")
+
+
+def _local_address(store: Store, server_host: str) -> str:
+    """The address peers should dial: the one our store connection leaves from."""
+    if is_loopback(server_host):
+        return "127.0.0.1"
+    sockname = store.sockname()
+    if sockname:
+        return str(sockname[0])
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _on_server_event(world: World, event: dict[str, Any]) -> None:
+    kind = event.get("event")
+    rank = event.get("rank")
+    if kind == "rank_failed" and isinstance(rank, int):
+        world.peer_lost(rank, f"declared failed by the server ({event.get('reason')})")
+    elif kind == "server_shutdown":
+        world.store_gone.set()
+
+
+async def destroy_process_group(group: Any = None, timeout: float | datetime.timedelta | None = None) -> None:
+    """Drain in-flight collectives, cancel the rest, leave, close: all within ``timeout``.
+
+    ``group=None`` destroys the default group and every subgroup; a subgroup leaves the
+    default group alive. Quiet when nothing is initialized or the group is already gone.
+    The rank that hosts the embedded server (``tcp://``) keeps it up until the other ranks
+    have said goodbye (or failed), within the same deadline.
+    """
+    world, default = world_or_none(), default_group()
+    if world is None or default is None or group is GroupMember.NON_GROUP_MEMBER:
+        return
+    loop = asyncio.get_running_loop()
+    if group is not None and group is not GroupMember.WORLD and group is not default:
+        if isinstance(group, ProcessGroup) and not group.destroyed and group.world is world:
+            await group.drain(loop.time() + seconds(timeout, group.timeout))
+            world.groups.pop(group.gid, None)
+        return
+    deadline = loop.time() + seconds(timeout, default.timeout)
+
+    def left() -> float:
+        return max(0.0, deadline - loop.time())
+
+    groups = sorted(world.groups.values(), key=lambda g: -g.gid)  # subgroups first
+    for g in groups:
+        g.closing = True  # new collectives now raise GroupDestroyedError
+    try:
+        await asyncio.gather(*(g.drain(deadline) for g in groups))
+    finally:
+        uninstall()
+    world.groups.clear()
+    world.closed = True
+    if world.store is not None:  # before the goodbye: a rank that said it has left the store
+        await world.store.leave(left())
+    world.say_goodbye()
+    if world.server is not None:  # the others still need the store until they have left
+        await world.peers_gone(min(deadline, loop.time() + LINGER_SECONDS))
+    if world.mesh is not None:
+        await world.mesh.close(left())
+    world.shm.close()
+    if world.embedded_store and world.server is None:
+        # rank 0 closes its store once every rank has said goodbye: wait for that, so that a
+        # rank that re-joins at once cannot find the old store still up
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(min(deadline, loop.time() + LINGER_SECONDS)):
+                await world.store_gone.wait()
+    if world.store is not None:
+        await world.store.close()
+    if world.server is not None:
+        await world.server.close(left())
+
+
+@contextlib.asynccontextmanager
+async def process_group(*args: Any, **kwargs: Any) -> AsyncIterator[Handle]:
+    """``async with process_group(...) as pg:`` initialises, and always destroys on exit;
+    ``pg`` has the collectives as methods (``await pg.all_reduce(x)``)."""
+    await init_process_group(*args, **kwargs)
+    try:
+        yield Handle()
+    finally:
+        await destroy_process_group()
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+async def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    backend: str | None = None,
+) -> Any:
+    """Create a subgroup; every rank of the default group must call it, in the same order.
+
+    Members get the new ``ProcessGroup``; the others ``GroupMember.NON_GROUP_MEMBER``.
+    """
+    default = resolve(None)
+    assert default is not None
+    world = default.world
+    members = sorted(set(range(world.world_size) if ranks is None else ranks))
+    if any(not 0 <= r < world.world_size for r in members) or not members:
+        raise ValueError(f"ranks must be distinct ranks in 0..{world.world_size - 1}, got {ranks!r}")
+    fp = f"new_group|{_digest(repr(members))}"
+    gid = world.reserve_gid()
+    await default.run(
+        "new_group", fp, lambda comm: algo.all_reduce(comm, np.zeros(1, np.uint8), ReduceOp.MAX)
+    )
+    group = world.add_group(gid, members, seconds(timeout, default.timeout))
+    return GroupMember.NON_GROUP_MEMBER if group is None else group

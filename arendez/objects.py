@@ -1,0 +1,131 @@
+"""Object collectives: msgpack-serialisable values (never pickle), sent as variable-size bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .algorithms import Comm, others, wait_all
+from .group import ProcessGroup
+from .registry import on_group
+
+
+def _pack(obj: Any) -> bytes:
+    try:
+        packed: bytes = msgpack.packb(obj, use_bin_type=True)
+        return packed
+    except TypeError as exc:
+        raise TypeError(f"object collectives carry msgpack-serialisable values only: {exc}") from None
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+@on_group()
+async def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    """Fill ``object_list[i]`` with rank ``i``'s ``obj``."""
+    g: ProcessGroup = group
+    if len(object_list) != g.size:
+        raise ValueError(f"object_list must have {g.size} entries, got {len(object_list)}")
+    mine = _pack(obj)
+
+    parts = await g.run("all_gather_object", "all_gather_object", lambda c: _all_gather_bytes(c, mine))
+    object_list[:] = [_unpack(p) for p in parts]
+
+
+@on_group()
+async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = None) -> None:
+    """Replace ``object_list``'s entries with those of global rank ``src``."""
+    g: ProcessGroup = group
+    root = g.group_rank(src, "src")
+    mine = _pack(list(object_list)) if g.rank == root else None
+    fp = f"broadcast_object_list|{src}|{len(object_list)}"
+
+    data = await g.run("broadcast_object_list", fp, lambda c: _broadcast_bytes(c, mine, root))
+    object_list[:] = _unpack(data)
+
+
+@on_group()
+async def gather_object(
+    obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None
+) -> None:
+    """On ``dst``, fill ``object_gather_list[i]`` with rank ``i``'s ``obj``."""
+    g: ProcessGroup = group
+    root = g.group_rank(dst, "dst")
+    if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
+        raise ValueError(f"object_gather_list on the dst rank must have {g.size} entries")
+    mine = _pack(obj)
+
+    parts = await g.run("gather_object", f"gather_object|{dst}", lambda c: _gather_bytes(c, mine, root))
+    if parts is not None and object_gather_list is not None:
+        object_gather_list[:] = [_unpack(p) for p in parts]
+
+
+@on_group()
+async def scatter_object_list(
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: list[Any] | None = None,
+    src: int = 0,
+    group: Any = None,
+) -> None:
+    """Rank ``i`` gets ``scatter_object_input_list[i]`` of ``src`` in its output list's slot 0."""
+    g: ProcessGroup = group
+    root = g.group_rank(src, "src")
+    parts = None
+    if g.rank == root:
+        if scatter_object_input_list is None or len(scatter_object_input_list) != g.size:
+            raise ValueError(f"scatter_object_input_list on the src rank must have {g.size} entries")
+        parts = [_pack(o) for o in scatter_object_input_list]
+    if not scatter_object_output_list:
+        raise ValueError("scatter_object_output_list must have at least one entry")
+
+    fp = f"scatter_object_list|{src}"
+    data = await g.run("scatter_object_list", fp, lambda c: _scatter_bytes(c, parts, root))
+    scatter_object_output_list[0] = _unpack(data)
+
+
+# -- variable-size byte messages --------------------------------------------------------------
+async def _all_gather_bytes(comm: Comm, mine: bytes) -> list[bytes]:
+    peers = others(comm)
+    recvs = [comm.recv_any(p, 0) for p in peers]
+    data = np.frombuffer(mine, np.uint8)
+    await wait_all([comm.send(p, 0, data) for p in peers])
+    got = await wait_all(recvs)
+    out = [b""] * comm.size
+    out[comm.rank] = mine
+    for p, buf in zip(peers, got, strict=True):
+        out[p] = bytes(buf)
+    return out
+
+
+async def _broadcast_bytes(comm: Comm, mine: bytes | None, src: int) -> bytes:
+    if comm.rank == src:
+        assert mine is not None
+        data = np.frombuffer(mine, np.uint8)
+        await wait_all([comm.send(p, 0, data) for p in others(comm)])
+        return mine
+    return bytes(await comm.recv_any(src, 0))
+
+
+async def _gather_bytes(comm: Comm, mine: bytes, dst: int) -> list[bytes] | None:
+    if comm.rank != dst:
+        await wait_all([comm.send(dst, 0, np.frombuffer(mine, np.uint8))])
+        return None
+    peers = others(comm)
+    got = await wait_all([comm.recv_any(p, 0) for p in peers])
+    out = [b""] * comm.size
+    out[dst] = mine
+    for p, buf in zip(peers, got, strict=True):
+        out[p] = bytes(buf)
+    return out
+
+
+async def _scatter_bytes(comm: Comm, parts: list[bytes] | None, src: int) -> bytes:
+    if comm.rank != src:
+        return bytes(await comm.recv_any(src, 0))
+    assert parts is not None
+    await wait_all([comm.send(p, 0, np.frombuffer(parts[p], np.uint8)) for p in others(comm)])
+    return parts[src]

@@ -1,0 +1,43 @@
+"""Point-to-point ``send`` / ``recv`` (``src=None``: from any rank) on a group's ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import wire
+from .arrays import as_array, byte_view
+from .group import ProcessGroup
+from .registry import on_group
+
+
+def _fp(x: Any) -> str:
+    return f"send|{x.dtype.str}|{x.size}"
+
+
+@on_group()
+async def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
+    """Send ``tensor`` to global rank ``dst``; returns once the bytes are in the kernel."""
+    g: ProcessGroup = group
+    g.check_usable("send")
+    x = as_array(tensor, writable=False)
+    g.group_rank(dst, "dst")
+    if dst == g.world.rank:
+        raise ValueError("cannot send to this rank itself")
+    raw = byte_view(x)
+    if raw.nbytes > wire.MAX_SEGMENT:
+        raise ValueError(
+            f"send carries at most {wire.MAX_SEGMENT} bytes; split the tensor (got {raw.nbytes})"
+        )
+    await g.world.send_p2p(dst, g.gid, int(tag), _fp(x), raw, g.timeout)
+
+
+@on_group(missing=-1)
+async def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+    """Receive into ``tensor`` from global rank ``src`` (any rank if None); return the sender."""
+    g: ProcessGroup = group
+    g.check_usable("recv")
+    out = as_array(tensor)
+    if src is not None:
+        g.group_rank(src, "src")
+    others = [r for r in g.ranks if r != g.world.rank] if src is None else [src]
+    return await g.world.recv_p2p(src, g.gid, int(tag), byte_view(out), g.timeout, others)

@@ -1,0 +1,131 @@
+"""Point-to-point matching: posted receives (``src`` or any rank) against arriving messages.
+
+A message satisfies the oldest posted receive of its group and tag from its sender (or from any
+rank); one that finds none is stashed for the next such receive. The transport asks ``sink``
+where a payload should go before the frame completes: the receive it chose is remembered per
+peer, in order, so back-to-back frames in one read reach their own receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass
+
+from .errors import CollectiveMismatchError, RankFailedError
+from .mailbox import Stats, settle
+
+
+@dataclass
+class Posted:
+    """One posted receive."""
+
+    src: int | None
+    gid: int
+    tag: int
+    out: memoryview
+    fut: asyncio.Future[int]
+    error: BaseException | None = None
+
+
+class P2PMatcher:
+    """The posted receives, claimed ones and stashed messages of one world."""
+
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+        self._posted: list[Posted] = []
+        # per peer, what the sink chose for each message whose payload is still arriving (the
+        # decoder may consult the sink for the next frame before the current one is routed)
+        self._receiving: dict[int, collections.deque[Posted | None]] = {}
+        self._stash: collections.deque[tuple[int, int, int, memoryview | None]] = collections.deque()
+
+    def _claim(self, peer: int, gid: int, tag: int, nbytes: int) -> Posted | None:
+        """Take the oldest posted recv that a message from ``peer`` satisfies."""
+        for i, posted in enumerate(self._posted):
+            if posted.fut.done():
+                continue
+            if posted.gid == gid and posted.tag == tag and posted.src in (None, peer):
+                del self._posted[i]
+                if posted.out.nbytes != nbytes:
+                    posted.error = CollectiveMismatchError(
+                        f"recv of {posted.out.nbytes} bytes from rank {peer} got a send of {nbytes}"
+                    )
+                return posted
+        return None
+
+    def sink(self, peer: int, gid: int, tag: int, nbytes: int) -> memoryview | None:
+        """Where a message's ``nbytes`` payload should land (None: a fresh buffer)."""
+        posted = self._claim(peer, gid, tag, nbytes)
+        self._receiving.setdefault(peer, collections.deque()).append(posted)
+        if posted is not None and posted.error is None:
+            return posted.out
+        return None
+
+    def deliver(self, peer: int, gid: int, tag: int, payload: memoryview | None) -> None:
+        """A message from ``peer`` is complete."""
+        claims = self._receiving.get(peer)
+        posted = claims.popleft() if payload is not None and claims else None
+        if posted is None:  # the recv may have been posted while the payload streamed in
+            posted = self._claim(peer, gid, tag, 0 if payload is None else payload.nbytes)
+        if posted is None:
+            self._stash.append((peer, gid, tag, payload))
+            return
+        if posted.fut.done():
+            return
+        if posted.error is not None:
+            posted.fut.set_exception(posted.error)
+            return
+        if payload is not None and payload.obj is not posted.out.obj:
+            posted.out[:] = payload
+            self.stats.copied_bytes += payload.nbytes
+        posted.fut.set_result(peer)
+
+    def post(
+        self, src: int | None, gid: int, tag: int, out: memoryview, dead: dict[int, str]
+    ) -> asyncio.Future[int]:
+        """Post a receive; a stashed message satisfies it at once."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        for i, (sender, g, t, data) in enumerate(self._stash):
+            if g == gid and t == tag and src in (None, sender):
+                del self._stash[i]
+                size = 0 if data is None else data.nbytes
+                if size != out.nbytes:
+                    fut.set_exception(
+                        CollectiveMismatchError(
+                            f"recv of {out.nbytes} bytes from rank {sender} got a send of {size}"
+                        )
+                    )
+                else:
+                    if data is not None:
+                        out[:] = data
+                        self.stats.copied_bytes += size
+                    fut.set_result(sender)
+                return fut
+        if src is not None and src in dead:
+            fut.set_exception(RankFailedError(src, "recv", dead[src]))
+            return fut
+        self._posted.append(Posted(src, gid, tag, out, fut))
+        return fut
+
+    def cancel(self, fut: asyncio.Future[int]) -> None:
+        """Withdraw the receive ``fut`` (timed out or cancelled): it must not eat a message."""
+        self._posted = [p for p in self._posted if p.fut is not fut]
+
+    def fail_group(self, gid: int, exc: BaseException) -> None:
+        """Wake every pending recv of group ``gid`` with ``exc``."""
+        for posted in self._posted:
+            if posted.gid == gid:
+                settle(posted.fut, exc)
+        for claims in self._receiving.values():
+            for claimed in claims:
+                if claimed is not None and claimed.gid == gid:
+                    settle(claimed.fut, exc)
+
+    def peer_lost(self, peer: int, reason: str) -> None:
+        """Fail the receives that wait on ``peer``."""
+        for posted in self._posted:
+            if posted.src == peer:
+                settle(posted.fut, RankFailedError(peer, "recv", reason))
+        for claimed in self._receiving.pop(peer, ()):
+            if claimed is not None:
+                settle(claimed.fut, RankFailedError(peer, "recv", reason))

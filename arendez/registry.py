@@ -1,0 +1,172 @@
+"""The one registry of this process: the current world, its default group, and what it answers.
+
+The registry lives in a context variable: a process has one, except that ranks run as tasks of
+one event loop (``arendez.testing``) each get their own (``fresh_context``).
+
+Every API call that takes ``group=`` resolves it here, once (``on_group``): ``None`` or
+``GroupMember.WORLD`` means the default group; a rank outside the group gets the call's
+"not a member" value without any work.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import functools
+import inspect
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
+
+from .errors import NotInitializedError
+from .group import GroupMember, ProcessGroup, Stats
+from .world import World
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class Registry:
+    """The current world (with its default group and subgroups)."""
+
+    def __init__(self) -> None:
+        self.world: World | None = None
+        self.default: ProcessGroup | None = None
+
+
+_process = Registry()  # the registry of code not run through ``fresh_context``
+_current: contextvars.ContextVar[Registry | None] = contextvars.ContextVar("arendez_registry", default=None)
+
+
+def _get() -> Registry:
+    return _current.get() or _process
+
+
+def fresh_context() -> contextvars.Context:
+    """A copy of this context with an empty registry: a rank that runs as a task in it has its
+    own world (tasks it creates share that world)."""
+    context = contextvars.copy_context()
+    context.run(_current.set, Registry())
+    return context
+
+
+def install(world: World) -> None:
+    """Make ``world`` (and its group 0) the current world and default group."""
+    registry = _get()
+    registry.world, registry.default = world, world.groups[0]
+    GroupMember.WORLD = world.groups[0]
+
+
+def uninstall() -> None:
+    """Forget the current world (destroy does this before it closes anything)."""
+    registry = _get()
+    if GroupMember.WORLD is registry.default:
+        GroupMember.WORLD = None
+    registry.world = registry.default = None
+
+
+def current_world() -> World:
+    """The world ``init_process_group`` built in this process (a hook for tests and tools)."""
+    world = _get().world
+    if world is None:
+        raise NotInitializedError("no process group: call init_process_group() first")
+    return world
+
+
+def world_or_none() -> World | None:
+    return _get().world
+
+
+def default_group() -> ProcessGroup | None:
+    return _get().default
+
+
+def seconds(timeout: float | datetime.timedelta | None, default: float) -> float:
+    """``timeout`` in seconds (``default`` if None); a non-positive value is a ``ValueError``."""
+    if timeout is None:
+        return default
+    value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if value <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return value
+
+
+def resolve(group: Any) -> ProcessGroup | None:
+    """The group a call acts on; None for a rank outside ``group``."""
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return None
+    registry = _get()
+    if group is None or group is GroupMember.WORLD:
+        if registry.default is None:
+            raise NotInitializedError("no default process group: call init_process_group() first")
+        return registry.default
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup, got {type(group).__name__}")
+    if group.destroyed or group.world is not registry.world:
+        raise NotInitializedError(
+            "this process group was destroyed; call init_process_group() / new_group() again"
+        )
+    return group
+
+
+def on_group(
+    missing: Any = None,
+) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
+    """Decorate an API coroutine whose ``group`` parameter it receives resolved.
+
+    The wrapped function sees a ``ProcessGroup`` as ``group``; on a rank outside the group the
+    call returns ``missing`` at once.
+    """
+
+    def wrap(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+        at = list(inspect.signature(fn).parameters).index("group")
+
+        @functools.wraps(fn)
+        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            if len(args) > at:
+                g = resolve(args[at])
+                if g is None:
+                    return missing  # type: ignore[no-any-return]
+                args = (*args[:at], g, *args[at + 1 :])  # type: ignore[assignment]
+            else:
+                g = resolve(kwargs.get("group"))
+                if g is None:
+                    return missing  # type: ignore[no-any-return]
+                kwargs["group"] = g
+            return await fn(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+# -- queries ---------------------------------------------------------------------------------
+def is_initialized() -> bool:
+    """True between a successful ``init_process_group`` and ``destroy_process_group``."""
+    return _get().default is not None
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (-1 if it is not a member)."""
+    g = resolve(group)
+    return -1 if g is None else g.rank
+
+
+def get_world_size(group: Any = None) -> int:
+    """How many ranks ``group`` has (-1 if this process is not a member)."""
+    g = resolve(group)
+    return -1 if g is None else g.size
+
+
+def get_process_group_ranks(group: Any = None) -> list[int]:
+    """The global ranks of ``group`` (empty if this process is not a member)."""
+    g = resolve(group)
+    return [] if g is None else list(g.ranks)
+
+
+def transport_stats() -> Stats:
+    """Transport counters of the current world: payload bytes received, those the receive path
+    had to copy (a frame that arrived before its receive was posted), those that came through
+    shared memory, and large sends that took TCP because the peer's ring was full."""
+    return current_world().stats

@@ -1,0 +1,47 @@
+"""Peer transports, one per URL scheme: what a ``World`` needs to exchange frames with its peers.
+
+- ``tcp``: one authenticated asyncio connection per pair of ranks (``tcp``), with
+  same-host payloads through shared memory (``arendez.shm``) when both ranks allow it;
+- ``inproc``: ranks that are tasks of one event loop, linked in memory (``inproc``).
+
+``rendezvous.plan`` maps the ``init_method`` scheme to one of them (``Plan.transport``) and
+``lifecycle`` builds the world with it. Both give the world a ``Links`` object; everything
+above it (``World``, ``Op``, the algorithms) is the same code whichever transport carries
+the frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping
+from typing import Any, Protocol
+
+from .. import frames
+
+
+class Link(Protocol):
+    """One peer connection: frames out, and a way to wait until they left."""
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def send(self, header: Any, payload: memoryview | bytes | None = None) -> None: ...
+
+    def drain(self) -> Awaitable[None]: ...
+
+    def drain_future(self) -> Any: ...
+
+
+class Links(Protocol):
+    """All of one rank's peer connections, by global rank."""
+
+    @property
+    def conns(self) -> Mapping[int, Link]: ...
+
+    @property
+    def nonce(self) -> bytes: ...
+
+    def send(self, peer: int, frame: frames.Frame, payload: memoryview | None = None) -> Any: ...
+
+    async def close(self, timeout: float) -> None: ...
+
+    def abort(self) -> None: ...

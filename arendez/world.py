@@ -1,0 +1,274 @@
+"""A world: what one ``init_process_group`` built. Peers, liveness, and routing frames to groups.
+
+Frames from the mesh arrive here (``sink`` picks where a payload lands, ``route`` handles the
+completed frame) and go to the job that owns them: collective data to the ``Mailbox`` and the
+group's running ``Op``, point-to-point messages to the ``P2PMatcher``, shared-memory control to
+``ShmControl``, progress queries to ``Progress``. A lost peer fans out from ``peer_lost`` to
+everything that waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, cast
+
+from . import frames, shm
+from .errors import CollectiveTimeoutError, ProtocolError, RankFailedError
+from .group import ProcessGroup
+from .mailbox import BufferPool, Key, Mailbox, Outcome, Stats, give
+from .p2pmatch import P2PMatcher
+from .progress import Progress
+from .shmlink import ShmControl
+from .transports import Links
+
+log = logging.getLogger("arendez.world")
+
+Array = Any
+
+#: Payloads at least this large that arrive before their receive land in pooled buffers.
+POOLED_EARLY_BYTES = 64 * 1024
+
+
+class World:
+    """One initialised process group world: rank, store, mesh and groups."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.mesh: Links | None = None  # the peer links (tcp mesh or in-process)
+        self.store: Any = None
+        self.server: Any = None  # the embedded server this rank hosts, if any
+        self.address = ""  # host:port of this rank's peer listener
+        self.embedded_store = False  # the store is the server rank 0 runs (tcp://)
+        self.store_gone = asyncio.Event()  # the server said it shuts down
+        self.groups: dict[int, ProcessGroup] = {}
+        self.next_gid = 0
+        self.dead: dict[int, str] = {}  # ranks gone for good, with why
+        self.failed: dict[int, str] = {}  # the subset that died rather than left
+        self.stats = Stats()
+        self.mail = Mailbox(self.stats)
+        self.p2p = P2PMatcher(self.stats)
+        self.progress = Progress(self.send_control)
+        self.pool = BufferPool()
+        self._pooled: dict[int, Array] = {}  # pool buffers early payloads are arriving in
+        self._early_poison: dict[int, dict[int, str]] = {}  # MISMATCH for groups not made yet
+        self._early_mail: dict[int, dict[int, list[Key]]] = {}  # DATA for them, by seq
+        self._pending_gids: set[int] = set()
+        self.shm_control = ShmControl(rank, shm.Channels(allowed=False), self.send_control)
+        self.closed = False
+        self._peers_gone = asyncio.Event()
+        if world_size == 1:
+            self._peers_gone.set()
+        self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
+        self.next_gid = 1
+
+    @property
+    def shm(self) -> shm.Channels:
+        """This rank's shared-memory segments (off until init enables them)."""
+        return self.shm_control.channels
+
+    @shm.setter
+    def shm(self, channels: shm.Channels) -> None:
+        self.shm_control.channels = channels
+
+    # -- groups ----------------------------------------------------------------------------
+    def reserve_gid(self) -> int:
+        """The next subgroup's id, taken before new_group's barrier so ranks never disagree."""
+        gid = self.next_gid
+        self.next_gid += 1
+        self._pending_gids.add(gid)
+        return gid
+
+    def add_group(self, gid: int, ranks: list[int], timeout: float) -> ProcessGroup | None:
+        """Register subgroup ``gid`` (None for a rank outside it)."""
+        self._pending_gids.discard(gid)
+        early = self._early_mail.pop(gid, {})
+        if self.rank not in ranks:
+            self._early_poison.pop(gid, None)
+            for keys in early.values():
+                self.mail.drop(keys)
+            return None
+        group = self.groups[gid] = ProcessGroup(self, gid, ranks, timeout)
+        group.poisoned.update(self._early_poison.pop(gid, {}))
+        group.early_keys.update(early)
+        return group
+
+    # -- sending ---------------------------------------------------------------------------
+    def connection(self, peer: int) -> Any:
+        """The open connection to ``peer``; None if it is gone."""
+        conn = self.mesh.conns.get(peer) if self.mesh is not None else None
+        if conn is None or not conn.is_open or peer in self.dead:
+            return None
+        return conn
+
+    def send_control(self, peer: int, frame: frames.Frame) -> bool:
+        """Send a control frame to ``peer`` if it is still connected; True if it went out."""
+        if self.mesh is None or peer not in self.mesh.conns:
+            return False
+        try:
+            self.mesh.send(peer, frame)
+        except ConnectionError:
+            return False
+        return True
+
+    async def send_p2p(self, dst: int, gid: int, tag: int, fp: str, raw: memoryview, timeout: float) -> None:
+        """Send one point-to-point message and wait until its bytes are in the kernel."""
+        conn = self.connection(dst)
+        if conn is None:
+            raise RankFailedError(dst, "send", self.dead.get(dst, "no connection"))
+        try:
+            conn.send(frames.encode(frames.P2P(gid, tag, fp)), raw if raw.nbytes else None)
+            async with asyncio.timeout(timeout):
+                await conn.drain()
+        except ConnectionError as exc:
+            raise RankFailedError(dst, "send", f"connection lost ({exc})") from None
+        except TimeoutError:
+            raise CollectiveTimeoutError("send", timeout, [dst]) from None
+
+    async def recv_p2p(
+        self, src: int | None, gid: int, tag: int, out: memoryview, timeout: float, others: list[int]
+    ) -> int:
+        """Receive one point-to-point message into ``out``; return its sender."""
+        fut = self.p2p.post(src, gid, tag, out, self.dead)
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except TimeoutError:
+            raise CollectiveTimeoutError("recv", timeout, others) from None
+        finally:
+            self.p2p.cancel(fut)
+
+    def say_goodbye(self) -> None:
+        """Tell every peer this rank leaves, and which ranks it saw fail."""
+        if self.mesh is not None:
+            for peer in list(self.mesh.conns):
+                self.send_control(peer, frames.Bye(dict(self.failed)))
+
+    async def open_shm(self, timeout: float) -> None:
+        """Set up shared memory with the peers on this host, waiting at most ``timeout``."""
+        if self.mesh is not None:
+            await self.shm_control.open(list(self.mesh.conns), timeout)
+
+    # -- frames from the mesh --------------------------------------------------------------
+    def sink(self, peer: int, frame: frames.Frame, nbytes: int) -> memoryview | None:
+        """Where the ``nbytes`` payload of ``frame`` should land (None: a fresh buffer)."""
+        if isinstance(frame, frames.Data):
+            key = (peer, frame.gid, frame.seq, frame.tag, frame.seg)
+            out = self.mail.destination(key, frame.fp, nbytes)
+            if out is not None:
+                return out  # (a mismatched frame goes to a throwaway buffer instead)
+            if nbytes >= POOLED_EARLY_BYTES:  # early: a reused buffer (fresh pages fault)
+                buffer = self.pool.take(nbytes)
+                self._pooled[id(buffer)] = buffer
+                return memoryview(cast(Any, buffer))
+        elif isinstance(frame, frames.P2P):
+            return self.p2p.sink(peer, frame.gid, frame.tag, nbytes)
+        return None
+
+    def route(self, peer: int, frame: frames.Frame, payload: memoryview | None) -> None:
+        """Handle one complete frame from ``peer``."""
+        if payload is not None:
+            self.stats.received_bytes += payload.nbytes
+        if isinstance(frame, frames.Data | frames.ShmData):
+            self._on_data(peer, frame, payload)
+        elif isinstance(frame, frames.P2P):
+            self.p2p.deliver(peer, frame.gid, frame.tag, payload)
+        elif isinstance(frame, frames.Mismatch):
+            group = self.groups.get(frame.gid)
+            if group is not None:
+                group.poison(frame.seq, frame.message, tell=False)
+            elif frame.gid >= self.next_gid and len(self._early_poison) < 1024:
+                self._early_poison.setdefault(frame.gid, {})[frame.seq] = frame.message
+        elif isinstance(frame, frames.Bye):
+            # the leaver tells us who it saw die: blame the root cause, not the messenger
+            for rank, reason in frame.failed.items():
+                if rank != self.rank:
+                    self.peer_lost(rank, f"{reason} (reported by rank {peer})")
+            self.peer_lost(peer, "it destroyed its process group", left=True)
+        elif isinstance(frame, frames.Query):
+            if not self.closed:  # (a rank that is leaving has no progress to report: silence)
+                group = self.groups.get(frame.gid)
+                started = group.next_seq if group is not None else -1  # -1: not made (yet)
+                self.send_control(peer, frames.Answer(frame.qid, started))
+        elif isinstance(frame, frames.Answer):
+            self.progress.on_answer(peer, frame)
+        elif isinstance(frame, frames.Error):
+            self.peer_lost(peer, f"it reported {frame.exception()!r}")
+        elif peer not in self.dead:  # shared-memory control (a dead peer's link is already gone)
+            self.shm_control.on_frame(peer, frame)
+
+    def _on_data(self, peer: int, frame: frames.Data | frames.ShmData, payload: memoryview | None) -> None:
+        gid, seq, fp = frame.gid, frame.seq, frame.fp
+        give_back: Callable[[], None] | None = None
+        shared = isinstance(frame, frames.ShmData)
+        if isinstance(frame, frames.ShmData):  # the payload lies in the sender's shared memory
+            if peer in self.dead:
+                return  # its link (and what it pointed at) went with it
+            try:
+                payload = self.shm.payload(peer, frame.offset, frame.nbytes)
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+            give_back = functools.partial(self.shm_control.free, peer, frame.offset)
+            self.stats.received_bytes += payload.nbytes
+            self.stats.shm_bytes += payload.nbytes
+        elif payload is not None and id(payload.obj) in self._pooled:  # came before its receive
+            give_back = functools.partial(self.pool.give, self._pooled.pop(id(payload.obj)))
+        key = (peer, gid, seq, frame.tag, frame.seg)
+        group = self.groups.get(gid)
+        op = None
+        if group is not None:
+            op = group.active.get(seq)
+            if op is None and seq < group.next_seq:
+                return give(give_back)  # a late frame of a collective that already ended
+            if op is not None and op.fp != fp:
+                group.mismatch(seq, op.fp, fp, peer)
+                return give(give_back)
+            if op is None:
+                group.early_fps.setdefault(seq, (peer, fp))
+        elif gid < self.next_gid and gid not in self._pending_gids:
+            return give(give_back)  # a group this rank destroyed or is not a member of
+        outcome = self.mail.deliver(
+            key, fp, payload, give_back, shared=shared, hold=op.hold if op is not None else None
+        )
+        if outcome is Outcome.STASHED:
+            if op is not None:
+                op.keys.append(key)
+            elif group is not None:
+                group.early_keys.setdefault(seq, []).append(key)
+            else:  # a subgroup this rank has not made yet: add_group hands these over
+                self._early_mail.setdefault(gid, {}).setdefault(seq, []).append(key)
+
+    # -- failures --------------------------------------------------------------------------
+    async def peers_gone(self, deadline: float) -> None:
+        """Wait until every other rank has said goodbye or been lost, or until ``deadline``
+        (loop time)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await self._peers_gone.wait()
+
+    def peer_lost(self, peer: int, reason: str, *, left: bool = False) -> None:
+        """``peer`` died, left or was declared failed: fail everything that depends on it."""
+        if peer in self.dead or peer == self.rank:
+            return
+        self.dead[peer] = reason
+        if len(self.dead) >= self.world_size - 1:
+            self._peers_gone.set()
+        if self.closed:  # destroy is under way: nothing left to fail
+            return
+        self.shm_control.drop(peer)
+        if not left:
+            self.failed[peer] = reason
+        (log.info if left else log.warning)("rank %d: peer rank %d %s", self.rank, peer, reason)
+        for group in list(self.groups.values()):
+            if peer in group.ranks:
+                for op in list(group.active.values()):
+                    # A rank that left said goodbye after its last frame: only what we still
+                    # expect from it is lost. A rank that died may hold up anyone: fail all.
+                    if not left or self.mail.expects(op.keys, peer):
+                        op.fail(RankFailedError(peer, op.name, reason))
+        self.p2p.peer_lost(peer, reason)

@@ -1,0 +1,129 @@
+"""Ranks that die, stall, forge frames or never arrive.
+
+Each function is one rank's code: ``(rank, world_size, url, *args) -> JSON value``; it joins
+and destroys by itself. ``tests.harness.run_ranks`` runs it as rank processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+import arendez as dist
+from tests.jobs import join, until
+
+
+async def forged_shm_reference(rank: int, ws: int, url: str) -> str:
+    """Rank 1 points a data frame far outside its shared-memory segment; rank 0 must drop the
+    link and fail its all_reduce naming rank 1."""
+    from arendez import frames
+
+    await join(url, ws, rank)
+    world = dist.current_world()
+    assert world.mesh is not None
+    if rank == 1:
+        assert world.shm.carries(0, 1 << 20), "the link should have shared memory"
+        seq = world.groups[0].next_seq
+        world.mesh.send(0, frames.ShmData(0, seq, 0, 0, "forged", 1 << 40, 4096))
+        await asyncio.wait_for(asyncio.shield(world.mesh.conns[0].closed), 10)
+        await dist.destroy_process_group()
+        return "sent"
+    try:
+        await dist.all_reduce(np.ones(1000, np.float32))
+        outcome = "no error"
+    except dist.ArendezError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    await dist.destroy_process_group()
+    return outcome
+
+
+async def dies_between_collectives(rank: int, ws: int, url: str) -> str:
+    """The last rank dies right after a collective; the others start the next one once they know:
+    the error names the rank and the collective that could not run."""
+    await join(url, ws, rank)
+    world = dist.current_world()
+    await dist.all_reduce(np.ones(10, np.float32))
+    if rank == ws - 1:  # once every rank has its result (dying earlier fails that collective)
+        await world.store.wait([f"reduced-{r}" for r in range(ws - 1)], timeout=10)
+        os._exit(0)  # no goodbye: a crash
+    await world.store.set(f"reduced-{rank}", "1")
+    await until(lambda world: ws - 1 in world.failed, f"rank {ws - 1}'s death was never seen")
+    try:
+        await dist.all_reduce(np.ones(10, np.float32))
+        outcome = "no error"
+    except dist.RankFailedError as exc:
+        outcome = f"{exc.rank} {exc.collective}"
+    await dist.destroy_process_group()
+    return outcome
+
+
+async def reduce_until_failure(
+    rank: int, ws: int, url: str, ready_dir: str, size: int, seconds: float
+) -> dict[str, Any]:
+    """all_reduce in a loop until a peer fails; report the error and when it was raised."""
+    from pathlib import Path
+
+    await join(url, ws, rank, timeout=float(seconds))
+    x = np.ones(size, np.float32)
+    rounds = 0
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            await dist.all_reduce(x)
+            x.fill(1)
+            rounds += 1
+            if rounds == 3:
+                Path(ready_dir, f"ready-{rank}").write_text("1")
+        outcome: dict[str, Any] = {"error": None}
+    except dist.ArendezError as exc:
+        outcome = {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "at": time.time(),
+            "rank_named": getattr(exc, "rank", None),
+        }
+    started = time.monotonic()
+    await dist.destroy_process_group(timeout=2)
+    outcome["destroy_seconds"] = time.monotonic() - started
+    outcome["rounds"] = rounds
+    return outcome
+
+
+async def straggler(rank: int, ws: int, url: str, timeout: float) -> str:
+    """Every rank but the last calls all_reduce; the last never does."""
+    await dist.init_process_group(init_method=url, world_size=ws, rank=rank, timeout=timeout)
+    if rank == ws - 1:
+        await asyncio.sleep(timeout + 2.5)
+        await dist.destroy_process_group()
+        return "skipped"
+    started = time.monotonic()
+    try:
+        await dist.all_reduce(np.ones(10))
+        return "no error"
+    except dist.CollectiveTimeoutError as exc:
+        took = time.monotonic() - started
+        assert isinstance(exc, TimeoutError)
+        return f"{exc} | took {took:.1f}"
+    finally:
+        await dist.destroy_process_group(timeout=1)
+
+
+async def guarded_job(rank: int, ws: int, url: str, out_dir: str) -> list[float]:
+    """all_reduce, publish this rank's peer address, wait until the test has probed it, reduce again."""
+    from pathlib import Path
+
+    await join(url, ws, rank)
+    x = np.full(1000, rank + 1.0)
+    await dist.all_reduce(x)
+    Path(out_dir, f"addr-{rank}").write_text(dist.current_world().address)
+    deadline = time.monotonic() + 20
+    while not Path(out_dir, "probed").exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    y = np.full(1000, rank + 1.0)
+    await dist.all_reduce(y)
+    await dist.destroy_process_group()
+    return [float(x[0]), float(y[0])]

@@ -1,0 +1,133 @@
+"""init / destroy / new_group between rank processes: draining, leaving, re-joining.
+
+Each function is one rank's code: ``(rank, world_size, url, *args) -> JSON value``; it joins
+and destroys by itself. ``tests.harness.run_ranks`` runs it as rank processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+
+import arendez as dist
+from tests.jobs import join, until
+
+
+async def subgroup_destroy(rank: int, ws: int, url: str) -> dict[str, Any]:
+    """A subgroup of ranks {0, 1} is destroyed; the default group keeps working."""
+    await join(url, ws, rank)
+    sub = await dist.new_group([0, 1])
+    result: dict[str, Any] = {
+        "member": sub is not dist.GroupMember.NON_GROUP_MEMBER,
+        "sub_rank": dist.get_rank(sub),
+        "sub_size": dist.get_world_size(sub),
+    }
+    x = np.ones(4, np.int64)
+    if result["member"]:
+        await dist.all_reduce(x, group=sub)
+        result["sub_sum"] = int(x[0])
+        await dist.destroy_process_group(sub)
+        await dist.destroy_process_group(sub)  # a second call is quiet
+        try:
+            await dist.all_reduce(x, group=sub)
+            result["after"] = "no error"
+        except dist.NotInitializedError as exc:
+            result["after"] = f"NotInitializedError: {exc}"
+    y = np.ones(4, np.int64)
+    await dist.all_reduce(y)
+    result["world_sum"] = int(y[0])
+    result["initialized"] = dist.is_initialized()
+    await dist.destroy_process_group()
+    return result
+
+
+async def reinit(rank: int, ws: int, url: str, rounds: int) -> list[Any]:
+    """init -> all_reduce -> destroy, ``rounds`` times; then a collective must fail clearly."""
+    sums = []
+    for i in range(rounds):
+        await join(url, ws, rank)
+        x = np.full(10, float(rank + i), np.float64)
+        await dist.all_reduce(x)
+        sums.append(float(x[0]))
+        await dist.destroy_process_group()
+        await dist.destroy_process_group()  # quiet when nothing is initialized
+    try:
+        await dist.all_reduce(np.ones(1))
+        sums.append("no error")
+    except dist.NotInitializedError as exc:
+        sums.append(str(exc))
+    return sums
+
+
+async def left_after_sending(rank: int, ws: int, url: str, size: int) -> str:
+    """Rank 1 broadcasts and leaves at once; rank 0 starts its broadcast only after the goodbye.
+    The data it needs already came, so it must succeed; the next collective must fail fast."""
+    await join(url, ws, rank)
+    x = np.full(size, float(rank + 7), np.float32)
+    if rank == 1:
+        await dist.broadcast(x, src=1)
+        await dist.destroy_process_group()
+        return "left"
+    await until(lambda world: 1 in world.dead, "rank 1's goodbye never came")
+    await dist.broadcast(x, src=1)
+    assert np.all(x == 8.0), x[:4]
+    started = time.monotonic()
+    try:
+        await dist.all_reduce(x)
+        outcome = "no error"
+    except dist.RankFailedError as exc:
+        outcome = f"{exc} after {time.monotonic() - started:.2f}s"
+    await dist.destroy_process_group()
+    return outcome
+
+
+async def destroy_while_peer_dies(rank: int, ws: int, url: str, ready_dir: str) -> dict[str, Any]:
+    """Rank 0 destroys with a collective in flight that rank 1 never joins; the test kills rank 1
+    during the drain. Destroy must end at once, not at its 20 s timeout."""
+    from pathlib import Path
+
+    await join(url, ws, rank)
+    await dist.barrier()
+    if rank != 0:
+        Path(ready_dir, f"ready-{rank}").write_text("1")
+        await asyncio.sleep(60)  # killed by the test
+        return {}
+    pending = asyncio.create_task(dist.all_reduce(np.ones(1000)))
+    await asyncio.sleep(0.05)
+    Path(ready_dir, "ready-0").write_text("1")
+    started = time.monotonic()
+    await dist.destroy_process_group(timeout=20)
+    took = time.monotonic() - started
+    try:
+        await pending
+        outcome = "no error"
+    except dist.ArendezError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    return {"destroy_seconds": took, "outcome": outcome, "initialized": dist.is_initialized()}
+
+
+async def late_joiner(rank: int, ws: int, url: str, delay: float) -> float:
+    """The last rank joins ``delay`` seconds after the others (longer than the lease)."""
+    if rank == ws - 1:
+        await asyncio.sleep(delay)
+    await join(url, ws, rank)
+    await asyncio.sleep(1.0)  # give the server's lease check time to (wrongly) fire
+    x = np.ones(10)
+    await dist.all_reduce(x)
+    await dist.destroy_process_group()
+    return float(x[0])
+
+
+async def busy_loop(rank: int, ws: int, url: str, seconds: float) -> float:
+    """The last rank blocks its event loop (a long synchronous step) for longer than the lease."""
+    await join(url, ws, rank)
+    await dist.barrier()
+    if rank == ws - 1:
+        time.sleep(seconds)  # deliberately blocks the loop: no await for ``seconds``
+    x = np.ones(10)
+    await dist.all_reduce(x)
+    await dist.destroy_process_group()
+    return float(x[0])

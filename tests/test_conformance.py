@@ -1,0 +1,91 @@
+"""One suite, three transports: in-process ranks, TCP between processes, TCP + shared memory.
+
+The rank code (``tests/conformance.py``) is the same for all three; only the runner differs:
+``arendez.testing.run_ranks`` for ``inproc``, real processes and a real server otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from arendez import testing
+from tests import conformance
+from tests.harness import run_function
+
+Runner = Callable[..., list[Any]]
+
+
+@pytest.fixture(params=["inproc", "tcp", "shm"])
+def run(request: pytest.FixtureRequest) -> Runner:
+    """``run(fn, world_size, *args)``: the ranks' results, over this transport."""
+    if request.param == "inproc":
+
+        def in_process(fn: Callable[..., Awaitable[Any]], world_size: int, *args: Any) -> list[Any]:
+            async def rank(r: int) -> Any:
+                return await fn(r, world_size, *args)
+
+            return asyncio.run(testing.run_ranks(world_size, rank, timeout=40))
+
+        return in_process
+    server = request.getfixturevalue("arendez_server")
+    env = {"ARENDEZ_SHM": "1" if request.param == "shm" else "0"}
+
+    def processes(fn: Callable[..., Awaitable[Any]], world_size: int, *args: Any) -> list[Any]:
+        url = f"{server.url}/{fn.__name__}-{uuid.uuid4().hex[:8]}"
+        return run_function(fn, world_size, url, *args, env=env, timeout=50)
+
+    return processes
+
+
+@pytest.mark.timeout(60)
+def test_every_collective(run: Runner) -> None:
+    dtypes, sizes = ["float32", "int64"], [0, 7, 70_001]
+    counts = run(conformance.every_collective, 3, dtypes, sizes)
+    per_group = 16 * len(dtypes) * len(sizes)
+    assert counts == [per_group, 2 * per_group, 2 * per_group]
+
+
+@pytest.mark.timeout(60)
+def test_destroy_drains_in_flight_and_cancels_the_rest(run: Runner) -> None:
+    drain = 0.5
+    r0, r1 = run(conformance.destroy_in_flight, 2, drain)
+    assert r0["outcomes"][:2] == ["ok", "ok"]
+    assert r0["outcomes"][2].startswith("GroupDestroyedError")
+    assert r0["sums"][:2] == [3.0, 3.0] and r1["sums"] == [3.0, 3.0]
+    assert r0["sums"][2] == 1.0  # the cancelled collective left its input alone
+    assert drain - 0.05 <= r0["elapsed"] <= drain + 1.0
+    assert r0["initialized"] is False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["dtype", "count", "op"])
+def test_mismatch_raises_on_every_rank(run: Runner, kind: str) -> None:
+    for res in run(conformance.mismatch, 3, kind):
+        assert res.startswith("CollectiveMismatchError"), res
+        assert res.endswith("next sum 3")
+
+
+@pytest.mark.timeout(60)
+def test_peer_loss_fails_the_next_collective_naming_the_rank(run: Runner) -> None:
+    assert run(conformance.peer_lost, 3) == ["RankFailedError 2", "RankFailedError 2", "dropped"]
+
+
+@pytest.mark.timeout(30)
+async def test_eight_inproc_ranks_all_reduce_through_world_and_op() -> None:
+    import numpy as np
+
+    import arendez as dist
+
+    async def rank(r: int) -> tuple[float, int, int]:
+        x = np.full(100_003, r + 1.0)  # above the small-message bound: a multi-step algorithm
+        await dist.all_reduce(x)
+        assert np.all(x == 36.0)
+        world = dist.current_world()
+        return float(x[0]), len(world.mesh.conns), world.groups[0].next_seq
+
+    assert await testing.run_ranks(8, rank) == [(36.0, 7, 1)] * 8
