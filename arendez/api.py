@@ -124,7 +124,12 @@ async def _build_world(where: Plan, timeout: float, given: Store | None) -> Worl
     server = None
     if where.host_server:
         server = await _host_server(where, secure.server if secure else None)
-    store = given or Store(
+    store: Any = given
+    if store is None and where.store_url:  # etcd backend (issue 14): same interface as Store
+        from .etcd import open_store
+
+        store = open_store(where.store_url, timeout)
+    store = store or Store(
         where.host,
         where.port,
         where.job,

@@ -25,6 +25,7 @@ class Plan:
     job: str = DEFAULT_JOB
     token: str | None = None
     host_server: bool = False  # tcp:// semantics: rank 0 runs the server in its own loop
+    store_url: str = ""  # etcd:// (issue 14): the store is an EtcdStore for this URL
 
     @property
     def local(self) -> bool:
@@ -96,9 +97,16 @@ def plan(
         if world_size < 1:
             raise RendezvousError(f"{init_method} needs world_size (argument or WORLD_SIZE)")
         return Plan(world_size, rank, host, port, job, url_token or token)
+    if url.scheme == "etcd":  # etcd backend (issue 14)
+        from .etcd import parse_url
+
+        ends, job, _ = parse_url(init_method)
+        if world_size < 1:
+            raise RendezvousError(f"{init_method} needs world_size (argument or WORLD_SIZE)")
+        return Plan(world_size, rank, *ends.hosts[0], job, None, store_url=init_method)
     raise RendezvousError(
-        f"unsupported init_method {init_method!r}: use None, env://, tcp://host:port or "
-        "arendez://[token@]host:port[/job]"
+        f"unsupported init_method {init_method!r}: use None, env://, tcp://host:port, "
+        "arendez://[token@]host:port[/job] or etcd://[user:password@]host:port[,host:port...]/job"
     )
 
 

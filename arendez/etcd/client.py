@@ -1,0 +1,283 @@
+"""A small etcd v3 client over etcd's gRPC JSON gateway (``POST /v3/...``), on ``httpx``.
+
+Why the JSON gateway and not a gRPC client: the maintained asyncio client on the registry
+(``aetcd`` 1.0) dials one ``host:port`` (no fail-over between cluster members), speaks
+plaintext only, keeps the auth token it got at connect time for ever and ships no type
+information; ``etcd3`` is unmaintained. The gateway is served by every etcd 3.4+ member on
+its client port, its JSON mirrors the protobuf messages one to one, and ``httpx`` gives both
+an asyncio client (store, rendezvous, watches on the event loop) and a blocking one (lease
+keepalive from a thread of its own). What is ours: trying the cluster's members in turn until
+the caller's deadline, re-authenticating when the token expires, and decoding the JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import threading
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import httpx
+
+from ..errors import AuthenticationError, StoreError
+from .url import Endpoints
+
+log = logging.getLogger("arendez.etcd")
+
+#: One attempt against one member never waits longer than this (then the next member).
+_ATTEMPT = 3.0
+#: gRPC codes that mean "this member cannot serve now": try another one.
+_UNAVAILABLE = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE ("no leader", "request timed out")
+_BAD_TOKEN = 16  # UNAUTHENTICATED: the token expired or the member restarted
+
+
+def b64(data: bytes | str) -> str:
+    """etcd's JSON carries keys and values as base64."""
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The ``range_end`` that makes a range cover every key starting with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"
+
+
+class EtcdError(StoreError):
+    """etcd answered a request with an error (``code`` is the gRPC status code)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+def _decode(resp: httpx.Response, where: str) -> dict[str, Any]:
+    try:
+        body = resp.json()
+    except ValueError:
+        raise StoreError(f"etcd at {where} answered HTTP {resp.status_code} without JSON") from None
+    if not isinstance(body, dict):
+        raise StoreError(f"etcd at {where} answered {type(body).__name__}, not an object")
+    if "error" in body or resp.status_code != 200:
+        raise EtcdError(int(body.get("code", -1)), f"etcd at {where}: {body.get('message') or body}")
+    return body
+
+
+def _auth_failed(exc: EtcdError, ends: Endpoints) -> AuthenticationError:
+    return AuthenticationError(f"etcd at {ends} refused user {ends.user!r}: {exc}")
+
+
+class _Member:
+    """Which member we talk to and the auth token it gave us (shared by sync and async)."""
+
+    def __init__(self, ends: Endpoints) -> None:
+        self.ends = ends
+        self.index = 0
+        self.token: str | None = None
+        self.last_error = "no answer before the deadline"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": self.token} if self.token else {}
+
+    def failed(self, exc: BaseException) -> None:
+        """The current member did not answer: move on to the next one."""
+        self.last_error = f"{self.ends.url(self.index)}: {exc}"
+        self.index += 1
+        self.token = None
+
+    def unreachable(self, what: str) -> StoreError:
+        return StoreError(
+            f"etcd at {self.ends} unreachable until the deadline ({what}; last error: {self.last_error})"
+        )
+
+
+class AsyncEtcd:
+    """Requests on the event loop: each retried on the next member until its deadline."""
+
+    def __init__(self, ends: Endpoints) -> None:
+        self.ends = ends
+        self._member = _Member(ends)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(_ATTEMPT), limits=httpx.Limits(max_keepalive_connections=4)
+        )
+        self._auth_lock = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _authenticate(self, url: str) -> None:
+        m = self._member
+        if self.ends.user is None or m.token is not None:
+            return
+        async with self._auth_lock:
+            if m.token is not None:
+                return
+            resp = await self._http.post(
+                f"{url}/v3/auth/authenticate",
+                json={"name": self.ends.user, "password": self.ends.password or ""},
+            )
+            try:
+                m.token = str(_decode(resp, url)["token"])
+            except EtcdError as exc:
+                raise _auth_failed(exc, self.ends) from None
+
+    async def call(self, path: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """``POST /v3/{path}`` on a live member; ``StoreError`` naming the endpoints at the deadline."""
+        loop = asyncio.get_running_loop()
+        m = self._member
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise m.unreachable(path)
+            url = self.ends.url(m.index)
+            try:
+                async with asyncio.timeout(min(_ATTEMPT, remaining)):
+                    await self._authenticate(url)
+                    resp = await self._http.post(f"{url}/v3/{path}", json=body, headers=m.headers())
+                return _decode(resp, url)
+            except EtcdError as exc:
+                if exc.code == _BAD_TOKEN and self.ends.user is not None:
+                    m.token = None
+                    continue
+                if exc.code == 7 or "user name is empty" in str(exc):  # denied, or anonymous
+                    raise _auth_failed(exc, self.ends) from None
+                if exc.code not in _UNAVAILABLE:
+                    raise
+                m.failed(exc)
+            except (httpx.HTTPError, OSError, TimeoutError) as exc:
+                m.failed(exc or TimeoutError("no answer"))
+            await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
+
+    async def watch(
+        self, key: bytes, range_end: bytes, start_revision: int
+    ) -> AsyncGenerator[tuple[int, list[dict[str, Any]]], None]:
+        """Yield ``(revision, events)`` for changes from ``start_revision`` on, for ever.
+
+        A broken stream is reopened on the next member from the revision after the last one
+        seen, so no event is lost or repeated. The caller stops by leaving the loop.
+        """
+        m = self._member
+        next_rev = start_revision
+        request = {"create_request": {"key": b64(key), "range_end": b64(range_end)}}
+        while True:
+            url = self.ends.url(m.index)
+            request["create_request"]["start_revision"] = str(next_rev)
+            try:
+                async with asyncio.timeout(_ATTEMPT):
+                    await self._authenticate(url)
+                stream = self._http.stream(
+                    "POST",
+                    f"{url}/v3/watch",
+                    json=request,
+                    headers=m.headers(),
+                    timeout=httpx.Timeout(_ATTEMPT, read=None),
+                )
+                async with stream as resp:
+                    if resp.status_code != 200:
+                        await resp.aread()
+                        _decode(resp, url)
+                    async for line in resp.aiter_lines():
+                        if not line.strip():
+                            continue
+                        body = json.loads(line)
+                        if "error" in body:
+                            raise _decode_error(body, url)
+                        result = body.get("result") or {}
+                        if result.get("canceled"):
+                            raise StoreError(
+                                f"etcd at {url} cancelled a watch: {result.get('cancel_reason')}"
+                            )
+                        events = result.get("events") or []
+                        if events:
+                            rev = int(events[-1]["kv"]["mod_revision"])
+                            next_rev = rev + 1
+                            yield rev, events
+            except EtcdError as exc:
+                if exc.code == _BAD_TOKEN and self.ends.user is not None:
+                    m.token = None
+                    continue
+                if exc.code not in _UNAVAILABLE:
+                    raise
+                m.failed(exc)
+            except (httpx.HTTPError, OSError, TimeoutError, ValueError) as exc:
+                m.failed(exc)
+            log.debug("watch stream broke (%s); reopening from revision %d", m.last_error, next_rev)
+            await asyncio.sleep(0.05)
+
+
+def _decode_error(body: dict[str, Any], where: str) -> EtcdError:
+    err = body.get("error")
+    if isinstance(err, dict):  # the streaming gateway nests it
+        code = err.get("grpc_code", err.get("code", -1))
+        return EtcdError(int(code) if isinstance(code, (int, str)) else -1, f"etcd at {where}: {err}")
+    return EtcdError(int(body.get("code", -1)), f"etcd at {where}: {body.get('message') or err}")
+
+
+class LeaseKeeper:
+    """Keeps one etcd lease alive from a thread of its own until ``stop``.
+
+    On the event loop a long synchronous step of user code would stop the keepalives and etcd
+    would expire a healthy rank; a thread keeps them going as long as the process runs (the
+    GIL is released while it waits), and a process that is killed or stopped loses its lease.
+    """
+
+    def __init__(self, ends: Endpoints, lease_id: int, ttl: int) -> None:
+        self._member = _Member(ends)
+        self._lease = lease_id
+        self._interval = max(0.2, ttl / 4)
+        self._stopped = threading.Event()
+        self.expired = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="arendez-etcd-lease", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stopped.set()
+        self._thread.join(timeout)
+
+    def _keepalive(self, http: httpx.Client) -> None:
+        m = self._member
+        url = m.ends.url(m.index)
+        if m.ends.user is not None and m.token is None:
+            resp = http.post(
+                f"{url}/v3/auth/authenticate", json={"name": m.ends.user, "password": m.ends.password or ""}
+            )
+            m.token = str(_decode(resp, url)["token"])
+        resp = http.post(f"{url}/v3/lease/keepalive", json={"ID": str(self._lease)}, headers=m.headers())
+        body = _decode(resp, url)
+        if "error" in body:
+            raise _decode_error(body, url)
+        if int((body.get("result") or {}).get("TTL", 0)) <= 0:
+            self.expired.set()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=httpx.Timeout(_ATTEMPT)) as http:
+            wait = 0.0
+            while not self._stopped.wait(wait):
+                try:
+                    self._keepalive(http)
+                    wait = self._interval
+                except EtcdError as exc:
+                    if exc.code == _BAD_TOKEN:
+                        self._member.token = None
+                    else:
+                        self._member.failed(exc)
+                    wait = 0.05
+                except (httpx.HTTPError, OSError, ValueError) as exc:
+                    self._member.failed(exc)
+                    wait = 0.05
+                if self.expired.is_set():
+                    log.warning("etcd lease %x expired: this rank was declared failed", self._lease)
+                    return
