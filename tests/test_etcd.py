@@ -15,12 +15,13 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from arendez.errors import AuthenticationError, RendezvousError, StoreError, StoreTimeoutError
@@ -75,10 +76,7 @@ class Etcd:
             shutil.rmtree(self.data, ignore_errors=True)
 
     def post(self, path: str, body: dict[str, Any], member: int = 0, token: str = "") -> dict[str, Any]:
-        url = f"http://127.0.0.1:{self.client_ports[member]}/v3/{path}"
-        headers = {"Authorization": token} if token else {}
-        reply: dict[str, Any] = httpx.post(url, json=body, headers=headers, timeout=5).json()
-        return reply
+        return _post_json(f"http://127.0.0.1:{self.client_ports[member]}/v3/{path}", body, token)
 
     def count(self, prefix: str, token: str = "") -> int:
         key = prefix.encode()
@@ -86,6 +84,17 @@ class Etcd:
             "kv/range", {"key": b64(key), "range_end": b64(prefix_end(key)), "count_only": True}, token=token
         )
         return int(reply.get("count", 0))
+
+
+def _post_json(url: str, body: dict[str, Any], token: str = "") -> dict[str, Any]:
+    headers = {"Content-Type": "application/json", **({"Authorization": token} if token else {})}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            reply: dict[str, Any] = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        reply = json.loads(exc.read())
+    return reply
 
 
 def start_etcd(tmp: Path, members: int) -> Etcd:
@@ -109,9 +118,10 @@ def start_etcd(tmp: Path, members: int) -> Etcd:
         for i in range(members):
             while True:
                 try:
-                    if httpx.get(f"http://127.0.0.1:{ports[i]}/health", timeout=1).json()["health"] == "true":
-                        break
-                except (httpx.HTTPError, ValueError, KeyError):
+                    with urllib.request.urlopen(f"http://127.0.0.1:{ports[i]}/health", timeout=1) as resp:
+                        if json.loads(resp.read())["health"] == "true":
+                            break
+                except (OSError, ValueError, KeyError):
                     pass
                 assert cluster.procs[i].poll() is None, (tmp / f"etcd-m{i}.log").read_text()[-2000:]
                 assert time.monotonic() < deadline, f"etcd member {i} not healthy within 30s"

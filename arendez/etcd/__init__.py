@@ -1,6 +1,6 @@
 """Rendezvous and store on etcd v3: ``init_method="etcd://[user:password@]host:port[,...]/job"``.
 
-Needs the optional dependency ``httpx`` (``pip install 'arendez[etcd]'``); ``client.py`` says
+Needs the optional dependency ``aiohttp`` (``pip install 'arendez[etcd]'``); ``client.py`` says
 why the client talks to etcd's JSON gateway.
 """
 
@@ -16,11 +16,11 @@ if TYPE_CHECKING:
 
 
 def open_store(url: str, timeout: float = 300.0) -> EtcdStore:
-    """An (unconnected) ``EtcdStore`` for ``url``; a clear error when ``httpx`` is missing."""
+    """An (unconnected) ``EtcdStore`` for ``url``; a clear error when ``aiohttp`` is missing."""
     try:
         from .store import EtcdStore
     except ImportError as exc:
-        raise RendezvousError(f"etcd:// needs httpx ({exc}): pip install 'arendez[etcd]'") from None
+        raise RendezvousError(f"etcd:// needs aiohttp ({exc}): pip install 'arendez[etcd]'") from None
     return EtcdStore.from_url(url, timeout)
 
 

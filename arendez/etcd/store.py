@@ -37,6 +37,7 @@ from .url import DEFAULT_LEASE, Endpoints, parse_url
 log = logging.getLogger("arendez.etcd")
 
 EventHandler = Callable[[dict[str, Any]], None]
+_Ranks = set[int]  # (``EtcdStore.set`` shadows the builtin inside the class)
 
 MAX_KEY = 4096
 MAX_VALUE = 1 << 20  # etcd refuses requests over 1.5 MiB by default
@@ -351,72 +352,71 @@ class EtcdStore:
     def _r(self, n: int, rest: str = "") -> bytes:
         return self._root + f"rdzv/{n}/{rest}".encode()
 
-    async def _open_round(self, deadline: float) -> int:
-        key = self._root + b"rdzv/round"
-        _, responses, _ = await self._txn(
-            [_same(key, "CREATE", 0)], [_put(key, b"0")], [_range(key)], deadline
-        )
-        kvs = _kvs(responses[0]) if responses and "response_range" in responses[0] else []
-        return int(unb64(kvs[0].get("value"))) if kvs else 0
+    @staticmethod
+    def _int_value(response: dict[str, Any]) -> int | None:
+        kvs = _kvs(response)
+        return int(unb64(kvs[0].get("value"))) if kvs else None
 
-    async def _check_world_size(self, n: int, world_size: int, deadline: float) -> None:
-        key = self._r(n, "world_size")
-        size = str(world_size).encode()
-        ok, responses, _ = await self._txn(
-            [_same(key, "CREATE", 0)], [_put(key, size)], [_range(key)], deadline
-        )
-        if not ok:
-            kvs = _kvs(responses[0])
-            forming = int(unb64(kvs[0].get("value"))) if kvs else world_size
-            if forming != world_size:
-                raise RendezvousError(
-                    f"job {self.job!r} is forming a world of {forming}, this rank asked for {world_size}"
-                )
-
-    async def _claim(self, world_size: int, rank: int, address: str, deadline: float) -> tuple[int, int]:
-        """Take a rank slot of the round being formed; returns (round, rank)."""
+    async def _claim(
+        self, world_size: int, rank: int, address: str, deadline: float
+    ) -> tuple[int, int, int, int]:
+        """Take a rank slot of the round being formed, in one transaction that also checks the
+        round is still open and its world size; returns (round, rank, ranks in, revision)."""
         round_key = self._root + b"rdzv/round"
-        taken: set[int] = set()
+        size = str(world_size).encode()
+        n = max(0, self._round + 1)
+        taken: _Ranks = set()
         while True:
-            n = await self._open_round(deadline)
-            await self._check_world_size(n, world_size, deadline)
             if rank >= 0:
                 r = rank
             else:
                 free = [x for x in range(world_size) if x not in taken]
-                if not free:
-                    taken.clear()  # stale view: re-read who holds which slot
-                    body = await self._call(
-                        "kv/range",
-                        {
-                            **_range(self._r(n, "rank/"), prefix_end(self._r(n, "rank/")))["request_range"],
-                            "keys_only": True,
-                        },
-                        deadline,
-                    )
-                    taken = {
-                        int(kv_key.rsplit(b"/", 1)[1]) for kv_key in (unb64(kv["key"]) for kv in _kvs(body))
-                    }
+                if not free:  # our guesses are stale: read who holds which slot
+                    taken = await self._taken(n, deadline)
                     free = [x for x in range(world_size) if x not in taken]
                     if not free:  # full but not closed yet: the closer is on its way
                         await asyncio.sleep(0.02)
                         continue
                 r = random.choice(free)
-            slot = self._r(n, f"rank/{r}")
-            ok, responses, _ = await self._txn(
-                [_same(round_key, "VALUE", str(n).encode()), _same(slot, "CREATE", 0)],
-                [_put(slot, address.encode(), self._lease_id), _put(self._root + b"rdzv/touched", b"")],
-                [_range(round_key)],
+            ws_key, slot, ranks = self._r(n, "world_size"), self._r(n, f"rank/{r}"), self._r(n, "rank/")
+            ok, responses, revision = await self._txn(
+                [
+                    _same(round_key, "VALUE", str(n).encode()),
+                    _same(ws_key, "VALUE", size),
+                    _same(slot, "CREATE", 0),
+                ],
+                [
+                    _put(slot, address.encode(), self._lease_id),
+                    _put(self._root + b"rdzv/touched", b""),
+                    _range(ranks, prefix_end(ranks), count_only=True),
+                ],
+                [_range(round_key), _range(ws_key), _range(slot, count_only=True)],
                 deadline,
             )
             if ok:
-                return n, r
-            kvs = _kvs(responses[0])
-            if kvs and int(unb64(kvs[0].get("value"))) != n:
-                continue  # the round completed meanwhile: join the next one
-            if rank >= 0:
+                return n, r, _count(responses[2]), revision
+            current, forming = self._int_value(responses[0]), self._int_value(responses[1])
+            if current is None:  # a new job: open round 0
+                await self._txn([_same(round_key, "CREATE", 0)], [_put(round_key, b"0")], [], deadline)
+            elif current != n:  # that round completed meanwhile: join the one being formed
+                n, taken = current, set()
+            elif forming is None:  # the first joiner of round n sets its size
+                await self._txn([_same(ws_key, "CREATE", 0)], [_put(ws_key, size)], [], deadline)
+            elif forming != world_size:
+                raise RendezvousError(
+                    f"job {self.job!r} is forming a world of {forming}, this rank asked for {world_size}"
+                )
+            elif rank >= 0:
                 raise RendezvousError(f"rank {rank} of job {self.job!r} has already joined")
-            taken.add(r)
+            else:
+                taken.add(r)
+
+    async def _taken(self, n: int, deadline: float) -> _Ranks:
+        ranks = self._r(n, "rank/")
+        body = await self._call(
+            "kv/range", {**_range(ranks, prefix_end(ranks))["request_range"], "keys_only": True}, deadline
+        )
+        return {int(unb64(kv["key"]).rsplit(b"/", 1)[1]) for kv in _kvs(body)}
 
     async def _close_round(self, n: int, world_size: int, deadline: float) -> dict[str, Any] | None:
         """If round ``n`` is full, write its nonce and peers and open round ``n + 1``."""
@@ -447,23 +447,26 @@ class EtcdStore:
         record: dict[str, Any] = json.loads(unb64(kvs[0].get("value")))
         return record
 
-    async def _await_round(self, n: int, world_size: int, deadline: float) -> dict[str, Any]:
-        done = self._r(n, "done")
-        count_body = await self._call(
-            "kv/range",
-            _range(self._r(n, "rank/"), prefix_end(self._r(n, "rank/")), count_only=True)["request_range"],
-            deadline,
-        )
-        if _count(count_body) >= world_size:
+    async def _await_round(
+        self, n: int, world_size: int, count: int, after: int, deadline: float
+    ) -> dict[str, Any]:
+        """The record of round ``n``: written by us if our claim filled it, else watched for
+        (it cannot exist before our claim at revision ``after``: the claim saw the round open)."""
+        if count >= world_size:
             record = await self._close_round(n, world_size, deadline)
             if record is not None:
                 return record
-        while True:
-            body = await self._call("kv/range", {"key": b64(done)}, deadline)
-            record = self._record(_kvs(body))
-            if record is not None:
-                return record
-            await self._until_changed(done, None, _revision(body), deadline)
+        done = self._r(n, "done")
+        watch = self._client.watch(done, b"", after + 1)
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for _, events in watch:
+                    record = self._record([ev["kv"] for ev in events if ev.get("type", "PUT") == "PUT"])
+                    if record is not None:
+                        return record
+        finally:
+            await watch.aclose()
+        raise StoreError("the watch of the round ended")  # not reached: watches do not end
 
     async def join(
         self, world_size: int, rank: int, address: str, timeout: float | None = None
@@ -480,8 +483,8 @@ class EtcdStore:
         self._keeper.start()
         n = r = -1
         try:
-            n, r = await self._claim(world_size, rank, address, deadline)
-            record = await self._await_round(n, world_size, deadline)
+            n, r, count, revision = await self._claim(world_size, rank, address, deadline)
+            record = await self._await_round(n, world_size, count, revision, deadline)
         except BaseException as exc:
             await self._withdraw(n, r)
             if isinstance(exc, TimeoutError) and not isinstance(exc, StoreError):
