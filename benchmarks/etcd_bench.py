@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -71,7 +72,7 @@ def start_etcd(data: Path) -> tuple[subprocess.Popen[bytes], int]:
 
 def start_server() -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
-        [PY, "-m", "arendez_server", "--port", "0", "--log-level", "WARNING"],
+        [PY, "-m", "arendez_server", "--port", "0", "--log-level", "WARNING", "--lease", "60"],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -104,6 +105,7 @@ async def rdzv_etcd(port: int, n: int, job: str) -> float:
 
 
 async def rdzv_arendez(port: int, n: int, job: str) -> float:
+    # heartbeats every 15 s against the server's 60 s lease, as etcd's keepalives (lease=60)
     stores = [Store("127.0.0.1", port, job, timeout=120, heartbeat_interval=15.0) for _ in range(n)]
     await asyncio.gather(*(s.connect() for s in stores))
     start = time.perf_counter()
@@ -214,6 +216,7 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=500)
     ap.add_argument("--data-dir", type=Path, default=None)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops what we started
     tmp = Path(tempfile.mkdtemp(prefix="arendez-etcd-bench-", dir=args.data_dir))
     etcd, etcd_port = start_etcd(tmp)
     server, server_port = start_server()
