@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -27,7 +28,7 @@ import pytest
 import arendez as dist
 from arendez.errors import AuthenticationError, RendezvousError, StoreError, StoreTimeoutError
 from arendez.etcd import open_store, parse_url
-from arendez.etcd.client import b64, prefix_end
+from arendez.etcd.codec import b64, prefix_end
 from arendez.rendezvous import plan
 from arendez.store import Store
 from tests.harness import PY, collect, popen, spawn_rank, wait_for_files
@@ -35,8 +36,10 @@ from tests.harness import PY, collect, popen, spawn_rank, wait_for_files
 ETCD = shutil.which("etcd")
 LEASE = 2  # seconds: the shortest lease etcd grants with its default election timeout
 
-if ETCD is None and not os.environ.get("ARENDEZ_CI"):
-    pytest.skip("etcd is not installed (apt-get install etcd-server)", allow_module_level=True)
+if not os.environ.get("ARENDEZ_CI"):  # CI installs both: there a missing one is a failure
+    if ETCD is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)", allow_module_level=True)
+    pytest.importorskip("aiohttp", reason="the etcd client needs pip install 'arendez[etcd]'")
 
 
 def _free_ports(n: int) -> list[int]:
@@ -164,6 +167,13 @@ def test_url_parsing_and_plan() -> None:
     ]:
         with pytest.raises(RendezvousError, match=said):
             parse_url(bad)
+
+
+def test_missing_client_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("aiohttp", "arendez.etcd.store", "arendez.etcd.client"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if arendez[etcd] were not installed
+    with pytest.raises(RendezvousError, match=r"pip install 'arendez\[etcd\]'"):
+        open_store("etcd://127.0.0.1:2379/j")
 
 
 # -- store ---------------------------------------------------------------------------------------
@@ -318,6 +328,7 @@ def test_stopped_rank_is_declared_failed_by_its_lease(etcd: Etcd, tmp_path: Path
         out = res.value
         assert out["error"] == "RankFailedError" and out["rank_named"] == 2, out
         assert "etcd lease expired" in out["message"], out
+        print(f"rank {res.rank}: stopped rank declared failed after {out['at'] - at:.2f}s")
         assert out["at"] - at < LEASE + 1, f"detected after {out['at'] - at:.2f}s"
 
 

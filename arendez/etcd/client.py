@@ -15,7 +15,6 @@ expires, and decoding the JSON.
 from __future__ import annotations
 
 import asyncio
-import base64
 import http.client
 import json
 import logging
@@ -26,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from ..errors import AuthenticationError, StoreError
+from .codec import b64
 from .url import Endpoints
 
 log = logging.getLogger("arendez.etcd")
@@ -36,26 +36,6 @@ _ATTEMPT = 3.0
 _UNAVAILABLE = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE ("no leader", "request timed out")
 _BAD_TOKEN = 16  # UNAUTHENTICATED: the token expired or the member restarted
 _NETWORK = (aiohttp.ClientError, OSError, TimeoutError, http.client.HTTPException)
-
-
-def b64(data: bytes | str) -> str:
-    """etcd's JSON carries keys and values as base64."""
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
-
-
-def unb64(text: str | None) -> bytes:
-    return base64.b64decode(text) if text else b""
-
-
-def prefix_end(prefix: bytes) -> bytes:
-    """The ``range_end`` that makes a range cover every key starting with ``prefix``."""
-    end = bytearray(prefix)
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return bytes(end)
-        end.pop()
-    return b"\0"
 
 
 class EtcdError(StoreError):

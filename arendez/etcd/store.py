@@ -31,7 +31,8 @@ from typing import Any
 
 from ..errors import RendezvousError, StoreError, StoreTimeoutError
 from ..store import Membership, _to_bytes
-from .client import AsyncEtcd, LeaseKeeper, b64, prefix_end, unb64
+from .client import AsyncEtcd, LeaseKeeper
+from .codec import b64, prefix_end, unb64
 from .url import DEFAULT_LEASE, Endpoints, parse_url
 
 log = logging.getLogger("arendez.etcd")
