@@ -66,13 +66,13 @@ def job_url(server: str, job: str | None) -> str:
     if "://" not in server:
         server = f"arendez://{server}"
     parts = urllib.parse.urlsplit(server)
-    if parts.scheme != "arendez" or not parts.netloc:
-        raise ValueError(f"--server must look like arendez://host:port[/job], got {server!r}")
+    if parts.scheme not in ("arendez", "etcd") or not parts.netloc:  # etcd:// (issue 14)
+        raise ValueError(f"--server must look like arendez://host:port[/job] or etcd://..., got {server!r}")
     path = parts.path.strip("/")
     if path and job and path != job:
         raise ValueError(f"--server names job {path!r} but --job says {job!r}")
     name = job or path or f"run-{os.getpid()}-{secrets.token_hex(3)}"
-    return urllib.parse.urlunsplit(("arendez", parts.netloc, "/" + name, "", ""))
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
 
 
 def rank_env(base: dict[str, str], url: str, rank: int, nproc: int) -> dict[str, str]:

@@ -89,7 +89,12 @@ async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
     server = None
     if where.host_server:
         server = await _host_server(where, secure.server if secure else None)
-    store = given or Store(
+    store: Any = given
+    if store is None and where.store_url:  # etcd://: same interface as Store
+        from .etcd import open_store
+
+        store = open_store(where.store_url, timeout)
+    store = store or Store(
         where.host,
         where.port,
         where.job,

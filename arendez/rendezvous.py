@@ -27,6 +27,7 @@ class Plan:
     host_server: bool = False  # tcp:// semantics: rank 0 runs the server in its own loop
     transport: str = "tcp"  # "inproc": every rank is a task of this event loop
     embedded: bool = False  # the store lives in rank 0's process (tcp://)
+    store_url: str = ""  # etcd://: the store is an EtcdStore for this URL
 
     @property
     def local(self) -> bool:
@@ -104,9 +105,17 @@ def plan(
         if world_size < 1:
             raise RendezvousError(f"{init_method} needs world_size (argument or WORLD_SIZE)")
         return Plan(world_size, rank, host, port, job, url_token or token)
+    if url.scheme == "etcd":  # etcd backend (issue 14)
+        from .etcd import parse_url
+
+        ends, job, _ = parse_url(init_method)
+        if world_size < 1:
+            raise RendezvousError(f"{init_method} needs world_size (argument or WORLD_SIZE)")
+        return Plan(world_size, rank, *ends.hosts[0], job, None, store_url=init_method)
     raise RendezvousError(
         f"unsupported init_method {init_method!r}: use None, env://, tcp://host:port, "
-        "arendez://[token@]host:port[/job] or inproc://job"
+        "arendez://[token@]host:port[/job], etcd://[user:password@]host:port[,host:port...]/job "
+        "or inproc://job"
     )
 
 

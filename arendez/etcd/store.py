@@ -1,0 +1,611 @@
+"""``EtcdStore``: the arendez store and rendezvous on etcd v3, with ``Store``'s interface.
+
+Keys of job ``J`` live under ``/arendez/J/``:
+
+* ``kv/<key>``: the store (set/get/add/compare_set/wait/check/delete/num_keys);
+* ``rdzv/round``: the number ``n`` of the round being formed;
+* ``rdzv/<n>/world_size``: the size every joiner of round ``n`` must ask for;
+* ``rdzv/<n>/rank/<r>``: rank ``r``'s address, bound to that rank's lease (so it disappears
+  when the rank leaves or its lease expires), claimed by a transaction that also checks
+  ``rdzv/round`` still says ``n``;
+* ``rdzv/<n>/done``: the nonce and peers of round ``n``, written once by the joiner that sees
+  the round full (the same transaction moves ``rdzv/round`` on to ``n + 1``);
+* ``rdzv/<n>/left/<r>``: written with the delete of ``rank/<r>`` when a rank leaves cleanly.
+
+Every member watches ``rdzv/<n>/``: the delete of ``rank/<r>`` without ``left/<r>`` means its
+lease expired, delivered as the ``rank_failed`` event the arendez server sends. The last rank
+to leave deletes the whole job prefix, unless a rank of another round holds a key there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import socket
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..errors import RendezvousError, StoreError, StoreTimeoutError
+from ..store import Membership, _to_bytes
+from .client import AsyncEtcd, LeaseKeeper
+from .codec import b64, prefix_end, unb64
+from .url import DEFAULT_LEASE, Endpoints, parse_url
+
+log = logging.getLogger("arendez.etcd")
+
+EventHandler = Callable[[dict[str, Any]], None]
+_Ranks = set[int]  # (``EtcdStore.set`` shadows the builtin inside the class)
+
+MAX_KEY = 4096
+MAX_VALUE = 1 << 20  # etcd refuses requests over 1.5 MiB by default
+_CALL_TIMEOUT = 30.0
+_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+
+
+# -- transaction building blocks ------------------------------------------------------------------
+def _put(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
+    req: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease:
+        req["lease"] = str(lease)
+    return {"request_put": req}
+
+
+def _range(key: bytes, end: bytes | None = None, *, count_only: bool = False) -> dict[str, Any]:
+    req: dict[str, Any] = {"key": b64(key)}
+    if end is not None:
+        req["range_end"] = b64(end)
+    if count_only:
+        req["count_only"] = True
+    return {"request_range": req}
+
+
+def _delete(key: bytes, end: bytes | None = None) -> dict[str, Any]:
+    req: dict[str, Any] = {"key": b64(key)}
+    if end is not None:
+        req["range_end"] = b64(end)
+    return {"request_delete_range": req}
+
+
+def _same(key: bytes, target: str, value: int | bytes) -> dict[str, Any]:
+    """Compare ``target`` (CREATE, MOD or VALUE) of ``key`` for equality (missing key = 0)."""
+    field = {"CREATE": "create_revision", "MOD": "mod_revision", "VALUE": "value"}[target]
+    raw = b64(value) if isinstance(value, bytes) else str(value)
+    return {"key": b64(key), "target": target, "result": "EQUAL", field: raw}
+
+
+def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
+    kvs: list[dict[str, Any]] = (response.get("response_range") or response).get("kvs") or []
+    return kvs
+
+
+def _count(response: dict[str, Any]) -> int:
+    return int((response.get("response_range") or response).get("count", 0))
+
+
+def _revision(body: dict[str, Any]) -> int:
+    return int(body.get("header", {}).get("revision", 0))
+
+
+class EtcdStore:
+    """One job's store and rendezvous on an etcd v3 cluster; the interface of ``Store``."""
+
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        job: str,
+        *,
+        lease: int = DEFAULT_LEASE,
+        timeout: float = 300.0,
+    ) -> None:
+        self.ends = endpoints
+        self.host, self.port = endpoints.hosts[0]
+        self.job = job
+        self.timeout = timeout
+        self.lease_ttl = lease
+        self.on_event: EventHandler | None = None
+        self._root = f"/arendez/{job}/".encode()
+        self._etcd: AsyncEtcd | None = None
+        self._membership: Membership | None = None
+        self._round = -1
+        self._lease_id = 0
+        self._keeper: LeaseKeeper | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._updating: dict[bytes, asyncio.Lock] = {}
+
+    @classmethod
+    def from_url(cls, url: str, timeout: float = 300.0) -> EtcdStore:
+        ends, job, lease = parse_url(url)
+        return cls(ends, job, lease=lease, timeout=timeout)
+
+    # -- connection ------------------------------------------------------------------------------
+    async def connect(self, timeout: float | None = None) -> EtcdStore:
+        """Reach a member of the cluster (retrying until ``timeout``) and authenticate."""
+        loop = asyncio.get_running_loop()
+        self._etcd = AsyncEtcd(self.ends)
+        try:
+            await self._etcd.call(
+                "kv/range", {"key": b64(self._root + b"rdzv/round")}, loop.time() + (timeout or self.timeout)
+            )
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    @property
+    def _client(self) -> AsyncEtcd:
+        if self._etcd is None:
+            raise StoreError("the etcd store is not connected (call connect() first) or was closed")
+        return self._etcd
+
+    async def close(self) -> None:
+        """Stop the failure watch and the lease keeper; close the HTTP connections."""
+        await self._stop_watch()
+        self._stop_keeper()
+        if self._etcd is not None:
+            etcd, self._etcd = self._etcd, None
+            with contextlib.suppress(Exception):
+                await etcd.aclose()
+
+    def sockname(self) -> Any:
+        """The local address that routes to the first etcd endpoint (what peers should dial)."""
+        with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((self.host, self.port))
+                return s.getsockname()
+            except OSError:
+                return None
+
+    def _deadline(self, timeout: float | None, cap: float | None = _CALL_TIMEOUT) -> float:
+        budget = self.timeout if timeout is None else float(timeout)
+        if cap is not None:
+            budget = min(budget, cap)
+        return asyncio.get_running_loop().time() + budget
+
+    async def _call(self, path: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+        return await self._client.call(path, body, deadline)
+
+    async def _txn(
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]],
+        deadline: float,
+    ) -> tuple[bool, list[dict[str, Any]], int]:
+        body = await self._call(
+            "kv/txn", {"compare": compare, "success": success, "failure": failure}, deadline
+        )
+        return bool(body.get("succeeded")), body.get("responses") or [], _revision(body)
+
+    def _kv(self, key: object) -> bytes:
+        if not isinstance(key, str) or not key:
+            raise StoreError(f"store key must be a non-empty string, got {key!r:.80}")
+        raw = key.encode()
+        if len(raw) > MAX_KEY:
+            raise StoreError(f"store key of {len(raw)} bytes exceeds {MAX_KEY}")
+        return self._root + b"kv/" + raw
+
+    @staticmethod
+    def _value(value: str | bytes) -> bytes:
+        data = _to_bytes(value)
+        if len(data) > MAX_VALUE:
+            raise StoreError(f"store value of {len(data)} bytes exceeds {MAX_VALUE}")
+        return data
+
+    async def _until_changed(self, key: bytes, end: bytes | None, after: int, deadline: float) -> None:
+        """Return at the first change to ``key`` (or the range up to ``end``) after revision
+        ``after``; ``TimeoutError`` at ``deadline``."""
+        watch = self._client.watch(key, end if end is not None else b"", after + 1)
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for _ in watch:
+                    return
+        finally:
+            await watch.aclose()
+
+    # -- store -----------------------------------------------------------------------------------
+    async def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Store ``value`` under ``key``."""
+        await self._call(
+            "kv/put", _put(self._kv(key), self._value(value))["request_put"], self._deadline(timeout)
+        )
+
+    async def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` for it to be set."""
+        name = self._kv(key)
+        deadline = self._deadline(timeout, None)
+        while True:
+            body = await self._call("kv/range", {"key": b64(name)}, deadline)
+            kvs = _kvs(body)
+            if kvs:
+                return unb64(kvs[0].get("value"))
+            try:
+                await self._until_changed(name, None, _revision(body), deadline)
+            except TimeoutError:
+                raise StoreTimeoutError(
+                    f"get of {key!r} not satisfied within {self._budget(timeout):g}s"
+                ) from None
+
+    def _budget(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else float(timeout)
+
+    async def _update(
+        self, name: bytes, change: Callable[[bytes | None], bytes | None], deadline: float
+    ) -> bytes | None:
+        """Compare-and-swap loop: write ``change(current)`` (None: leave it) if nobody wrote
+        ``name`` in between; return what the key holds afterwards."""
+        lock = self._updating.setdefault(name, asyncio.Lock())
+        try:
+            async with asyncio.timeout_at(deadline):
+                async with lock:  # our own concurrent updates of one key queue rather than race
+                    return await self._swap(name, change, deadline)
+        except TimeoutError:
+            what = name[len(self._root) + 3 :].decode()
+            raise StoreTimeoutError(f"update of {what!r} lost every race until its deadline") from None
+        finally:
+            if not lock.locked() and self._updating.get(name) is lock:
+                del self._updating[name]
+
+    async def _swap(
+        self, name: bytes, change: Callable[[bytes | None], bytes | None], deadline: float
+    ) -> bytes | None:
+        body = await self._call("kv/range", {"key": b64(name)}, deadline)
+        attempt = 0
+        while True:
+            kvs = _kvs(body)
+            current = unb64(kvs[0].get("value")) if kvs else None
+            mod = int(kvs[0].get("mod_revision", 0)) if kvs else 0
+            new = change(current)
+            if new is None:
+                return current
+            ok, responses, _ = await self._txn(
+                [_same(name, "MOD", mod)], [_put(name, new)], [_range(name)], deadline
+            )
+            if ok:
+                return new
+            body = responses[0]
+            attempt += 1  # lost a race: back off a little, randomly, so the racers spread out
+            await asyncio.sleep(random.uniform(0, min(0.05, 0.001 * 2**attempt)))
+
+    async def add(self, key: str, amount: int = 1, timeout: float | None = None) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (missing = 0); return the sum."""
+        if not isinstance(amount, int) or isinstance(amount, bool):
+            raise StoreError(f"add amount must be an integer, got {amount!r:.80}")
+
+        def plus(current: bytes | None) -> bytes:
+            try:
+                total = int(current or b"0") + amount
+            except ValueError:
+                raise StoreError(f"key {key!r} does not hold an integer") from None
+            if not -(2**63) <= total < 2**63:
+                raise StoreError(f"add on {key!r} would leave the 64-bit integer range")
+            return str(total).encode()
+
+        result = await self._update(self._kv(key), plus, self._deadline(timeout))
+        return int(result or b"0")
+
+    async def compare_set(
+        self, key: str, expected: str | bytes, desired: str | bytes, timeout: float | None = None
+    ) -> bytes:
+        """Set ``desired`` if ``key`` holds ``expected`` (or is missing and ``expected`` is
+        empty); return the value the key holds afterwards."""
+        want, new = self._value(expected), self._value(desired)
+
+        def swap(current: bytes | None) -> bytes | None:
+            return new if (current is None and want == b"") or current == want else None
+
+        result = await self._update(self._kv(key), swap, self._deadline(timeout))
+        return want if result is None else result
+
+    async def _missing(self, names: list[bytes], deadline: float) -> tuple[list[bytes], int]:
+        missing: list[bytes] = []
+        revision = 0
+        for i in range(0, len(names), _TXN_OPS):
+            batch = names[i : i + _TXN_OPS]
+            _, responses, rev = await self._txn([], [_range(n, count_only=True) for n in batch], [], deadline)
+            revision = revision or rev
+            missing += [n for n, r in zip(batch, responses, strict=True) if _count(r) == 0]
+        return missing, revision
+
+    async def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
+        names = [self._kv(k) for k in keys]
+        deadline = self._deadline(timeout, None)
+        while True:
+            names, revision = await self._missing(names, deadline)
+            if not names:
+                return
+            try:
+                kv = self._root + b"kv/"
+                await self._until_changed(kv, prefix_end(kv), revision, deadline)
+            except TimeoutError:
+                shown = [n[len(self._root) + 3 :].decode() for n in names[:5]]
+                raise StoreTimeoutError(
+                    f"wait for {shown} not satisfied within {self._budget(timeout):g}s"
+                ) from None
+
+    async def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
+        """True if every key in ``keys`` is set (no waiting)."""
+        missing, _ = await self._missing([self._kv(k) for k in keys], self._deadline(timeout))
+        return not missing
+
+    async def delete(self, key: str, timeout: float | None = None) -> bool:
+        """Delete ``key``; True if it existed."""
+        body = await self._call("kv/deleterange", {"key": b64(self._kv(key))}, self._deadline(timeout))
+        return int(body.get("deleted", 0)) > 0
+
+    async def num_keys(self, timeout: float | None = None) -> int:
+        """How many keys the job's store holds."""
+        kv = self._root + b"kv/"
+        body = await self._call(
+            "kv/range", _range(kv, prefix_end(kv), count_only=True)["request_range"], self._deadline(timeout)
+        )
+        return _count(body)
+
+    async def status(self) -> dict[str, Any]:
+        """The cluster member we talk to, as etcd reports it."""
+        return await self._call("maintenance/status", {}, self._deadline(None))
+
+    # -- rendezvous ------------------------------------------------------------------------------
+    def _r(self, n: int, rest: str = "") -> bytes:
+        return self._root + f"rdzv/{n}/{rest}".encode()
+
+    @staticmethod
+    def _int_value(response: dict[str, Any]) -> int | None:
+        kvs = _kvs(response)
+        return int(unb64(kvs[0].get("value"))) if kvs else None
+
+    async def _claim(
+        self, world_size: int, rank: int, address: str, deadline: float
+    ) -> tuple[int, int, int, int]:
+        """Take a rank slot of the round being formed, in one transaction that also checks the
+        round is still open and its world size; returns (round, rank, ranks in, revision)."""
+        round_key = self._root + b"rdzv/round"
+        size = str(world_size).encode()
+        n = max(0, self._round + 1)
+        taken: _Ranks = set()
+        while True:
+            if rank >= 0:
+                r = rank
+            else:
+                free = [x for x in range(world_size) if x not in taken]
+                if not free:  # our guesses are stale: read who holds which slot
+                    taken = await self._taken(n, deadline)
+                    free = [x for x in range(world_size) if x not in taken]
+                    if not free:  # full but not closed yet: the closer is on its way
+                        await asyncio.sleep(0.02)
+                        continue
+                r = random.choice(free)
+            ws_key, slot, ranks = self._r(n, "world_size"), self._r(n, f"rank/{r}"), self._r(n, "rank/")
+            ok, responses, revision = await self._txn(
+                [
+                    _same(round_key, "VALUE", str(n).encode()),
+                    _same(ws_key, "VALUE", size),
+                    _same(slot, "CREATE", 0),
+                ],
+                [
+                    _put(slot, address.encode(), self._lease_id),
+                    _put(self._root + b"rdzv/touched", b""),
+                    _range(ranks, prefix_end(ranks), count_only=True),
+                ],
+                [_range(round_key), _range(ws_key), _range(slot, count_only=True)],
+                deadline,
+            )
+            if ok:
+                return n, r, _count(responses[2]), revision
+            current, forming = self._int_value(responses[0]), self._int_value(responses[1])
+            if current is None:  # a new job: open round 0
+                await self._txn([_same(round_key, "CREATE", 0)], [_put(round_key, b"0")], [], deadline)
+            elif current != n:  # that round completed meanwhile: join the one being formed
+                n, taken = current, set()
+            elif forming is None:  # the first joiner of round n sets its size
+                await self._txn([_same(ws_key, "CREATE", 0)], [_put(ws_key, size)], [], deadline)
+            elif forming != world_size:
+                raise RendezvousError(
+                    f"job {self.job!r} is forming a world of {forming}, this rank asked for {world_size}"
+                )
+            elif rank >= 0:
+                raise RendezvousError(f"rank {rank} of job {self.job!r} has already joined")
+            else:
+                taken.add(r)
+
+    async def _taken(self, n: int, deadline: float) -> _Ranks:
+        ranks = self._r(n, "rank/")
+        body = await self._call(
+            "kv/range", {**_range(ranks, prefix_end(ranks))["request_range"], "keys_only": True}, deadline
+        )
+        return {int(unb64(kv["key"]).rsplit(b"/", 1)[1]) for kv in _kvs(body)}
+
+    async def _close_round(self, n: int, world_size: int, deadline: float) -> dict[str, Any] | None:
+        """If round ``n`` is full, write its nonce and peers and open round ``n + 1``."""
+        prefix = self._r(n, "rank/")
+        body = await self._call("kv/range", _range(prefix, prefix_end(prefix))["request_range"], deadline)
+        kvs = _kvs(body)
+        if len(kvs) < world_size:
+            return None
+        peers = [""] * world_size
+        for kv in kvs:
+            peers[int(unb64(kv["key"]).rsplit(b"/", 1)[1])] = unb64(kv.get("value")).decode()
+        record = {"nonce": os.urandom(16).hex(), "peers": peers, "revision": _revision(body)}
+        done = self._r(n, "done")
+        ok, responses, _ = await self._txn(
+            [_same(done, "CREATE", 0)],
+            [_put(done, json.dumps(record).encode()), _put(self._root + b"rdzv/round", str(n + 1).encode())],
+            [_range(done)],
+            deadline,
+        )
+        if ok:
+            return record
+        return self._record(_kvs(responses[0]))
+
+    @staticmethod
+    def _record(kvs: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if not kvs:
+            return None
+        record: dict[str, Any] = json.loads(unb64(kvs[0].get("value")))
+        return record
+
+    async def _await_round(
+        self, n: int, world_size: int, count: int, after: int, deadline: float
+    ) -> dict[str, Any]:
+        """The record of round ``n``: written by us if our claim filled it, else watched for
+        (it cannot exist before our claim at revision ``after``: the claim saw the round open)."""
+        if count >= world_size:
+            record = await self._close_round(n, world_size, deadline)
+            if record is not None:
+                return record
+        done = self._r(n, "done")
+        watch = self._client.watch(done, b"", after + 1)
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for _, events in watch:
+                    record = self._record([ev["kv"] for ev in events if ev.get("type", "PUT") == "PUT"])
+                    if record is not None:
+                        return record
+        finally:
+            await watch.aclose()
+        raise StoreError("the watch of the round ended")  # not reached: watches do not end
+
+    async def join(
+        self, world_size: int, rank: int, address: str, timeout: float | None = None
+    ) -> Membership:
+        """Join the job's rendezvous round; returns once all ``world_size`` ranks are in."""
+        if not isinstance(world_size, int) or not 1 <= world_size <= 65_536:
+            raise RendezvousError(f"world_size must be in 1..65536, got {world_size!r}")
+        if not isinstance(rank, int) or not -1 <= rank < world_size:
+            raise RendezvousError(f"rank {rank!r} is outside 0..{world_size - 1} (or -1: assigned)")
+        deadline = self._deadline(timeout, None)
+        grant = await self._call("lease/grant", {"TTL": str(self.lease_ttl)}, deadline)
+        self._lease_id = int(grant["ID"])
+        self._keeper = LeaseKeeper(self.ends, self._lease_id, int(grant.get("TTL", self.lease_ttl)))
+        self._keeper.start()
+        n = r = -1
+        try:
+            n, r, count, revision = await self._claim(world_size, rank, address, deadline)
+            record = await self._await_round(n, world_size, count, revision, deadline)
+        except BaseException as exc:
+            await self._withdraw(n, r)
+            if isinstance(exc, TimeoutError) and not isinstance(exc, StoreError):
+                raise StoreTimeoutError(
+                    f"rendezvous of job {self.job!r} on etcd {self.ends} incomplete within "
+                    f"{self._budget(timeout):g}s"
+                ) from None
+            raise
+        self._round = n
+        m = self._membership = Membership(
+            r, world_size, list(record["peers"]), bytes.fromhex(record["nonce"])
+        )
+        self._watch_task = asyncio.get_running_loop().create_task(
+            self._watch_members(n, int(record["revision"]))
+        )
+        return m
+
+    async def _withdraw(self, n: int, r: int) -> None:
+        """Give up a slot of a round that did not complete (best effort) and drop the lease."""
+        self._stop_keeper()
+        with contextlib.suppress(Exception):
+            deadline = self._deadline(2.0)
+            if n >= 0:
+                await self._txn(
+                    [_same(self._r(n, "done"), "CREATE", 0)], [_delete(self._r(n, f"rank/{r}"))], [], deadline
+                )
+            await self._revoke(deadline)
+
+    async def _revoke(self, deadline: float) -> None:
+        if self._lease_id:
+            lease, self._lease_id = self._lease_id, 0
+            await self._call("lease/revoke", {"ID": str(lease)}, deadline)
+
+    def _stop_keeper(self) -> None:
+        if self._keeper is not None:
+            self._keeper.stop()
+            self._keeper = None
+
+    async def _stop_watch(self) -> None:
+        task, self._watch_task = self._watch_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _watch_members(self, n: int, after: int) -> None:
+        """Tell ``on_event`` about every member of round ``n`` whose key goes away."""
+        me = self._membership.rank if self._membership is not None else -1
+        prefix = self._r(n)
+        left: set[int] = set()
+        try:
+            async for _, events in self._client.watch(prefix, prefix_end(prefix), after + 1):
+                for ev in events:
+                    key = unb64(ev["kv"]["key"])[len(prefix) :].decode()
+                    kind, _, tail = key.partition("/")
+                    if not tail.isdigit():
+                        continue
+                    r = int(tail)
+                    if kind == "left" and ev.get("type", "PUT") == "PUT":
+                        left.add(r)
+                    elif kind == "rank" and ev.get("type") == "DELETE" and r != me:
+                        event = (
+                            {"event": "rank_left", "rank": r, "reason": "left the job"}
+                            if r in left
+                            else {
+                                "event": "rank_failed",
+                                "rank": r,
+                                "reason": f"its etcd lease expired (no keepalive for {self.lease_ttl}s)",
+                            }
+                        )
+                        (log.info if r in left else log.warning)(
+                            "job %r rank %d %s", self.job, r, event["reason"]
+                        )
+                        if self.on_event is not None:
+                            self.on_event(event)
+        except StoreError as exc:
+            log.warning("job %r: watching the members on etcd %s stopped: %s", self.job, self.ends, exc)
+
+    async def leave(self, timeout: float = 2.0) -> None:
+        """Leave the round (best effort); the last rank out deletes the job's keys."""
+        m, self._membership = self._membership, None
+        if m is None or self._etcd is None:
+            return
+        await self._stop_watch()
+        self._stop_keeper()
+        deadline = self._deadline(timeout)
+        n = self._round
+        try:
+            await self._txn(
+                [],
+                [_put(self._r(n, f"left/{m.rank}"), b""), _delete(self._r(n, f"rank/{m.rank}"))],
+                [],
+                deadline,
+            )
+            await self._revoke(deadline)
+            await self._cleanup(deadline)
+        except StoreError as exc:
+            log.info("job %r: leaving etcd %s: %s", self.job, self.ends, exc)
+
+    async def _cleanup(self, deadline: float) -> None:
+        """Delete the job's prefix if no rank of any round still holds a key."""
+        rdzv = self._root + b"rdzv/"
+        body = await self._call(
+            "kv/range", {**_range(rdzv, prefix_end(rdzv))["request_range"], "keys_only": True}, deadline
+        )
+        touched = 0
+        for kv in _kvs(body):
+            key = unb64(kv["key"])[len(rdzv) :]
+            if b"/rank/" in key:
+                return  # a member of some round is still alive
+            if key == b"touched":
+                touched = int(kv.get("mod_revision", 0))
+        ok, _, _ = await self._txn(
+            [_same(rdzv + b"touched", "MOD", touched)],
+            [_delete(self._root, prefix_end(self._root))],
+            [],
+            deadline,
+        )
+        if ok:
+            log.info("job %r finished: deleted its keys from etcd %s", self.job, self.ends)
+
+
+__all__ = ["EtcdStore", "parse_url"]
