@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import algorithms as algo
-from . import shm, tls
+from . import embedded, shm, tls
 from .arrays import ReduceOp
 from .errors import RendezvousError
 from .group import GroupMember, ProcessGroup
@@ -87,8 +87,12 @@ async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
             "with ARENDEZ_TLS_CA set, every rank needs ARENDEZ_TLS_CERT and ARENDEZ_TLS_KEY"
         )
     server = None
-    if where.host_server:
-        server = await _host_server(where, secure.server if secure else None)
+    if where.host_server:  # kept across rounds while this process lives (arendez.embedded)
+        server = await embedded.acquire(
+            where.host, where.port, where.token, secure.server if secure else None
+        )
+    elif not where.local:  # another rank hosts this port now: a server this process kept must go
+        await embedded.release(where.port)
     store: Any = given
     if store is None and where.store_url:  # etcd://: same interface as Store
         from .etcd import open_store
@@ -118,7 +122,6 @@ async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
         member = await store.join(where.world_size, where.rank, address, deadline - loop.time())
         world = World(member.rank, member.world_size, timeout)
         world.store, world.mesh, world.server, world.address = store, mesh, server, address
-        world.embedded_store = where.embedded
         world.shm = shm.Channels(allowed=shm.enabled() and secure is None)  # before peers say hello
         store.on_event = lambda event, w=world: _on_server_event(w, event)
         await mesh.connect(
@@ -141,9 +144,7 @@ async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
         await store.leave(max(0.0, deadline - loop.time()))
         if given is None:
             await store.close()
-        if server is not None:
-            await server.close(max(0.0, deadline - loop.time()))
-        raise
+        raise  # an embedded server stays up for the next attempt, as a standalone one would
 
 
 #: how each transport (``Plan.transport``, from the ``init_method`` scheme) builds a world
@@ -151,22 +152,6 @@ _BUILDERS: dict[str, Callable[[Plan, float, Store | None], Awaitable[World]]] = 
     "tcp": _tcp_world,
     "inproc": _inproc_world,
 }
-
-
-async def _host_server(where: Plan, ssl_context: Any) -> Any:
-    # the server package ships in this distribution (mapped from server/, which mypy checks as
-    # ``server``): the library imports it only on the rank that hosts the store
-    from arendez_server import Server, ServerConfig  # type: ignore[import-not-found,unused-ignore]
-
-    for host in (where.host, "0.0.0.0"):
-        srv = Server(ServerConfig(host=host, port=where.port, token=where.token, ssl=ssl_context))
-        try:
-            await srv.start()
-            return srv
-        except OSError as exc:
-            if host == "0.0.0.0":
-                raise RendezvousError(f"rank 0 cannot host the store on port {where.port}: {exc}") from None
-    raise AssertionError("unreachable")
 
 
 def _local_address(store: Store, server_host: str) -> str:
@@ -184,8 +169,6 @@ def _on_server_event(world: World, event: dict[str, Any]) -> None:
     rank = event.get("rank")
     if kind == "rank_failed" and isinstance(rank, int):
         world.peer_lost(rank, f"declared failed by the server ({event.get('reason')})")
-    elif kind == "server_shutdown":
-        world.store_gone.set()
 
 
 async def destroy_process_group(group: Any = None, timeout: float | datetime.timedelta | None = None) -> None:
@@ -193,8 +176,9 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
 
     ``group=None`` destroys the default group and every subgroup; a subgroup leaves the
     default group alive. Quiet when nothing is initialized or the group is already gone.
-    The rank that hosts the embedded server (``tcp://``) keeps it up until the other ranks
-    have said goodbye (or failed), within the same deadline.
+    The rank that hosts the embedded server (``tcp://``) waits, within the same deadline, until
+    the other ranks have said goodbye (or failed); the server itself stays up for the next
+    ``init_process_group`` while the process lives (``arendez.embedded``).
     """
     world, default = world_or_none(), default_group()
     if world is None or default is None or group is GroupMember.NON_GROUP_MEMBER:
@@ -227,16 +211,8 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
     if world.mesh is not None:
         await world.mesh.close(left())
     world.shm.close()
-    if world.embedded_store and world.server is None:
-        # rank 0 closes its store once every rank has said goodbye: wait for that, so that a
-        # rank that re-joins at once cannot find the old store still up
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout_at(min(deadline, loop.time() + LINGER_SECONDS)):
-                await world.store_gone.wait()
     if world.store is not None:
         await world.store.close()
-    if world.server is not None:
-        await world.server.close(left())
 
 
 @contextlib.asynccontextmanager

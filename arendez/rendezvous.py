@@ -26,7 +26,6 @@ class Plan:
     token: str | None = None
     host_server: bool = False  # tcp:// semantics: rank 0 runs the server in its own loop
     transport: str = "tcp"  # "inproc": every rank is a task of this event loop
-    embedded: bool = False  # the store lives in rank 0's process (tcp://)
     store_url: str = ""  # etcd://: the store is an EtcdStore for this URL
 
     @property
@@ -93,7 +92,7 @@ def plan(
         host, port, _ = _hostport(url.netloc, init_method)
         if rank < 0:
             raise RendezvousError("tcp:// needs an explicit rank (argument or RANK): rank 0 hosts the store")
-        return Plan(world_size, rank, host, port, DEFAULT_JOB, token, host_server=rank == 0, embedded=True)
+        return Plan(world_size, rank, host, port, DEFAULT_JOB, token, host_server=rank == 0)
     if url.scheme == "inproc":
         job = (url.netloc + url.path).strip("/")
         if world_size < 1 or not job:

@@ -44,8 +44,6 @@ class World:
         self.store: Any = None
         self.server: Any = None  # the embedded server this rank hosts, if any
         self.address = ""  # host:port of this rank's peer listener
-        self.embedded_store = False  # the store is the server rank 0 runs (tcp://)
-        self.store_gone = asyncio.Event()  # the server said it shuts down
         self.groups: dict[int, ProcessGroup] = {}
         self.next_gid = 0
         self.dead: dict[int, str] = {}  # ranks gone for good, with why

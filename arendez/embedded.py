@@ -1,0 +1,129 @@
+"""The server a ``tcp://`` (or ``env://`` with MASTER_ADDR) rank 0 hosts in its own event loop.
+
+One server per process and port, started by the first ``init_process_group`` that needs it and
+kept across ``destroy_process_group``/``init_process_group`` cycles, exactly as a standalone
+``arendez-server`` outlives the rounds it serves. Restarting it on the same port every round left a
+window in which another rank's next-round connection landed on the instance being closed, so the
+ranks of one round could end up on two different servers and wait out their whole deadline; every
+cycle also paid for the restart (refused connections, reconnect back-off) and alarmed the other
+ranks with a lost store.
+
+The server lives until the event loop that started it ends (a holder task closes it when the loop
+cancels its tasks, as ``asyncio.run`` does) or until ``shutdown()``. A later loop in the same
+process (a second ``asyncio.run``) gets a fresh server on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import importlib
+import logging
+import ssl as _ssl
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import RendezvousError
+
+log = logging.getLogger("arendez")
+
+#: Longest a new host waits for the port to be released (by a process that hosted it before).
+BIND_WAIT = 5.0
+
+
+@dataclass
+class _Hosted:
+    server: Any  # arendez_server.Server
+    loop: asyncio.AbstractEventLoop
+    host: str
+    token: str | None
+    tls: bool
+    holder: asyncio.Task[None] | None = None
+
+
+_hosted: dict[int, _Hosted] = {}  # by the port the caller asked for
+
+
+async def acquire(host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None) -> Any:
+    """The process's embedded server on ``port``: the running one, or a new one if there is none
+    (or it was started by another event loop or with another host/token/TLS setting)."""
+    loop = asyncio.get_running_loop()
+    current = _hosted.get(port)
+    if current is not None:
+        alive = current.holder is not None and not current.holder.done()
+        same = (current.host, current.token, current.tls) == (host, token, ssl is not None)
+        if alive and same and current.loop is loop:
+            return current.server
+        await _retire(current, loop)
+    server = await _start(host, port, token, ssl)
+    entry = _hosted[port] = _Hosted(server, loop, host, token, ssl is not None)
+    entry.holder = loop.create_task(_hold(port, entry), name=f"arendez-embedded-server-{port}")
+    return server
+
+
+async def release(port: int, timeout: float = 2.0) -> None:
+    """Close this process's embedded server on ``port``, if any: another rank hosts it now."""
+    entry = _hosted.get(port)
+    if entry is not None:
+        await _retire(entry, asyncio.get_running_loop(), timeout)
+
+
+async def shutdown(timeout: float = 2.0) -> None:
+    """Close every embedded server this process hosts (connected ranks are told it shut down)."""
+    loop = asyncio.get_running_loop()
+    for entry in list(_hosted.values()):
+        await _retire(entry, loop, timeout)
+
+
+async def _start(host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None) -> Any:
+    module = importlib.import_module("arendez_server")  # installed from server/
+    loop = asyncio.get_running_loop()
+    until = loop.time() + BIND_WAIT
+    while True:
+        for bind in (host, "0.0.0.0"):
+            server = module.Server(module.ServerConfig(host=bind, port=port, token=token, ssl=ssl))
+            try:
+                await server.start()
+                return server
+            except OSError as exc:
+                error = exc
+        if error.errno != errno.EADDRINUSE or loop.time() >= until:  # else: the last host may be leaving
+            raise RendezvousError(f"rank 0 cannot host the store on port {port}: {error}") from None
+        await asyncio.sleep(0.05)
+
+
+async def _hold(port: int, entry: _Hosted) -> None:
+    """Keep ``entry``'s server until this task is cancelled (by ``shutdown`` or the loop's end)."""
+    try:
+        await asyncio.get_running_loop().create_future()
+    except asyncio.CancelledError:
+        if _hosted.get(port) is entry:
+            del _hosted[port]
+        await entry.server.close(1.0)
+        raise
+
+
+async def _retire(entry: _Hosted, loop: asyncio.AbstractEventLoop, timeout: float = 2.0) -> None:
+    """Close ``entry``'s server from ``loop``, whatever state the loop that runs it is in."""
+    for port, held in list(_hosted.items()):
+        if held is entry:
+            del _hosted[port]
+    holder = entry.holder
+    if entry.loop is loop:
+        if holder is not None and not holder.done():
+            holder.cancel()
+            await asyncio.wait([holder])  # (never swallows a cancel aimed at the caller)
+        await entry.server.close(timeout)  # no-op if the holder closed it (it may never have run)
+        return
+    if entry.loop.is_running():  # another thread's loop: let it close its own server
+        done = asyncio.run_coroutine_threadsafe(entry.server.close(timeout), entry.loop)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.wrap_future(done), timeout + 1.0)
+        return
+    # a loop that has stopped without cancelling our holder: free the listening socket at least
+    listener = getattr(entry.server, "_server", None)
+    if listener is not None:
+        with contextlib.suppress(Exception):
+            listener.close()
+    log.debug("dropped the embedded server of a loop that is no longer running")
