@@ -152,6 +152,12 @@ class Connection(asyncio.BufferedProtocol):
             raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
         self._transport.writelines(wire.encode(header, payload))
 
+    def send_encoded(self, buffers: list[bytes | memoryview]) -> None:
+        """Queue frames already made by ``wire.encode`` (one encoding sent to many, or batched)."""
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
+        self._transport.writelines(buffers)
+
     async def drain(self) -> None:
         """Wait until every queued byte is in the kernel (or the connection is gone)."""
         if self._transport is None:
@@ -268,6 +274,8 @@ def answer_challenge(
 
     Returns the reply frame and the nonce the acceptor must answer with its own proof.
     """
+    if isinstance(challenge, dict) and "error" in challenge and "hello" not in challenge:
+        raise remote_error(challenge, ProtocolError)  # refused before the handshake (a limit)
     if not isinstance(challenge, dict) or challenge.get("hello") != "arendez":
         raise ProtocolError(f"{peer} is not an arendez endpoint")
     if challenge.get("v") != PROTOCOL_VERSION:
