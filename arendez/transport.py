@@ -321,13 +321,16 @@ async def client_handshake(
     return check_welcome(welcome, token, nonce, conn.peer)
 
 
-async def server_handshake(
-    conn: Connection, token: str | None, timeout: float, welcome: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Challenge the connector; on success return its hello frame and send ``welcome``."""
+def make_challenge(token: str | None) -> tuple[dict[str, Any], bytes]:
+    """Sans-I/O first half of the acceptor's handshake: the challenge frame and its nonce."""
     nonce = os.urandom(16)
-    conn.send({"hello": "arendez", "v": PROTOCOL_VERSION, "nonce": nonce, "auth": bool(token)})
-    hello, _ = await conn.recv(timeout)
+    return {"hello": "arendez", "v": PROTOCOL_VERSION, "nonce": nonce, "auth": bool(token)}, nonce
+
+
+def answer_hello(
+    hello: Any, token: str | None, nonce: bytes, welcome: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Sans-I/O second half: check the connector's hello against ``nonce``; the welcome to send."""
     if not isinstance(hello, dict) or not isinstance(hello.get("nonce"), bytes):
         raise ProtocolError("malformed handshake")
     answer = dict(welcome or {})
@@ -337,5 +340,15 @@ async def server_handshake(
             raise AuthenticationError("wrong or missing token")
         answer["proof"] = _proof(token, hello["nonce"], b"server")
     answer.setdefault("ok", True)
-    conn.send(answer)
-    return hello
+    return answer
+
+
+async def server_handshake(
+    conn: Connection, token: str | None, timeout: float, welcome: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Challenge the connector; on success return its hello frame and send ``welcome``."""
+    challenge, nonce = make_challenge(token)
+    conn.send(challenge)
+    hello, _ = await conn.recv(timeout)
+    conn.send(answer_hello(hello, token, nonce, welcome))
+    return dict(hello)

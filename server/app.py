@@ -39,6 +39,10 @@ log = logging.getLogger("arendez.server")
 MAX_WAIT = 7 * 24 * 3600.0
 #: Reply bytes a client may leave unread before the server drops it.
 MAX_UNREAD_REPLIES = 16 << 20
+#: Queued reply bytes written at once rather than at the end of the loop turn.
+FLUSH_AT = 64 << 10
+#: Seconds a dropped client's connection stays open to read (and ignore) what it sent.
+DROP_DELAY = 0.2
 #: File descriptors kept free of connections (listener, logs, the interpreter's own).
 FD_RESERVE = 64
 #: Departures gathered before failure news goes out (one event per round per flush).
@@ -97,7 +101,9 @@ class _Session:
         self.lease: Lease | None = None  # set on the lease connection of a client process
         self.tasks: set[asyncio.Task[None]] = set()
         self._out: list[bytes | memoryview] = []
+        self._out_bytes = 0
         self._flushing = False
+        self.dropped = False  # no more answers: the connection closes shortly
 
     def reply(self, rid: Any, value: Any) -> None:
         if rid is not None:
@@ -113,21 +119,46 @@ class _Session:
 
     def send_encoded(self, buffers: list[bytes | memoryview]) -> None:
         """Queue encoded frames; they are written together at the end of this loop turn."""
+        conn = self.conn
+        if not conn.is_open or self.dropped:
+            return
         self._out.extend(buffers)
-        if not self._flushing:
+        self._out_bytes += sum(len(b) for b in buffers)
+        if self._out_bytes >= FLUSH_AT:  # large replies go out at once, checked as they go
+            self._flush()
+            if conn.buffered() > MAX_UNREAD_REPLIES and not self.dropped:  # the client does not read
+                self.drop(ProtocolError("client does not read its replies"))
+        elif not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def drop(self, exc: ArendezError) -> None:
+        """Stop answering; close soon, once what the client already sent has been read
+        (closing on unread bytes would reset the connection and lose the replies it has)."""
+        self.dropped = True
+        asyncio.get_running_loop().call_later(DROP_DELAY, self.conn.fail, exc)
+
     def _flush(self) -> None:
         self._flushing = False
-        out, self._out = self._out, []
-        conn = self.conn
-        if not out or not conn.is_open:
-            return
-        if conn.buffered() > MAX_UNREAD_REPLIES:  # the client has left too many unread
-            conn.fail(ProtocolError("client does not read its replies"), tell_peer=False)
-            return
-        conn.send_encoded(out)
+        out, self._out, self._out_bytes = self._out, [], 0
+        if out and self.conn.is_open:
+            self.conn.send_encoded(out)
+
+
+class _ServerConnection(transport.Connection):
+    """A client connection of the server: tells the server when it is made."""
+
+    def __init__(self, server: Server, limits: wire.Limits) -> None:
+        super().__init__(limits)
+        self.server = server
+        self.host = ""
+        self.nonce = b""
+        self.deadline = 0.0
+        self.session: _Session | None = None
+
+    def connection_made(self, transport_: asyncio.BaseTransport) -> None:
+        super().connection_made(transport_)
+        self.server._made(self)
 
 
 class Server:
@@ -139,14 +170,14 @@ class Server:
         self._server: asyncio.Server | None = None
         self._sessions: dict[str, set[_Session]] = collections.defaultdict(set)
         self._members: dict[tuple[str, bytes], set[_Session]] = {}  # sessions of a round
-        self._conns: set[transport.Connection] = set()
+        self._conns: set[_ServerConnection] = set()
+        self._handshaking: set[_ServerConnection] = set()
         self._per_host: collections.Counter[str] = collections.Counter()
         self._key_waiters: dict[tuple[str, str], list[asyncio.Future[None]]] = {}
         self._round_done: dict[Round, asyncio.Future[None]] = {}
         self._peers_packed: dict[Round, bytes] = {}
         self._departed: list[Departure] = []
         self._departure_flush: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._lease_task: asyncio.Task[None] | None = None
         self._closing = False
         self.max_connections = self.config.max_connections
@@ -167,7 +198,7 @@ class Server:
             )
         limits = wire.Limits(max_header=64 * 1024, max_payload=0)
         self._server = await loop.create_server(
-            lambda: self._accepted(transport.Connection(limits)),
+            lambda: _ServerConnection(self, limits),
             cfg.host,
             cfg.port,
             ssl=cfg.ssl,
@@ -196,8 +227,6 @@ class Server:
             self._lease_task.cancel()
         if self._departure_flush is not None:
             self._departure_flush.cancel()
-        for task in list(self._tasks):
-            task.cancel()
         conns = list(self._conns)
         bye = wire.encode({"event": "server_shutdown"})
         for conn in conns:
@@ -219,12 +248,8 @@ class Server:
         return round_ is not None and round_.in_use
 
     # -- connections -----------------------------------------------------------------------
-    def _accepted(self, conn: transport.Connection) -> transport.Connection:
-        task = asyncio.get_running_loop().create_task(self._serve(conn))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return conn
-
+    # No task per connection: the handshake runs in callbacks, and one sweep (with the lease
+    # check) drops connections that do not finish it within ``handshake_timeout``.
     def _refusal(self, host: str) -> LimitError | None:
         cfg = self.config
         if len(self._conns) > self.max_connections:
@@ -240,51 +265,65 @@ class Server:
             )
         return None
 
-    async def _serve(self, conn: transport.Connection) -> None:
-        cfg = self.config
-        try:
-            await asyncio.wait_for(asyncio.shield(conn._made), cfg.handshake_timeout)
-        except TimeoutError:
-            conn.abort()
-            return
-        host = str(conn.peer[0]) if isinstance(conn.peer, tuple) else "local"
+    def _made(self, conn: _ServerConnection) -> None:
+        """A client connected: count it, refuse it by a limit's name, or challenge it."""
+        conn.host = host = str(conn.peer[0]) if isinstance(conn.peer, tuple) else "local"
         self._conns.add(conn)
         self._per_host[host] += 1
-        session: _Session | None = None
+        conn.set_handlers(lambda header, payload: self._on_hello(conn, header), lambda exc: self._lost(conn))
+        if self._closing:
+            conn.abort()
+            return
+        refused = self._refusal(host)
+        if refused is not None:
+            log.warning("%s", refused)
+            conn.fail(refused, tell_peer=True)  # sent in place of the challenge
+            return
+        challenge, conn.nonce = transport.make_challenge(self.config.token)
+        conn.deadline = time.monotonic() + self.config.handshake_timeout
+        self._handshaking.add(conn)
+        conn.send(challenge)
+
+    def _on_hello(self, conn: _ServerConnection, hello: Any) -> None:
+        cfg = self.config
+        if conn.session is not None:  # frames of a connection already failing
+            return
+        self._handshaking.discard(conn)
         try:
-            refused = self._refusal(host)
-            if refused is not None:
-                log.warning("%s", refused)
-                conn.fail(refused, tell_peer=True)  # sent in place of the challenge
-                return
-            hello = await transport.server_handshake(conn, cfg.token, cfg.handshake_timeout)
+            welcome = transport.answer_hello(hello, cfg.token, conn.nonce)
             job = hello.get("job", "")
             if not isinstance(job, str) or len(job) > 256:
                 raise ProtocolError("job name must be a string of at most 256 characters")
-            limit = cfg.limits.max_value + cfg.limits.max_key + 4096
-            conn.set_limits(wire.Limits(max_header=limit, max_payload=0))
-            session = _Session(self, conn, job)
-            self._sessions[job].add(session)
-            conn.set_handlers(
-                lambda header, payload: self._on_request(session, header),
-                lambda exc: None,
-            )
-            await asyncio.shield(conn.closed)
         except (ProtocolError, AuthenticationError) as exc:
             log.info("closing %s: %s", conn.peer, exc)
             conn.fail(exc, tell_peer=True)
-        except (TimeoutError, ConnectionError):
+            return
+        conn.send(welcome)
+        limit = cfg.limits.max_value + cfg.limits.max_key + 4096
+        conn.set_limits(wire.Limits(max_header=limit, max_payload=0))
+        session = conn.session = _Session(self, conn, job)
+        self._sessions[job].add(session)
+        conn.set_handlers(
+            lambda header, payload: self._on_request(session, header), lambda exc: self._lost(conn)
+        )
+
+    def _lost(self, conn: _ServerConnection) -> None:
+        if conn not in self._conns:
+            return
+        self._conns.discard(conn)
+        self._handshaking.discard(conn)
+        host = conn.host
+        self._per_host[host] -= 1
+        if self._per_host[host] <= 0:
+            del self._per_host[host]
+        if conn.session is not None:
+            self._session_gone(conn.session)
+
+    def _sweep_handshakes(self, now: float) -> None:
+        late = [c for c in self._handshaking if c.deadline < now]
+        for conn in late:
+            self._handshaking.discard(conn)
             conn.abort()
-        except asyncio.CancelledError:
-            conn.abort()
-            raise
-        finally:
-            self._conns.discard(conn)
-            self._per_host[host] -= 1
-            if self._per_host[host] <= 0:
-                del self._per_host[host]
-            if session is not None:
-                self._session_gone(session)
 
     def _session_gone(self, session: _Session) -> None:
         for task in session.tasks:
@@ -317,6 +356,8 @@ class Server:
 
     # -- requests --------------------------------------------------------------------------
     def _on_request(self, session: _Session, header: Any) -> None:
+        if session.dropped:
+            return
         try:
             if not isinstance(header, dict) or not isinstance(header.get("op"), str):
                 raise ProtocolError("a request must be a map with a string 'op'")
@@ -431,11 +472,13 @@ class Server:
         while True:
             before = loop.time()
             await asyncio.sleep(interval)
+            now = time.monotonic()
+            self._sweep_handshakes(now)
             if loop.time() - before > 2 * interval + 0.1:
                 # the server itself stalled: heartbeats may be waiting in its sockets, unread.
                 # Read them (next turn) before judging anyone.
                 continue
-            self._depart(self.state.expire(time.monotonic(), cfg.lease, cfg.lease_arm_grace))
+            self._depart(self.state.expire(now, cfg.lease, cfg.lease_arm_grace))
 
 
 # -- request handlers (plain functions of the server, session, job and request) ---------------
