@@ -16,7 +16,7 @@ import itertools
 import logging
 import ssl as _ssl
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import lease as _lease
@@ -37,6 +37,10 @@ EventHandler = Callable[[dict[str, Any]], None]
 #: Extra time a blocking request waits for the server's answer past its own timeout.
 _REPLY_SLACK = 2.0
 _CALL_TIMEOUT = 30.0
+#: Connect + handshake budget of one attempt: generous, since a server busy with a storm of
+#: thousands of connecting ranks answers late, and aborting then retrying only adds to it
+#: (a refused or unreachable server fails at once regardless).
+_OPEN_TIMEOUT = 20.0
 #: Replies carry values in their header: allow well past the server's default 1 MiB value bound.
 _REPLY_LIMITS = wire.Limits(max_header=64 << 20, max_payload=0)
 
@@ -70,6 +74,8 @@ class Membership:
     world_size: int
     peers: list[str]  # empty when joined with ``peers=False``: ask ``Store.addresses``
     nonce: bytes
+    #: Addresses of the ranks asked for with ``join(neighbours=...)``, by rank.
+    addresses: dict[int, str] = field(default_factory=dict)
 
 
 class Store:
@@ -120,10 +126,10 @@ class Store:
 
     async def _open(self) -> transport.Connection:
         conn = await transport.open_connection(
-            self.host, self.port, ssl=self._ssl, timeout=5.0, limits=_REPLY_LIMITS
+            self.host, self.port, ssl=self._ssl, timeout=_OPEN_TIMEOUT, limits=_REPLY_LIMITS
         )
         try:
-            await transport.client_handshake(conn, self._token, {"job": self.job}, 5.0)
+            await transport.client_handshake(conn, self._token, {"job": self.job}, _OPEN_TIMEOUT)
             conn.set_handlers(self._on_frame, lambda exc: None)
             if self._membership is not None:
                 m = self._membership
@@ -208,8 +214,13 @@ class Store:
                 raise self._unreachable() from None
 
     def _unreachable(self) -> StoreError:
-        why = f" (last error: {self._last_error})" if self._last_error is not None else ""
+        why = f" (last error: {self._last_error_text})" if self._last_error is not None else ""
         return StoreError(f"store at {self.host}:{self.port} unreachable until the deadline{why}")
+
+    @property
+    def _last_error_text(self) -> str:
+        exc = self._last_error
+        return f"{type(exc).__name__}: {exc}" if exc is not None else ""
 
     def _on_frame(self, header: Any, payload: memoryview | None) -> None:
         if not isinstance(header, dict):
@@ -366,6 +377,7 @@ class Store:
         timeout: float | None = None,
         *,
         peers: bool = True,
+        neighbours: Iterable[int] | None = None,
     ) -> Membership:
         """Join the job's rendezvous round; returns once all ``world_size`` ranks are in.
 
@@ -392,6 +404,7 @@ class Store:
                     address=address,
                     lease=self._lease.key,
                     peers=peers,
+                    **({"neighbours": list(neighbours)} if neighbours is not None else {}),
                 )
                 break
             except (StoreTimeoutError, LimitError):
@@ -413,6 +426,7 @@ class Store:
             int(answer["world_size"]),
             list(found) if found is not None else [],
             bytes(answer["nonce"]),
+            {int(r): str(a) for r, a in answer.get("addresses", {}).items()},
         )
         return m
 

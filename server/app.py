@@ -60,7 +60,7 @@ class ServerConfig:
     lease: float = 2.5
     #: Extra seconds a member's lease gets before its process's keeper first renews it.
     lease_arm_grace: float = 10.0
-    handshake_timeout: float = 5.0
+    handshake_timeout: float = 20.0
     #: Listen queue for connection storms (the kernel caps it at net.core.somaxconn).
     backlog: int = 4096
     max_connections: int = 32768
@@ -657,6 +657,11 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
             server._round_done.pop(round_).cancel()
     server._bind(s, round_, rank)
     answer: dict[str, Any] = {"rank": rank, "world_size": round_.world_size, "nonce": round_.nonce}
+    offsets = h.get("neighbours")
+    if offsets is not None:  # the addresses of rank + offset (mod world_size), in the answer
+        if not isinstance(offsets, list) or len(offsets) > 64 or not all(isinstance(o, int) for o in offsets):
+            raise RendezvousError("neighbours must be a list of at most 64 integer rank offsets")
+        answer["addresses"] = round_.addresses([(rank + o) % round_.world_size for o in offsets])
     if h.get("peers", True) is False:
         return [answer, None]
     packed = server._peers_packed.get(round_)
