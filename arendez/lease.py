@@ -24,6 +24,11 @@ from .errors import ArendezError, AuthenticationError, RendezvousError
 
 log = logging.getLogger("arendez.lease")
 
+#: Connect + handshake budget: a server answering a storm of thousands of connecting ranks is
+#: late, and giving up on a connection that is almost through would leave the lease unrenewed
+#: for longer (the server gives a lease its keeper has not renewed yet extra grace).
+OPEN_TIMEOUT = 20.0
+
 
 class _FrameSocket:
     """Blocking framed socket: the same codec as the asyncio connections."""
@@ -90,9 +95,10 @@ class LeaseKeeper:
         self._thread.join(timeout)
 
     def _open(self) -> _FrameSocket:
-        sock = socket.create_connection(self._where, timeout=5.0)
+        sock = socket.create_connection(self._where, timeout=OPEN_TIMEOUT)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(OPEN_TIMEOUT)  # the handshake, under a storm of connecting ranks
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self._where[0])
             conn = _FrameSocket(sock)
@@ -103,6 +109,8 @@ class LeaseKeeper:
             answer = conn.recv()
             if isinstance(answer, dict) and "error" in answer:
                 raise transport.remote_error(answer, RendezvousError)
+            sock.settimeout(5.0)
+            log.debug("lease keeper connected to %s:%s", *self._where)
             return conn
         except BaseException:
             sock.close()

@@ -59,7 +59,7 @@ class ServerConfig:
     ssl: _ssl.SSLContext | None = None
     lease: float = 2.5
     #: Extra seconds a member's lease gets before its process's keeper first renews it.
-    lease_arm_grace: float = 10.0
+    lease_arm_grace: float = 30.0
     handshake_timeout: float = 20.0
     #: Listen queue for connection storms (the kernel caps it at net.core.somaxconn).
     backlog: int = 4096
