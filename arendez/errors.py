@@ -21,6 +21,10 @@ class StoreTimeoutError(StoreError, TimeoutError):
     """A store ``get``/``wait`` did not see its keys before the deadline."""
 
 
+class LimitError(StoreError):
+    """The server refused a connection or request: one of its limits is reached (named)."""
+
+
 class RendezvousError(ArendezError):
     """Joining a job failed: bad URL, full job, inconsistent world size, deadline passed."""
 
@@ -81,6 +85,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "GroupDestroyedError",
+    "LimitError",
     "NotInitializedError",
     "ProtocolError",
     "RankFailedError",

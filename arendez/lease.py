@@ -1,10 +1,11 @@
-"""The lease keeper: a rank's heartbeats, sent from a thread of their own.
+"""The lease keeper: one heartbeat thread and connection per server for the whole process.
 
 Heartbeats that ran on the event loop would stop whenever user code keeps the loop busy (a
 long numpy step between collectives), and the server would declare a healthy rank failed.
-The keeper thread holds its own small blocking connection to the server, attaches to the
-rank's membership and heartbeats every ``interval`` seconds; a rank whose whole process stops
-(killed, SIGSTOP, frozen host) still loses its lease.
+So a thread sends them, over a small blocking connection of its own. There is one keeper per
+server address in a process, however many ranks (``Store`` memberships) it hosts: each rank
+names the keeper's random lease key when it joins, and every heartbeat renews them all. A
+process that stops as a whole (killed, SIGSTOP, frozen host) loses the lease of all its ranks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import socket
 import ssl as _ssl
 import threading
@@ -21,6 +23,11 @@ from . import transport, wire
 from .errors import ArendezError, AuthenticationError, RendezvousError
 
 log = logging.getLogger("arendez.lease")
+
+#: Connect + handshake budget: a server answering a storm of thousands of connecting ranks is
+#: late, and giving up on a connection that is almost through would leave the lease unrenewed
+#: for longer (the server gives a lease its keeper has not renewed yet extra grace).
+OPEN_TIMEOUT = 20.0
 
 
 class _FrameSocket:
@@ -56,22 +63,21 @@ class _FrameSocket:
 
 
 class LeaseKeeper:
-    """Keeps the lease of ``rank`` of round ``nonce`` of ``job`` alive until ``stop``."""
+    """Renews lease ``key`` on the server at ``host:port`` every ``interval`` s until ``stop``."""
 
     def __init__(
         self,
         host: str,
         port: int,
-        job: str,
-        membership: dict[str, Any],
         *,
         token: str | None,
         ssl: _ssl.SSLContext | None,
         interval: float = 0.5,
     ) -> None:
+        self.key = os.urandom(16)
+        self.pid = os.getpid()
+        self.users = 0
         self._where = (host, port)
-        self._job = job
-        self._attach = {"op": "attach", "id": 0, **membership}
         self._token = token
         self._ssl = ssl
         self._interval = interval
@@ -81,26 +87,30 @@ class LeaseKeeper:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 1.0) -> None:
+    def stop(self) -> None:
+        """Tell the thread to close its connection and end (does not wait for it)."""
         self._stopped.set()
+
+    def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
     def _open(self) -> _FrameSocket:
-        sock = socket.create_connection(self._where, timeout=5.0)
+        sock = socket.create_connection(self._where, timeout=OPEN_TIMEOUT)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(OPEN_TIMEOUT)  # the handshake, under a storm of connecting ranks
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self._where[0])
             conn = _FrameSocket(sock)
-            reply, nonce = transport.answer_challenge(
-                conn.recv(), self._token, {"job": self._job}, self._where
-            )
+            reply, nonce = transport.answer_challenge(conn.recv(), self._token, {"job": ""}, self._where)
             conn.send(reply)
             transport.check_welcome(conn.recv(), self._token, nonce, self._where)
-            conn.send(self._attach)
+            conn.send({"op": "lease", "id": 0, "key": self.key})
             answer = conn.recv()
             if isinstance(answer, dict) and "error" in answer:
                 raise transport.remote_error(answer, RendezvousError)
+            sock.settimeout(5.0)
+            log.debug("lease keeper connected to %s:%s", *self._where)
             return conn
         except BaseException:
             sock.close()
@@ -116,8 +126,8 @@ class LeaseKeeper:
                 while not self._stopped.wait(self._interval):
                     conn.send({"op": "heartbeat"})
                     conn.discard_pending()
-            except (AuthenticationError, RendezvousError) as exc:  # nothing left to keep alive
-                log.warning("lease keeper stops: %s", exc)
+            except AuthenticationError as exc:  # nothing left to keep alive
+                (log.debug if self._stopped.is_set() else log.warning)("lease keeper stops: %s", exc)
                 return
             except (OSError, ValueError, ArendezError) as exc:
                 log.debug("lease connection to %s:%s failed: %s", *self._where, exc)
@@ -127,3 +137,33 @@ class LeaseKeeper:
                 if conn is not None:
                     with contextlib.suppress(OSError):
                         conn.sock.close()
+
+
+_keepers: dict[tuple[Any, ...], LeaseKeeper] = {}
+_lock = threading.Lock()
+
+
+def acquire(
+    host: str, port: int, *, token: str | None, ssl: _ssl.SSLContext | None, interval: float
+) -> LeaseKeeper:
+    """This process's keeper for the server at ``host:port`` (started on first use)."""
+    where = (host, port, token, id(ssl))
+    with _lock:
+        keeper = _keepers.get(where)
+        if keeper is None or keeper.pid != os.getpid():  # none yet, or inherited over fork
+            keeper = _keepers[where] = LeaseKeeper(host, port, token=token, ssl=ssl, interval=interval)
+            keeper.start()
+        keeper.users += 1
+        return keeper
+
+
+def release(keeper: LeaseKeeper) -> None:
+    """One user fewer; the last one stops the keeper (without blocking the caller)."""
+    with _lock:
+        keeper.users -= 1
+        if keeper.users > 0:
+            return
+        keeper.stop()
+        for where, found in list(_keepers.items()):
+            if found is keeper:
+                del _keepers[where]

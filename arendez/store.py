@@ -3,8 +3,9 @@
 The client keeps one connection to the server and reconnects when it drops. A call made
 while the server is away waits for the reconnection until its own deadline and then raises
 ``StoreError``; a call whose request was in flight when the connection dropped fails at once
-(its outcome is unknown). Members of a job keep their lease alive from a thread of their own
-(``lease.py``, so a busy event loop is not a dead rank) and re-attach after a reconnect.
+(its outcome is unknown). Concurrent calls are pipelined: requests made in one loop turn go
+out in one write. Members of a job keep their lease alive from the process's one lease
+thread (``lease.py``, so a busy event loop is not a dead rank) and re-attach after a reconnect.
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ import itertools
 import logging
 import ssl as _ssl
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from . import lease as _lease
 from . import transport, wire
 from .errors import (
     AuthenticationError,
+    LimitError,
     ProtocolError,
     RendezvousError,
     StoreError,
     StoreTimeoutError,
 )
-from .lease import LeaseKeeper
 
 log = logging.getLogger("arendez.store")
 
@@ -35,12 +37,25 @@ EventHandler = Callable[[dict[str, Any]], None]
 #: Extra time a blocking request waits for the server's answer past its own timeout.
 _REPLY_SLACK = 2.0
 _CALL_TIMEOUT = 30.0
+#: Connect + handshake budget of one attempt: generous, since a server busy with a storm of
+#: thousands of connecting ranks answers late, and aborting then retrying only adds to it
+#: (a refused or unreachable server fails at once regardless).
+_OPEN_TIMEOUT = 20.0
 #: Replies carry values in their header: allow well past the server's default 1 MiB value bound.
 _REPLY_LIMITS = wire.Limits(max_header=64 << 20, max_payload=0)
 
 transport.register_remote_errors(
-    StoreError, StoreTimeoutError, RendezvousError, ProtocolError, AuthenticationError
+    StoreError, StoreTimeoutError, RendezvousError, ProtocolError, AuthenticationError, LimitError
 )
+
+
+class _NoAnswer(Exception):
+    """The reply did not come before the call's deadline."""
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(_NoAnswer())
 
 
 def _to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
@@ -57,8 +72,10 @@ class Membership:
 
     rank: int
     world_size: int
-    peers: list[str]
+    peers: list[str]  # empty when joined with ``peers=False``: ask ``Store.addresses``
     nonce: bytes
+    #: Addresses of the ranks asked for with ``join(neighbours=...)``, by rank.
+    addresses: dict[int, str] = field(default_factory=dict)
 
 
 class Store:
@@ -89,8 +106,13 @@ class Store:
         self._membership: Membership | None = None
         self._address = ""
         self._closed = False
+        self._left = False  # this client left its round: losing the server is no alarm then
+        self._server_leaving = False  # the server announced its shutdown
         self._tasks: list[asyncio.Task[None]] = []
-        self._lease: LeaseKeeper | None = None
+        self._lease: _lease.LeaseKeeper | None = None
+        self._last_error: BaseException | None = None
+        self._out: list[bytes | memoryview] = []
+        self._flushing = False
 
     # -- connection management -------------------------------------------------------------
     async def connect(self, timeout: float | None = None) -> Store:
@@ -106,10 +128,10 @@ class Store:
 
     async def _open(self) -> transport.Connection:
         conn = await transport.open_connection(
-            self.host, self.port, ssl=self._ssl, timeout=5.0, limits=_REPLY_LIMITS
+            self.host, self.port, ssl=self._ssl, timeout=_OPEN_TIMEOUT, limits=_REPLY_LIMITS
         )
         try:
-            await transport.client_handshake(conn, self._token, {"job": self.job}, 5.0)
+            await transport.client_handshake(conn, self._token, {"job": self.job}, _OPEN_TIMEOUT)
             conn.set_handlers(self._on_frame, lambda exc: None)
             if self._membership is not None:
                 m = self._membership
@@ -124,6 +146,7 @@ class Store:
                         "world_size": m.world_size,
                         "nonce": m.nonce,
                         "address": self._address,
+                        "lease": self._lease.key if self._lease is not None else None,
                     }
                 )
                 async with asyncio.timeout(5.0):
@@ -135,19 +158,33 @@ class Store:
 
     async def _maintain(self) -> None:
         delay = 0.05
+        ever = False
         while not self._closed:
+            self._server_leaving = False  # a notice on the next connection may come inside _open
             try:
                 conn = await self._open()
             except (AuthenticationError, RendezvousError) as exc:
                 self._fatal = exc
                 self._connected.set()
                 return
+            except LimitError as exc:  # refused by a server limit: say which, at once
+                if not ever:
+                    self._fatal = exc
+                    self._connected.set()
+                    return
+                log.warning("store %s:%s: %s", self.host, self.port, exc)
+                self._last_error = exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
             except Exception as exc:  # unreachable, or a broken peer: try again
+                self._last_error = exc
                 log.debug("store %s:%s unreachable: %s", self.host, self.port, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
             delay = 0.05
+            ever = True
             self._conn = conn
             self._connected.set()
             await asyncio.shield(conn.closed)
@@ -155,7 +192,13 @@ class Store:
             self._conn = None
             self._fail_pending(StoreError(f"lost the connection to the store at {self.host}:{self.port}"))
             if not self._closed:
-                log.warning("lost the store at %s:%s; reconnecting", self.host, self.port)
+                planned = self._left or self._server_leaving
+                (log.info if planned else log.warning)(
+                    "lost the store at %s:%s%s; reconnecting",
+                    self.host,
+                    self.port,
+                    " (it shut down)" if self._server_leaving else "",
+                )
 
     async def _wait_connected(self, deadline: float) -> transport.Connection:
         loop = asyncio.get_running_loop()
@@ -168,7 +211,7 @@ class Store:
             if conn is not None and conn.is_open:
                 return conn
             if loop.time() >= deadline:
-                raise StoreError(f"store at {self.host}:{self.port} unreachable until the deadline")
+                raise self._unreachable()
             try:
                 async with asyncio.timeout_at(deadline):
                     if conn is not None:  # closing: wait for the reconnect loop to notice
@@ -177,14 +220,27 @@ class Store:
                     else:
                         await self._connected.wait()
             except TimeoutError:
-                raise StoreError(f"store at {self.host}:{self.port} unreachable until the deadline") from None
+                raise self._unreachable() from None
+
+    def _unreachable(self) -> StoreError:
+        why = f" (last error: {self._last_error_text})" if self._last_error is not None else ""
+        return StoreError(f"store at {self.host}:{self.port} unreachable until the deadline{why}")
+
+    @property
+    def _last_error_text(self) -> str:
+        exc = self._last_error
+        return f"{type(exc).__name__}: {exc}" if exc is not None else ""
 
     def _on_frame(self, header: Any, payload: memoryview | None) -> None:
         if not isinstance(header, dict):
             return
         rid = header.get("id")
         if rid is None:
-            if "event" in header:
+            if header.get("event") == "departed":
+                self._on_departed(header.get("ranks"))
+            elif "event" in header:
+                if header["event"] == "server_shutdown":
+                    self._server_leaving = True
                 if self.on_event is not None:
                     self.on_event(header)
             elif "error" in header:  # the server is about to drop us for a protocol error
@@ -197,6 +253,17 @@ class Store:
             fut.set_exception(transport.remote_error(header, StoreError))
         else:
             fut.set_result(header.get("ok"))
+
+    def _on_departed(self, ranks: Any) -> None:
+        """One batched event for every rank of our round that left or failed: one call each."""
+        if not isinstance(ranks, list) or self.on_event is None:
+            return
+        me = self._membership.rank if self._membership is not None else None
+        for entry in ranks:
+            if not isinstance(entry, list) or len(entry) != 3 or entry[0] == me:
+                continue
+            rank, failed, reason = entry
+            self.on_event({"event": "rank_failed" if failed else "rank_left", "rank": rank, "reason": reason})
 
     def _fail_pending(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
@@ -216,7 +283,7 @@ class Store:
                 await task
         self._tasks.clear()
         if self._conn is not None:
-            await self._conn.wait_closed(1.0)
+            await self._conn.wait_closed(1.0)  # asynchronous: the loop keeps running meanwhile
             self._conn = None
         self._fail_pending(StoreError("the store client is closed"))
 
@@ -231,25 +298,43 @@ class Store:
         loop = asyncio.get_running_loop()
         budget = self.timeout if timeout is None else float(timeout)
         deadline = loop.time() + (budget if wait else min(budget, _CALL_TIMEOUT))
-        conn = await self._wait_connected(deadline)
+        conn = self._conn
+        if conn is None or not conn.is_open:
+            conn = await self._wait_connected(deadline)
         rid = next(self._ids)
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending[rid] = fut
-        request = {"op": op, "id": rid, **fields}
+        fields["op"] = op
+        fields["id"] = rid
         if wait:
-            request["timeout"] = max(0.0, deadline - loop.time())
+            fields["timeout"] = max(0.0, deadline - loop.time())
+        self._queue(wire.encode(fields))
+        timer = loop.call_at(deadline + (_REPLY_SLACK if wait else 0.0), _expire, fut)
         try:
-            conn.send(request)
-        except ConnectionError as exc:
-            self._pending.pop(rid, None)
-            raise StoreError(f"store {op} failed: {exc}") from None
-        try:
-            async with asyncio.timeout_at(deadline + (_REPLY_SLACK if wait else 0.0)):
-                return await fut
-        except TimeoutError:
+            return await fut
+        except _NoAnswer:
             raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
         finally:
+            timer.cancel()
             self._pending.pop(rid, None)
+
+    def _queue(self, frame: list[bytes | memoryview]) -> None:
+        """Queue a request; every request of this loop turn goes out in one write."""
+        self._out.extend(frame)
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        out, self._out = self._out, []
+        conn = self._conn
+        try:
+            if conn is None:
+                raise ConnectionResetError("not connected")
+            conn.send_encoded(out)
+        except ConnectionError as exc:  # the requests cannot have reached the server
+            self._fail_pending(StoreError(f"store request failed: {exc}"))
 
     async def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``."""
@@ -296,10 +381,28 @@ class Store:
 
     # -- membership ------------------------------------------------------------------------
     async def join(
-        self, world_size: int, rank: int, address: str, timeout: float | None = None
+        self,
+        world_size: int,
+        rank: int,
+        address: str,
+        timeout: float | None = None,
+        *,
+        peers: bool = True,
+        neighbours: Iterable[int] | None = None,
     ) -> Membership:
-        """Join the job's rendezvous round; returns once all ``world_size`` ranks are in."""
+        """Join the job's rendezvous round; returns once all ``world_size`` ranks are in.
+
+        With ``peers=False`` the answer carries no peer addresses (``Membership.peers`` is
+        empty): fetch the ones needed with ``addresses``, so a round costs O(N), not O(N²).
+        The process's lease keeper starts before the join, so the lease can be renewed from
+        the moment the round completes.
+        """
         self._address = address
+        self._left = False
+        if self._lease is None:
+            self._lease = _lease.acquire(
+                self.host, self.port, token=self._token, ssl=self._ssl, interval=self._heartbeat_interval
+            )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.timeout if timeout is None else timeout)
         while True:
@@ -311,34 +414,43 @@ class Store:
                     world_size=world_size,
                     rank=rank,
                     address=address,
+                    lease=self._lease.key,
+                    peers=peers,
+                    **({"neighbours": list(neighbours)} if neighbours is not None else {}),
                 )
                 break
-            except StoreTimeoutError:
+            except (StoreTimeoutError, LimitError):
+                self._stop_lease()
                 raise
             except StoreError:
                 # the server went away mid-rendezvous (e.g. rank 0 restarting its embedded
                 # server on the same port): join again wherever the reconnection lands
                 if loop.time() >= deadline:
+                    self._stop_lease()
                     raise
                 await asyncio.sleep(0.05)
+            except BaseException:
+                self._stop_lease()
+                raise
+        found = answer.get("peers")
         m = self._membership = Membership(
-            int(answer["rank"]), int(answer["world_size"]), list(answer["peers"]), bytes(answer["nonce"])
+            int(answer["rank"]),
+            int(answer["world_size"]),
+            list(found) if found is not None else [],
+            bytes(answer["nonce"]),
+            {int(r): str(a) for r, a in answer.get("addresses", {}).items()},
         )
-        self._lease = LeaseKeeper(
-            self.host,
-            self.port,
-            self.job,
-            {"rank": m.rank, "world_size": m.world_size, "nonce": m.nonce, "address": address},
-            token=self._token,
-            ssl=self._ssl,
-            interval=self._heartbeat_interval,
-        )
-        self._lease.start()
         return m
 
+    async def addresses(self, ranks: Iterable[int], timeout: float | None = None) -> dict[int, str]:
+        """The addresses the given ranks of our round joined with (after ``join``)."""
+        found: dict[int, str] = await self._call("addresses", timeout, ranks=list(ranks))
+        return {int(r): str(a) for r, a in found.items()}
+
     def _stop_lease(self) -> None:
+        """Release the process's lease keeper (never blocks: its thread ends on its own)."""
         if self._lease is not None:
-            self._lease.stop()
+            _lease.release(self._lease)
             self._lease = None
 
     async def leave(self, timeout: float = 2.0) -> None:
@@ -346,6 +458,7 @@ class Store:
         if self._membership is None:
             return
         self._membership = None
+        self._left = True
         self._stop_lease()
         with contextlib.suppress(StoreError):
             await self._call("leave", timeout)

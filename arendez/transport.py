@@ -174,6 +174,12 @@ class Connection(asyncio.BufferedProtocol):
             raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
         self._transport.writelines(wire.encode(header, payload))
 
+    def send_encoded(self, buffers: list[bytes | memoryview]) -> None:
+        """Queue frames already made by ``wire.encode`` (one encoding sent to many, or batched)."""
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
+        self._transport.writelines(buffers)
+
     async def drain(self) -> None:
         """Wait until every queued byte is in the kernel (or the connection is gone)."""
         if self._transport is None:
@@ -290,6 +296,8 @@ def answer_challenge(
 
     Returns the reply frame and the nonce the acceptor must answer with its own proof.
     """
+    if isinstance(challenge, dict) and "error" in challenge and "hello" not in challenge:
+        raise remote_error(challenge, ProtocolError)  # refused before the handshake (a limit)
     if not isinstance(challenge, dict) or challenge.get("hello") != "arendez":
         raise ProtocolError(f"{peer} is not an arendez endpoint")
     if challenge.get("v") != PROTOCOL_VERSION:
@@ -335,13 +343,16 @@ async def client_handshake(
     return check_welcome(welcome, token, nonce, conn.peer)
 
 
-async def server_handshake(
-    conn: Connection, token: str | None, timeout: float, welcome: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Challenge the connector; on success return its hello frame and send ``welcome``."""
+def make_challenge(token: str | None) -> tuple[dict[str, Any], bytes]:
+    """Sans-I/O first half of the acceptor's handshake: the challenge frame and its nonce."""
     nonce = os.urandom(16)
-    conn.send({"hello": "arendez", "v": PROTOCOL_VERSION, "nonce": nonce, "auth": bool(token)})
-    hello, _ = await conn.recv(timeout)
+    return {"hello": "arendez", "v": PROTOCOL_VERSION, "nonce": nonce, "auth": bool(token)}, nonce
+
+
+def answer_hello(
+    hello: Any, token: str | None, nonce: bytes, welcome: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Sans-I/O second half: check the connector's hello against ``nonce``; the welcome to send."""
     if not isinstance(hello, dict) or not isinstance(hello.get("nonce"), bytes):
         raise ProtocolError("malformed handshake")
     answer = dict(welcome or {})
@@ -351,5 +362,15 @@ async def server_handshake(
             raise AuthenticationError("wrong or missing token")
         answer["proof"] = _proof(token, hello["nonce"], b"server")
     answer.setdefault("ok", True)
-    conn.send(answer)
-    return hello
+    return answer
+
+
+async def server_handshake(
+    conn: Connection, token: str | None, timeout: float, welcome: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Challenge the connector; on success return its hello frame and send ``welcome``."""
+    challenge, nonce = make_challenge(token)
+    conn.send(challenge)
+    hello, _ = await conn.recv(timeout)
+    conn.send(answer_hello(hello, token, nonce, welcome))
+    return dict(hello)

@@ -22,7 +22,7 @@ from .errors import ProtocolError
 PREFIX = struct.Struct("<IQ")
 #: Largest payload one frame may carry; bigger messages are split by the sender.
 MAX_SEGMENT = (1 << 30) - 1
-_SCRATCH = 64 * 1024
+_SCRATCH = 8 * 1024  # grows for a larger header; reads between payloads are HEADER_READ
 #: Bytes read at once between payloads: a small frame whole, little of a large payload.
 HEADER_READ = 4096
 

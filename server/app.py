@@ -1,4 +1,10 @@
-"""The asyncio server: connections, limits, auth, request dispatch, leases, graceful shutdown."""
+"""The asyncio server: connections, limits, auth, request dispatch, leases, graceful shutdown.
+
+Everything a rank costs the server is O(1): one connection (its process's lease connection is
+shared by all ranks of the process), a join that wakes only its own round's waiters, store
+waits that wake only on their own keys, replies written once per loop turn per connection,
+and failure news sent as one batched event per round per flush, encoded once.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +13,42 @@ import collections
 import contextlib
 import logging
 import math
+import resource
 import ssl as _ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from arendez import transport, wire
 from arendez.errors import (
     ArendezError,
     AuthenticationError,
+    LimitError,
     ProtocolError,
     RendezvousError,
     StoreError,
     StoreTimeoutError,
 )
 
-from .state import Departure, Job, Round, ServerState, StateLimits
+from .state import Departure, Job, Lease, Round, ServerState, StateLimits
 
 log = logging.getLogger("arendez.server")
 
 MAX_WAIT = 7 * 24 * 3600.0
 #: Reply bytes a client may leave unread before the server drops it.
 MAX_UNREAD_REPLIES = 16 << 20
+#: Queued reply bytes written at once rather than at the end of the loop turn.
+FLUSH_AT = 64 << 10
+#: Seconds a dropped client's connection stays open to read (and ignore) what it sent.
+DROP_DELAY = 0.2
+#: File descriptors kept free of connections (listener, logs, the interpreter's own).
+FD_RESERVE = 64
+#: Departures gathered before failure news goes out (one event per round per flush).
+DEPARTURE_BATCH = 0.01
+
+_packer = msgpack.Packer(use_bin_type=True)
 
 
 @dataclass
@@ -38,15 +58,39 @@ class ServerConfig:
     token: str | None = None
     ssl: _ssl.SSLContext | None = None
     lease: float = 2.5
-    handshake_timeout: float = 5.0
-    max_connections: int = 4096
-    max_connections_per_host: int = 1024
-    max_pending_per_connection: int = 1024
+    #: Extra seconds a member's lease gets before its process's keeper first renews it.
+    lease_arm_grace: float = 30.0
+    handshake_timeout: float = 20.0
+    #: Listen queue for connection storms (the kernel caps it at net.core.somaxconn).
+    backlog: int = 4096
+    max_connections: int = 32768
+    max_connections_per_host: int = 32768
+    max_pending_per_connection: int = 4096
+    #: Raise this process's open-file limit to its hard limit (the standalone server does).
+    raise_fd_limit: bool = False
     limits: StateLimits = field(default_factory=StateLimits)
 
 
+def raise_fd_limit() -> int:
+    """Raise RLIMIT_NOFILE's soft limit to the hard one where allowed; return the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:  # pragma: no cover - a sandbox that forbids it
+            log.warning("could not raise the open-file limit to %d: %s", want, exc)
+    return soft
+
+
+def fd_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 30
+
+
 class _Session:
-    """One client connection after its handshake."""
+    """One client connection after its handshake; replies go out once per loop turn."""
 
     def __init__(self, server: Server, conn: transport.Connection, job: str) -> None:
         self.server = server
@@ -54,25 +98,67 @@ class _Session:
         self.job = job
         self.rank: int | None = None  # set once this connection is a member of a round
         self.round: Round | None = None
+        self.lease: Lease | None = None  # set on the lease connection of a client process
         self.tasks: set[asyncio.Task[None]] = set()
+        self._out: list[bytes | memoryview] = []
+        self._out_bytes = 0
+        self._flushing = False
+        self.dropped = False  # no more answers: the connection closes shortly
 
     def reply(self, rid: Any, value: Any) -> None:
         if rid is not None:
-            self._send({"id": rid, "ok": value})
+            self.send({"id": rid, "ok": value})
 
     def reply_error(self, rid: Any, exc: ArendezError) -> None:
         frame = transport.error_frame(exc)
         frame["id"] = rid
-        self._send(frame)
+        self.send(frame)
 
-    def _send(self, frame: dict[str, Any]) -> None:
-        """Send a reply, unless the client has left too many unread: then it is dropped."""
-        if not self.conn.is_open:
+    def send(self, frame: dict[str, Any]) -> None:
+        self.send_encoded(wire.encode(frame))
+
+    def send_encoded(self, buffers: list[bytes | memoryview]) -> None:
+        """Queue encoded frames; they are written together at the end of this loop turn."""
+        conn = self.conn
+        if not conn.is_open or self.dropped:
             return
-        if self.conn.buffered() > MAX_UNREAD_REPLIES:
-            self.conn.fail(ProtocolError("client does not read its replies"), tell_peer=False)
-            return
-        self.conn.send(frame)
+        self._out.extend(buffers)
+        self._out_bytes += sum(len(b) for b in buffers)
+        if self._out_bytes >= FLUSH_AT:  # large replies go out at once, checked as they go
+            self._flush()
+            if conn.buffered() > MAX_UNREAD_REPLIES and not self.dropped:  # the client does not read
+                self.drop(ProtocolError("client does not read its replies"))
+        elif not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def drop(self, exc: ArendezError) -> None:
+        """Stop answering; close soon, once what the client already sent has been read
+        (closing on unread bytes would reset the connection and lose the replies it has)."""
+        self.dropped = True
+        asyncio.get_running_loop().call_later(DROP_DELAY, self.conn.fail, exc)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        out, self._out, self._out_bytes = self._out, [], 0
+        if out and self.conn.is_open:
+            self.conn.send_encoded(out)
+
+
+class _ServerConnection(transport.Connection):
+    """A client connection of the server: tells the server when it is made."""
+
+    def __init__(self, server: Server, limits: wire.Limits) -> None:
+        super().__init__(limits)
+        self.server = server
+        self.host = ""
+        self.nonce = b""
+        self.deadline = 0.0
+        self.session: _Session | None = None
+
+    def connection_made(self, transport_: asyncio.BaseTransport) -> None:
+        super().connection_made(transport_)
+        self.server._made(self)
 
 
 class Server:
@@ -83,24 +169,41 @@ class Server:
         self.state = ServerState(self.config.limits)
         self._server: asyncio.Server | None = None
         self._sessions: dict[str, set[_Session]] = collections.defaultdict(set)
-        self._conns: set[transport.Connection] = set()
+        self._members: dict[tuple[str, bytes], set[_Session]] = {}  # sessions of a round
+        self._conns: set[_ServerConnection] = set()
+        self._handshaking: set[_ServerConnection] = set()
         self._per_host: collections.Counter[str] = collections.Counter()
-        self._changed: dict[str, asyncio.Future[None]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._key_waiters: dict[tuple[str, str], list[asyncio.Future[None]]] = {}
+        self._round_done: dict[Round, asyncio.Future[None]] = {}
+        self._peers_packed: dict[Round, bytes] = {}
+        self._departed: list[Departure] = []
+        self._departure_flush: asyncio.TimerHandle | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._closing = False
+        self.max_connections = self.config.max_connections
         self.port = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        cfg = self.config
         loop = asyncio.get_running_loop()
+        fds = raise_fd_limit() if cfg.raise_fd_limit else fd_limit()
+        if cfg.max_connections > fds - FD_RESERVE:
+            self.max_connections = max(1, fds - FD_RESERVE)
+            log.warning(
+                "open-file limit %d admits %d connections, not --max-connections %d",
+                fds,
+                self.max_connections,
+                cfg.max_connections,
+            )
         limits = wire.Limits(max_header=64 * 1024, max_payload=0)
         self._server = await loop.create_server(
-            lambda: self._accepted(transport.Connection(limits)),
-            self.config.host,
-            self.config.port,
-            ssl=self.config.ssl,
+            lambda: _ServerConnection(self, limits),
+            cfg.host,
+            cfg.port,
+            ssl=cfg.ssl,
             reuse_address=True,
+            backlog=cfg.backlog,
         )
         self.port = self._server.sockets[0].getsockname()[1]
         self._lease_task = loop.create_task(self._watch_leases())
@@ -122,12 +225,13 @@ class Server:
             self._server.close()
         if self._lease_task is not None:
             self._lease_task.cancel()
-        for task in list(self._tasks):
-            task.cancel()
+        if self._departure_flush is not None:
+            self._departure_flush.cancel()
         conns = list(self._conns)
-        for conn in conns:
-            if conn.is_open:
-                conn.send({"event": "server_shutdown"})
+        bye = wire.encode({"event": "server_shutdown"})
+        for conn in conns:  # mid-handshake, the notice would pass for a welcome: those just close
+            if conn.is_open and conn.session is not None:
+                conn.send_encoded(bye)
         if conns:
             await asyncio.gather(*(c.wait_closed(timeout) for c in conns), return_exceptions=True)
         if self._server is not None:
@@ -144,60 +248,87 @@ class Server:
         return round_ is not None and round_.in_use
 
     # -- connections -----------------------------------------------------------------------
-    def _accepted(self, conn: transport.Connection) -> transport.Connection:
-        task = asyncio.get_running_loop().create_task(self._serve(conn))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return conn
-
-    async def _serve(self, conn: transport.Connection) -> None:
+    # No task per connection: the handshake runs in callbacks, and one sweep (with the lease
+    # check) drops connections that do not finish it within ``handshake_timeout``.
+    def _refusal(self, host: str) -> LimitError | None:
         cfg = self.config
-        try:
-            await asyncio.wait_for(asyncio.shield(conn._made), cfg.handshake_timeout)
-        except TimeoutError:
-            conn.abort()
-            return
-        host = str(conn.peer[0]) if isinstance(conn.peer, tuple) else "local"
+        if len(self._conns) > self.max_connections:
+            return LimitError(
+                f"server refused the connection: it already has {self.max_connections} connections "
+                "(limit: arendez-server --max-connections, and the open-file limit)"
+            )
+        if self._per_host[host] > cfg.max_connections_per_host:
+            return LimitError(
+                f"server refused the connection: {host} already has "
+                f"{cfg.max_connections_per_host} connections (limit: arendez-server "
+                "--max-connections-per-host)"
+            )
+        return None
+
+    def _made(self, conn: _ServerConnection) -> None:
+        """A client connected: count it, refuse it by a limit's name, or challenge it."""
+        conn.host = host = str(conn.peer[0]) if isinstance(conn.peer, tuple) else "local"
         self._conns.add(conn)
         self._per_host[host] += 1
-        session: _Session | None = None
+        conn.set_handlers(lambda header, payload: self._on_hello(conn, header), lambda exc: self._lost(conn))
+        if self._closing:
+            conn.abort()
+            return
+        refused = self._refusal(host)
+        if refused is not None:
+            log.warning("%s", refused)
+            conn.fail(refused, tell_peer=True)  # sent in place of the challenge
+            return
+        challenge, conn.nonce = transport.make_challenge(self.config.token)
+        conn.deadline = time.monotonic() + self.config.handshake_timeout
+        self._handshaking.add(conn)
+        conn.send(challenge)
+
+    def _on_hello(self, conn: _ServerConnection, hello: Any) -> None:
+        cfg = self.config
+        if conn.session is not None:  # frames of a connection already failing
+            return
+        self._handshaking.discard(conn)
         try:
-            if len(self._conns) > cfg.max_connections:
-                raise ProtocolError(f"server already has {cfg.max_connections} connections")
-            if self._per_host[host] > cfg.max_connections_per_host:
-                raise ProtocolError(f"{host} already has {cfg.max_connections_per_host} connections")
-            hello = await transport.server_handshake(conn, cfg.token, cfg.handshake_timeout)
+            welcome = transport.answer_hello(hello, cfg.token, conn.nonce)
             job = hello.get("job", "")
             if not isinstance(job, str) or len(job) > 256:
                 raise ProtocolError("job name must be a string of at most 256 characters")
-            limit = cfg.limits.max_value + cfg.limits.max_key + 4096
-            conn.set_limits(wire.Limits(max_header=limit, max_payload=0))
-            session = _Session(self, conn, job)
-            self._sessions[job].add(session)
-            conn.set_handlers(
-                lambda header, payload: self._on_request(session, header),
-                lambda exc: None,
-            )
-            await asyncio.shield(conn.closed)
         except (ProtocolError, AuthenticationError) as exc:
             log.info("closing %s: %s", conn.peer, exc)
             conn.fail(exc, tell_peer=True)
-        except (TimeoutError, ConnectionError):
+            return
+        conn.send(welcome)
+        limit = cfg.limits.max_value + cfg.limits.max_key + 4096
+        conn.set_limits(wire.Limits(max_header=limit, max_payload=0))
+        session = conn.session = _Session(self, conn, job)
+        self._sessions[job].add(session)
+        conn.set_handlers(
+            lambda header, payload: self._on_request(session, header), lambda exc: self._lost(conn)
+        )
+
+    def _lost(self, conn: _ServerConnection) -> None:
+        if conn not in self._conns:
+            return
+        self._conns.discard(conn)
+        self._handshaking.discard(conn)
+        host = conn.host
+        self._per_host[host] -= 1
+        if self._per_host[host] <= 0:
+            del self._per_host[host]
+        if conn.session is not None:
+            self._session_gone(conn.session)
+
+    def _sweep_handshakes(self, now: float) -> None:
+        late = [c for c in self._handshaking if c.deadline < now]
+        for conn in late:
+            self._handshaking.discard(conn)
             conn.abort()
-        except asyncio.CancelledError:
-            conn.abort()
-            raise
-        finally:
-            self._conns.discard(conn)
-            self._per_host[host] -= 1
-            if self._per_host[host] <= 0:
-                del self._per_host[host]
-            if session is not None:
-                self._session_gone(session)
 
     def _session_gone(self, session: _Session) -> None:
         for task in session.tasks:
             task.cancel()
+        self._unbind(session)
         peers = self._sessions.get(session.job)
         if peers is not None:
             peers.discard(session)
@@ -208,97 +339,170 @@ class Server:
             del self._sessions[session.job]
             self.state.drop_if_idle(session.job, 0)
 
+    def _bind(self, session: _Session, round_: Round, rank: int) -> None:
+        session.round, session.rank = round_, rank
+        if round_.nonce:
+            self._members.setdefault((session.job, round_.nonce), set()).add(session)
+
+    def _unbind(self, session: _Session) -> None:
+        round_ = session.round
+        if round_ is not None and round_.nonce:
+            key = (session.job, round_.nonce)
+            members = self._members.get(key)
+            if members is not None:
+                members.discard(session)
+                if not members:
+                    del self._members[key]
+
     # -- requests --------------------------------------------------------------------------
     def _on_request(self, session: _Session, header: Any) -> None:
+        if session.dropped:
+            return
         try:
             if not isinstance(header, dict) or not isinstance(header.get("op"), str):
                 raise ProtocolError("a request must be a map with a string 'op'")
             op = header["op"]
             handler = _HANDLERS.get(op)
-            if handler is None:
-                raise ProtocolError(f"unknown request {op!r:.40}")
             rid = header.get("id")
-            if op in _BLOCKING:
-                if len(session.tasks) >= self.config.max_pending_per_connection:
-                    raise ProtocolError("too many pending requests on one connection")
-                task = asyncio.get_running_loop().create_task(self._blocking(session, rid, header))
-                session.tasks.add(task)
-                task.add_done_callback(session.tasks.discard)
+            if handler is None:
+                if op not in _BLOCKING:
+                    raise ProtocolError(f"unknown request {op!r:.40}")
+                self._start_blocking(session, rid, header)
                 return
             try:
                 job = self.state.job(session.job)
-                session.reply(rid, handler(self, session, job, header))
-                if op in _WRITES:
-                    self._notify(session.job)
+                value = handler(self, session, job, header)
+                if value is _BLOCK:  # not answerable yet: wait in a task
+                    self._start_blocking(session, rid, header)
+                else:
+                    session.reply(rid, value)
             except ArendezError as exc:
                 session.reply_error(rid, exc)
         except ProtocolError as exc:
             log.info("protocol error from %s: %s", session.conn.peer, exc)
             session.conn.fail(exc, tell_peer=True)
 
+    def _start_blocking(self, session: _Session, rid: Any, header: dict[str, Any]) -> None:
+        if len(session.tasks) >= self.config.max_pending_per_connection:
+            session.reply_error(
+                rid,
+                LimitError(
+                    f"{self.config.max_pending_per_connection} blocking requests already pending on "
+                    "this connection (limit: arendez-server --max-pending-per-connection)"
+                ),
+            )
+            return
+        task = asyncio.get_running_loop().create_task(self._blocking(session, rid, header))
+        session.tasks.add(task)
+        task.add_done_callback(session.tasks.discard)
+
     async def _blocking(self, session: _Session, rid: Any, header: dict[str, Any]) -> None:
         try:
             job = self.state.job(session.job)
             value = await _BLOCKING[header["op"]](self, session, job, header)
-            session.reply(rid, value)
+            if isinstance(value, list):  # already encoded (a join answer)
+                packed = _packed_reply(rid, value)
+                if packed is not None:
+                    session.send_encoded(packed)
+            else:
+                session.reply(rid, value)
         except ArendezError as exc:
             session.reply_error(rid, exc)
 
-    def _notify(self, job: str) -> None:
-        fut = self._changed.pop(job, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+    def _changed(self, job: str, key: str) -> None:
+        """Wake the waiters of ``key`` in ``job``."""
+        waiters = self._key_waiters.pop((job, key), None)
+        for fut in waiters or ():
+            if not fut.done():
+                fut.set_result(None)
 
-    async def _until(self, session: _Session, predicate: Any, timeout: Any, what: str) -> None:
-        """Wait until ``predicate()`` holds, re-checking whenever the job changes."""
-        if timeout is None:
-            timeout = MAX_WAIT
-        if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
-            raise StoreError(f"timeout must be a non-negative number, got {timeout!r:.40}")
-        deadline = time.monotonic() + min(float(timeout), MAX_WAIT)
+    async def _until_key(self, session: _Session, job: Job, key: str, deadline: float, what: str) -> None:
+        """Wait until ``key`` is set in ``job``; ``StoreTimeoutError`` naming ``what`` after ``deadline``."""
         loop = asyncio.get_running_loop()
-        while not predicate():
+        while job.get(key) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StoreTimeoutError(f"{what} not satisfied within {timeout:g}s")
-            fut = self._changed.get(session.job)
-            if fut is None or fut.done():
-                fut = self._changed[session.job] = loop.create_future()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(fut), remaining)
+                raise StoreTimeoutError(what)
+            fut = loop.create_future()
+            self._key_waiters.setdefault((session.job, key), []).append(fut)
+            try:
+                async with asyncio.timeout(remaining):
+                    await fut
+            except TimeoutError:
+                pass
+            finally:
+                self._forget_waiter(session.job, key, fut)
 
+    def _forget_waiter(self, job: str, key: str, fut: asyncio.Future[None]) -> None:
+        waiters = self._key_waiters.get((job, key))
+        if waiters is not None and not fut.done():
+            with contextlib.suppress(ValueError):
+                waiters.remove(fut)
+            if not waiters:
+                del self._key_waiters[(job, key)]
+
+    # -- departures and leases -------------------------------------------------------------
     def _depart(self, departures: list[Departure]) -> None:
+        """Queue departures; they go out batched, one event per round per flush."""
+        if not departures:
+            return
         for gone in departures:
             (log.warning if gone.failed else log.info)("job %r rank %d %s", gone.job, gone.rank, gone.reason)
-            event = {
-                "event": "rank_failed" if gone.failed else "rank_left",
-                "rank": gone.rank,
-                "reason": gone.reason,
-            }
-            for session in self._sessions.get(gone.job, ()):
-                same_round = session.round is not None and session.round.nonce == gone.nonce
-                if same_round and session.rank != gone.rank and session.conn.is_open:
-                    session.conn.send(event)
-            self._notify(gone.job)
+        self._departed.extend(departures)
+        if self._departure_flush is None:
+            loop = asyncio.get_running_loop()
+            self._departure_flush = loop.call_later(DEPARTURE_BATCH, self._flush_departures)
+
+    def _flush_departures(self) -> None:
+        self._departure_flush = None
+        departed, self._departed = self._departed, []
+        by_round: dict[tuple[str, bytes], list[list[Any]]] = {}
+        for gone in departed:
+            by_round.setdefault((gone.job, gone.nonce), []).append([gone.rank, gone.failed, gone.reason])
+        for key, ranks in by_round.items():
+            event = wire.encode({"event": "departed", "ranks": ranks})
+            for session in self._members.get(key, ()):
+                if session.conn.is_open:
+                    session.send_encoded(event)
 
     async def _watch_leases(self) -> None:
-        interval = max(0.05, self.config.lease / 10)
+        cfg = self.config
+        interval = max(0.05, cfg.lease / 10)
+        loop = asyncio.get_running_loop()
         while True:
+            before = loop.time()
             await asyncio.sleep(interval)
-            self._depart(self.state.expire(time.monotonic(), self.config.lease))
+            now = time.monotonic()
+            self._sweep_handshakes(now)
+            if loop.time() - before > 2 * interval + 0.1:
+                # the server itself stalled: heartbeats may be waiting in its sockets, unread.
+                # Read them (next turn) before judging anyone.
+                continue
+            self._depart(self.state.expire(now, cfg.lease, cfg.lease_arm_grace))
 
 
 # -- request handlers (plain functions of the server, session, job and request) ---------------
+_BLOCK = object()  # a handler's "cannot answer yet": the request continues in a task
+
+
 def _set(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
-    job.set(h.get("key"), h.get("value"))
+    key = h.get("key", "")
+    job.set(key, h.get("value"))
+    server._changed(s.job, key)
 
 
 def _add(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> int:
-    return job.add(h.get("key"), h.get("amount", 1))
+    key = h.get("key", "")
+    total = job.add(key, h.get("amount", 1))
+    server._changed(s.job, key)
+    return total
 
 
 def _compare_set(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bytes:
-    return job.compare_set(h.get("key"), h.get("expected", b""), h.get("desired"))
+    key = h.get("key", "")
+    value = job.compare_set(key, h.get("expected", b""), h.get("desired"))
+    server._changed(s.job, key)
+    return value
 
 
 def _delete(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bool:
@@ -313,9 +517,32 @@ def _check(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bool:
     return job.has_all(_keys(h))
 
 
+def _get_now(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Any:
+    value = job.get(h.get("key"))
+    return _BLOCK if value is None else value
+
+
+def _wait_now(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Any:
+    return None if job.has_all(_keys(h)) else _BLOCK
+
+
+def _lease(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+    """Make this connection the keeper of the client process's lease ``key``."""
+    s.lease = server.state.lease(h.get("key"), time.monotonic())
+    s.lease.renew(time.monotonic())
+
+
 def _heartbeat(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+    now = time.monotonic()
+    if s.lease is not None:
+        s.lease.renew(now)
     if s.round is not None and s.rank is not None:
-        job.heartbeat(s.round, s.rank, time.monotonic())
+        job.heartbeat(s.round, s.rank, now)
+
+
+def _lease_of(server: Server, h: dict[str, Any]) -> Lease | None:
+    key = h.get("lease")
+    return None if key is None else server.state.lease(key, time.monotonic())
 
 
 def _attach(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
@@ -323,14 +550,16 @@ def _attach(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
     nonce, address = h.get("nonce"), h.get("address", "")
     if not isinstance(rank, int) or not isinstance(world_size, int) or not isinstance(nonce, bytes):
         raise RendezvousError("attach needs an integer rank, world_size and a nonce")
-    s.round = job.attach(rank, world_size, nonce, str(address), time.monotonic())
-    s.rank = rank
+    round_ = job.attach(rank, world_size, nonce, str(address), time.monotonic(), _lease_of(server, h))
+    server._unbind(s)
+    server._bind(s, round_, rank)
 
 
 def _leave(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
     if s.round is None or s.rank is None:
         return
     gone = job.leave(s.round, s.rank)
+    server._unbind(s)
     s.rank = s.round = None
     if gone is not None:
         server._depart([gone])
@@ -346,6 +575,14 @@ def _status(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[st
     }
 
 
+def _addresses(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[int, str]:
+    """The addresses of the given ranks of this connection's round (fetched as needed)."""
+    round_ = s.round
+    if round_ is None or not round_.complete:
+        raise RendezvousError("addresses: this connection is not a member of a complete round")
+    return round_.addresses(h.get("ranks"))
+
+
 def _keys(h: dict[str, Any]) -> list[str]:
     keys = h.get("keys")
     if not isinstance(keys, list) or len(keys) > 10_000:
@@ -353,30 +590,60 @@ def _keys(h: dict[str, Any]) -> list[str]:
     return keys
 
 
+def _deadline(timeout: Any) -> float:
+    if timeout is None:
+        timeout = MAX_WAIT
+    if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
+        raise StoreError(f"timeout must be a non-negative number, got {timeout!r:.40}")
+    return time.monotonic() + min(float(timeout), MAX_WAIT)
+
+
+def _timed_out(what: str, timeout: Any) -> str:
+    return f"{what} not satisfied within {timeout if timeout is not None else MAX_WAIT:g}s"
+
+
 async def _get(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bytes:
-    key = h.get("key")
-    await server._until(s, lambda: job.get(key) is not None, h.get("timeout"), f"get({key!r:.80})")
+    key, timeout = h.get("key", ""), h.get("timeout")
+    deadline = _deadline(timeout)
+    job.get(key)  # checks the key
+    await server._until_key(s, job, key, deadline, _timed_out(f"get({key!r:.80})", timeout))
     value = job.get(key)
     assert value is not None
     return value
 
 
 async def _wait(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
-    keys = _keys(h)
-    await server._until(s, lambda: job.has_all(keys), h.get("timeout"), f"wait({keys!r:.80})")
+    keys, timeout = _keys(h), h.get("timeout")
+    deadline = _deadline(timeout)
+    job.has_all(keys)  # checks the keys
+    what = _timed_out(f"wait({keys!r:.80})", timeout)
+    for key in keys:
+        await server._until_key(s, job, key, deadline, what)
 
 
-async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[str, Any]:
+async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> list[Any]:
     if s.round is not None:
         raise RendezvousError("this connection already joined the job")
+    deadline = _deadline(h.get("timeout"))
     round_, rank = job.join(
-        h.get("rank", -1), h.get("world_size", 0), str(h.get("address", "")), time.monotonic()
+        h.get("rank", -1),
+        h.get("world_size", 0),
+        str(h.get("address", "")),
+        time.monotonic(),
+        _lease_of(server, h),
     )
     s.round, s.rank = round_, rank
-    server._notify(s.job)
+    loop = asyncio.get_running_loop()
+    done = server._round_done.get(round_)
+    if done is None:
+        done = server._round_done[round_] = loop.create_future()
+    if round_.complete:
+        done.set_result(None)
+        server._round_done.pop(round_, None)
     try:
-        await server._until(s, lambda: round_.complete, h.get("timeout"), "rendezvous")
-    except StoreTimeoutError:
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            await asyncio.shield(done)
+    except TimeoutError:
         job.withdraw(round_, rank)
         s.round = s.rank = None
         raise RendezvousError(
@@ -385,7 +652,45 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dic
     except asyncio.CancelledError:
         job.withdraw(round_, rank)
         raise
-    return {"rank": rank, "world_size": round_.world_size, "peers": round_.peers(), "nonce": round_.nonce}
+    finally:
+        if not round_.members and round_ in server._round_done:  # everyone gave up
+            server._round_done.pop(round_).cancel()
+    server._bind(s, round_, rank)
+    answer: dict[str, Any] = {"rank": rank, "world_size": round_.world_size, "nonce": round_.nonce}
+    offsets = h.get("neighbours")
+    if offsets is not None:  # the addresses of rank + offset (mod world_size), in the answer
+        if not isinstance(offsets, list) or len(offsets) > 64 or not all(isinstance(o, int) for o in offsets):
+            raise RendezvousError("neighbours must be a list of at most 64 integer rank offsets")
+        answer["addresses"] = round_.addresses([(rank + o) % round_.world_size for o in offsets])
+    if h.get("peers", True) is False:
+        return [answer, None]
+    packed = server._peers_packed.get(round_)
+    if packed is None:  # encoded once per round, shared by every member's answer
+        packed = server._peers_packed[round_] = _packer.pack(round_.peers())
+        loop.call_later(5.0, server._peers_packed.pop, round_, None)
+    return [answer, packed]
+
+
+def _packed_reply(rid: Any, join: list[Any]) -> list[bytes | memoryview] | None:
+    """A join reply ``{"id", "ok": answer (+ "peers")}`` with the peers already encoded."""
+    if rid is None:
+        return None
+    answer, peers = join
+    if peers is None:
+        return wire.encode({"id": rid, "ok": answer})
+    parts = [
+        _packer.pack_map_header(2),
+        _packer.pack("id"),
+        _packer.pack(rid),
+        _packer.pack("ok"),
+        _packer.pack_map_header(len(answer) + 1),
+    ]
+    for name, value in answer.items():
+        parts.append(_packer.pack(name))
+        parts.append(_packer.pack(value))
+    parts.append(_packer.pack("peers"))
+    head = b"".join(parts)
+    return [wire.PREFIX.pack(len(head) + len(peers), 0) + head, peers]
 
 
 _HANDLERS: dict[str, Any] = {
@@ -395,16 +700,17 @@ _HANDLERS: dict[str, Any] = {
     "delete": _delete,
     "num_keys": _num_keys,
     "check": _check,
+    "get": _get_now,
+    "wait": _wait_now,
+    "lease": _lease,
     "heartbeat": _heartbeat,
     "attach": _attach,
     "leave": _leave,
     "status": _status,
-    "get": _get,
-    "wait": _wait,
-    "join": _join,
+    "addresses": _addresses,
 }
+#: Requests that may wait: ``get``/``wait`` only when their keys are missing.
 _BLOCKING: dict[str, Any] = {"get": _get, "wait": _wait, "join": _join}
-_WRITES = {"set", "add", "compare_set", "delete", "attach"}
 
 transport.register_remote_errors(StoreError, StoreTimeoutError, RendezvousError, ProtocolError)
-transport.register_remote_errors(AuthenticationError)
+transport.register_remote_errors(AuthenticationError, LimitError)

@@ -13,6 +13,7 @@ from arendez import loop as _loop
 from arendez.tls import server_context
 
 from .app import Server, ServerConfig
+from .state import StateLimits
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,6 +26,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA")
     p.add_argument("--lease", type=float, default=2.5, help="seconds without heartbeat = failed")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    d = ServerConfig()
+    lim = StateLimits()
+    p.add_argument("--backlog", type=int, default=d.backlog, help=f"listen queue (default {d.backlog})")
+    p.add_argument(
+        "--max-connections", type=int, default=d.max_connections, help=f"default {d.max_connections}"
+    )
+    p.add_argument(
+        "--max-connections-per-host",
+        type=int,
+        default=d.max_connections_per_host,
+        help=f"default {d.max_connections_per_host}",
+    )
+    p.add_argument(
+        "--max-pending-per-connection",
+        type=int,
+        default=d.max_pending_per_connection,
+        help=f"blocking get/wait/join per connection (default {d.max_pending_per_connection})",
+    )
+    p.add_argument("--max-jobs", type=int, default=lim.max_jobs, help=f"default {lim.max_jobs}")
+    p.add_argument(
+        "--max-world-size", type=int, default=lim.max_world_size, help=f"default {lim.max_world_size}"
+    )
+    p.add_argument(
+        "--max-keys-per-job", type=int, default=lim.max_keys_per_job, help=f"default {lim.max_keys_per_job}"
+    )
+    p.add_argument(
+        "--max-bytes-per-job",
+        type=int,
+        default=lim.max_bytes_per_job,
+        help=f"keys + values (default {lim.max_bytes_per_job})",
+    )
     return p
 
 
@@ -58,12 +90,38 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         print("arendez-server: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
+    counts = (
+        "backlog",
+        "max_connections",
+        "max_connections_per_host",
+        "max_pending_per_connection",
+        "max_jobs",
+        "max_world_size",
+        "max_keys_per_job",
+        "max_bytes_per_job",
+    )
+    for name in counts:
+        if getattr(args, name) < 1:
+            print(f"arendez-server: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
+    limits = StateLimits(
+        max_keys_per_job=args.max_keys_per_job,
+        max_bytes_per_job=args.max_bytes_per_job,
+        max_jobs=args.max_jobs,
+        max_world_size=args.max_world_size,
+    )
     config = ServerConfig(
         host=args.host,
         port=args.port,
         token=read_token(args.token_file),
         ssl=server_context(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
         lease=args.lease,
+        backlog=args.backlog,
+        max_connections=args.max_connections,
+        max_connections_per_host=args.max_connections_per_host,
+        max_pending_per_connection=args.max_pending_per_connection,
+        raise_fd_limit=True,
+        limits=limits,
     )
     _loop.run(_run(config))
     return 0

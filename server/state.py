@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import os
+import weakref
 from dataclasses import dataclass, field
 
 from arendez.errors import RendezvousError, StoreError
@@ -28,12 +29,39 @@ class MemberState(enum.Enum):
     FAILED = "failed"
 
 
+@dataclass(eq=False)
+class Lease:
+    """One client process's heartbeat: it renews every member that joined naming its key.
+
+    A process keeps one lease per server however many ranks it hosts, so the server's lease
+    work is per process, not per rank. ``last_seen`` stays ``None`` until the process's keeper
+    first renews it: until then its members get ``arm_grace`` extra seconds.
+    """
+
+    key: bytes
+    created: float
+    last_seen: float | None = None
+
+    def renew(self, now: float) -> None:
+        self.last_seen = now
+
+
 @dataclass
 class Member:
     rank: int
     address: str
     last_seen: float
     state: MemberState = MemberState.ACTIVE
+    lease: Lease | None = None
+
+    def expired(self, now: float, lease: float, arm_grace: float) -> bool:
+        """Silent for longer than ``lease`` (its own heartbeats, or its process's lease)."""
+        held = self.lease
+        if held is None:
+            return now - self.last_seen > lease
+        if held.last_seen is None:  # the keeper has not renewed it yet
+            return now - max(self.last_seen, held.created) > lease + arm_grace
+        return now - max(self.last_seen, held.last_seen) > lease
 
 
 @dataclass(frozen=True)
@@ -47,13 +75,15 @@ class Departure:
     reason: str
 
 
-@dataclass
+@dataclass(eq=False)
 class Round:
     """One rendezvous round: ``world_size`` ranks that joined together and share a nonce."""
 
     world_size: int
     members: dict[int, Member] = field(default_factory=dict)
     nonce: bytes = b""
+    active: int = 0  # members still ACTIVE (kept as a count: checked on every departure)
+    _next_free: int = 0  # no rank below this is free (ranks -1 are handed out in order)
 
     @property
     def complete(self) -> bool:
@@ -61,10 +91,45 @@ class Round:
 
     @property
     def in_use(self) -> bool:
-        return any(m.state is MemberState.ACTIVE for m in self.members.values())
+        return self.active > 0
+
+    def free_rank(self) -> int:
+        """The lowest rank nobody has taken (amortised O(1) over a round)."""
+        while self._next_free in self.members:
+            self._next_free += 1
+        return self._next_free
+
+    def add(self, member: Member) -> None:
+        self.members[member.rank] = member
+        if member.state is MemberState.ACTIVE:
+            self.active += 1
+
+    def remove(self, rank: int) -> None:
+        member = self.members.pop(rank, None)
+        if member is not None and member.state is MemberState.ACTIVE:
+            self.active -= 1
+        self._next_free = min(self._next_free, rank)
+
+    def end(self, member: Member, state: MemberState) -> None:
+        """Mark an active member as left or failed."""
+        if member.state is MemberState.ACTIVE:
+            self.active -= 1
+        member.state = state
 
     def peers(self) -> list[str]:
         return [self.members[r].address for r in range(self.world_size)]
+
+    def addresses(self, ranks: object) -> dict[int, str]:
+        """The addresses of ``ranks`` (a list of member ranks of this complete round)."""
+        if not isinstance(ranks, list) or len(ranks) > 65_536:
+            raise RendezvousError("ranks must be a list of at most 65536 integers")
+        found = {}
+        for rank in ranks:
+            member = self.members.get(rank) if isinstance(rank, int) else None
+            if member is None:
+                raise RendezvousError(f"rank {rank!r:.40} is not a member of this round")
+            found[rank] = member.address
+        return found
 
 
 @dataclass
@@ -151,8 +216,14 @@ class Job:
     def in_use(self) -> bool:
         return self.forming is not None or any(r.in_use for r in self.rounds.values())
 
-    def join(self, rank: int, world_size: int, address: str, now: float) -> tuple[Round, int]:
-        """Add a member to the round being formed; return it and the rank (assigned if -1)."""
+    def join(
+        self, rank: int, world_size: int, address: str, now: float, lease: Lease | None = None
+    ) -> tuple[Round, int]:
+        """Add a member to the round being formed; return it and the rank (assigned if -1).
+
+        ``lease`` is the joining process's lease: it renews the member once the round is
+        complete, so the member's lease clock starts only when something can renew it.
+        """
         if not isinstance(world_size, int) or not 1 <= world_size <= self.limits.max_world_size:
             raise RendezvousError(f"world_size must be in 1..{self.limits.max_world_size}")
         forming = self.forming
@@ -164,12 +235,12 @@ class Job:
                 f"this rank asked for {world_size}"
             )
         if rank == -1:
-            rank = next(r for r in range(world_size) if r not in forming.members)
+            rank = forming.free_rank()
         elif not isinstance(rank, int) or not 0 <= rank < world_size:
             raise RendezvousError(f"rank {rank!r} is outside 0..{world_size - 1}")
         elif rank in forming.members:
             raise RendezvousError(f"rank {rank} of job {self.name!r} has already joined")
-        forming.members[rank] = Member(rank, address, now)
+        forming.add(Member(rank, address, now, lease=lease))
         if forming.complete:
             for member in forming.members.values():  # leases start now: early joiners waited
                 member.last_seen = now
@@ -181,11 +252,19 @@ class Job:
     def withdraw(self, round_: Round, rank: int) -> None:
         """Undo a join whose round never completed (the joiner gave up or vanished)."""
         if round_ is self.forming:
-            round_.members.pop(rank, None)
+            round_.remove(rank)
             if not round_.members:
                 self.forming = None
 
-    def attach(self, rank: int, world_size: int, nonce: bytes, address: str, now: float) -> Round:
+    def attach(
+        self,
+        rank: int,
+        world_size: int,
+        nonce: bytes,
+        address: str,
+        now: float,
+        lease: Lease | None = None,
+    ) -> Round:
         """Re-bind a member of a completed round (after a reconnect or a server restart)."""
         round_ = self.rounds.get(nonce)
         if round_ is None:  # the server restarted: rebuild the round from who comes back
@@ -194,11 +273,13 @@ class Job:
             raise RendezvousError(f"job {self.name!r}: rank {rank} does not fit that round")
         member = round_.members.get(rank)
         if member is None:
-            round_.members[rank] = Member(rank, address, now)
+            round_.add(Member(rank, address, now, lease=lease))
         elif member.state is not MemberState.ACTIVE:
             raise RendezvousError(f"rank {rank} of job {self.name!r} was declared {member.state.value}")
         else:
             member.last_seen = now
+            if lease is not None:
+                member.lease = lease
         return round_
 
     def heartbeat(self, round_: Round, rank: int, now: float) -> None:
@@ -213,7 +294,7 @@ class Job:
             return None
         if member is None or member.state is not MemberState.ACTIVE:
             return None
-        member.state = MemberState.LEFT
+        round_.end(member, MemberState.LEFT)
         self._forget_if_done(round_)
         return Departure(self.name, round_.nonce, rank, False, "left the job")
 
@@ -221,13 +302,13 @@ class Job:
         if not round_.in_use:
             self.rounds.pop(round_.nonce, None)
 
-    def expire(self, now: float, lease: float) -> list[Departure]:
+    def expire(self, now: float, lease: float, arm_grace: float = 0.0) -> list[Departure]:
         """Declare failed every active member of a complete round silent for over ``lease`` s."""
         gone = []
         for round_ in list(self.rounds.values()):
             for member in round_.members.values():
-                if member.state is MemberState.ACTIVE and now - member.last_seen > lease:
-                    member.state = MemberState.FAILED
+                if member.state is MemberState.ACTIVE and member.expired(now, lease, arm_grace):
+                    round_.end(member, MemberState.FAILED)
                     gone.append(
                         Departure(self.name, round_.nonce, member.rank, True, f"no heartbeat for {lease:g}s")
                     )
@@ -241,6 +322,17 @@ class ServerState:
     def __init__(self, limits: StateLimits = StateLimits()) -> None:
         self.limits = limits
         self.jobs: dict[str, Job] = {}
+        #: Leases by key; one lives while a keeper connection or a member holds it.
+        self.leases: weakref.WeakValueDictionary[bytes, Lease] = weakref.WeakValueDictionary()
+
+    def lease(self, key: object, now: float) -> Lease:
+        """The lease of ``key`` (16 random bytes a client process chose), created on first use."""
+        if not isinstance(key, bytes) or not 8 <= len(key) <= 64:
+            raise RendezvousError("a lease key must be 8 to 64 bytes")
+        held = self.leases.get(key)
+        if held is None:
+            held = self.leases[key] = Lease(key, now)
+        return held
 
     def job(self, name: str) -> Job:
         job = self.jobs.get(name)
@@ -256,8 +348,8 @@ class ServerState:
         if job is not None and connected == 0 and not job.in_use and not job.kv:
             del self.jobs[name]
 
-    def expire(self, now: float, lease: float) -> list[Departure]:
+    def expire(self, now: float, lease: float, arm_grace: float = 0.0) -> list[Departure]:
         gone: list[Departure] = []
         for job in self.jobs.values():
-            gone.extend(job.expire(now, lease))
+            gone.extend(job.expire(now, lease, arm_grace))
         return gone

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from arendez_server.state import Job, MemberState, StateLimits
+from arendez_server.state import Job, MemberState, ServerState, StateLimits
 
 from arendez.errors import RendezvousError, StoreError
 
@@ -65,3 +65,24 @@ def test_add_stays_in_64_bit_range():
     with pytest.raises(StoreError, match="64-bit"):
         job.add("n", 1)
     assert job.get("n") == str(2**63 - 1).encode()
+
+
+def test_a_process_lease_renews_all_its_members_and_arms_late():
+    state = ServerState()
+    job = state.job("j")
+    lease = state.lease(b"k" * 16, 0.0)  # the process's keeper has not renewed it yet
+    r, _ = job.join(-1, 2, "a", 0.0, lease)
+    job.join(-1, 2, "b", 0.0, lease)
+    assert job.expire(5.0, 2.5, arm_grace=10.0) == []  # unarmed: the grace applies
+    lease.renew(6.0)
+    assert job.expire(8.0, 2.5) == []  # one renewal covers both members
+    gone = job.expire(8.6, 2.5)
+    assert sorted(d.rank for d in gone) == [0, 1] and not r.in_use
+    assert state.lease(b"k" * 16, 9.0) is lease  # held while a member refers to it
+
+
+def test_free_ranks_are_handed_out_in_order_around_explicit_ones():
+    job = Job("j", StateLimits())
+    job.join(1, 4, "x", 0.0)
+    ranks = [job.join(-1, 4, "y", 0.0)[1] for _ in range(3)]
+    assert ranks == [0, 2, 3]
