@@ -1,5 +1,8 @@
 # arendez: the rendezvous/store server by default; the same image runs ranks (see docker-compose.yml).
-FROM python:3.11-slim
+# BASE_IMAGE: any image with python3.11 and pip on PATH. Without a registry, build one from Debian
+# packages with scripts/build-base-image.sh and pass --build-arg BASE_IMAGE=localhost/arendez-base:bookworm.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
