@@ -22,6 +22,7 @@ from arendez.errors import (
     StoreTimeoutError,
 )
 
+from .hooks import ServerHooks
 from .state import Departure, Job, Round, ServerState, StateLimits
 
 log = logging.getLogger("arendez.server")
@@ -43,6 +44,7 @@ class ServerConfig:
     max_connections_per_host: int = 1024
     max_pending_per_connection: int = 1024
     limits: StateLimits = field(default_factory=StateLimits)
+    hooks: ServerHooks = field(default_factory=ServerHooks)  # metrics, dashboard (server/http.py)
 
 
 class _Session:
@@ -163,8 +165,10 @@ class Server:
         session: _Session | None = None
         try:
             if len(self._conns) > cfg.max_connections:
+                cfg.hooks.refused("max_connections")
                 raise ProtocolError(f"server already has {cfg.max_connections} connections")
             if self._per_host[host] > cfg.max_connections_per_host:
+                cfg.hooks.refused("max_connections_per_host")
                 raise ProtocolError(f"{host} already has {cfg.max_connections_per_host} connections")
             hello = await transport.server_handshake(conn, cfg.token, cfg.handshake_timeout)
             job = hello.get("job", "")
@@ -220,29 +224,36 @@ class Server:
             rid = header.get("id")
             if op in _BLOCKING:
                 if len(session.tasks) >= self.config.max_pending_per_connection:
+                    self.config.hooks.refused("max_pending_per_connection")
                     raise ProtocolError("too many pending requests on one connection")
                 task = asyncio.get_running_loop().create_task(self._blocking(session, rid, header))
                 session.tasks.add(task)
                 task.add_done_callback(session.tasks.discard)
                 return
+            started, error = time.perf_counter(), None
             try:
                 job = self.state.job(session.job)
                 session.reply(rid, handler(self, session, job, header))
                 if op in _WRITES:
                     self._notify(session.job)
             except ArendezError as exc:
+                error = type(exc).__name__
                 session.reply_error(rid, exc)
+            self.config.hooks.request(op, time.perf_counter() - started, error)
         except ProtocolError as exc:
             log.info("protocol error from %s: %s", session.conn.peer, exc)
             session.conn.fail(exc, tell_peer=True)
 
     async def _blocking(self, session: _Session, rid: Any, header: dict[str, Any]) -> None:
+        started, error = time.perf_counter(), None
         try:
             job = self.state.job(session.job)
             value = await _BLOCKING[header["op"]](self, session, job, header)
             session.reply(rid, value)
         except ArendezError as exc:
+            error = type(exc).__name__
             session.reply_error(rid, exc)
+        self.config.hooks.request(header["op"], time.perf_counter() - started, error)
 
     def _notify(self, job: str) -> None:
         fut = self._changed.pop(job, None)
@@ -269,6 +280,7 @@ class Server:
 
     def _depart(self, departures: list[Departure]) -> None:
         for gone in departures:
+            self.config.hooks.departed(gone)
             (log.warning if gone.failed else log.info)("job %r rank %d %s", gone.job, gone.rank, gone.reason)
             event = {
                 "event": "rank_failed" if gone.failed else "rank_left",
