@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def test_services(config: dict[str, Any]) -> None:
     assert server["build"]["context"] == str(ROOT)
     assert "command" not in server  # the image's CMD: arendez-server on 0.0.0.0:29400
     # published on the host's loopback only
-    assert [_port(p) for p in server["ports"]] == [("127.0.0.1", 29400, 29400)]
+    assert [_port(p) for p in server["ports"]] == [("127.0.0.1", 29400, 29400), ("127.0.0.1", 29480, 29480)]
     assert server["build"]["args"] == {"BASE_IMAGE": os.environ.get("ARENDEZ_BASE_IMAGE", "python:3.11-slim")}
 
 
@@ -117,9 +118,12 @@ def test_dockerfile_and_dockerignore() -> None:
     lines = [ln.strip() for ln in (ROOT / "Dockerfile").read_text().splitlines()]
     assert "ARG BASE_IMAGE=python:3.11-slim" in lines  # users who can pull get the official image
     assert lines[[ln.startswith("FROM") for ln in lines].index(True)] == "FROM ${BASE_IMAGE}"
-    assert "RUN pip install --no-cache-dir . \\" in lines
-    assert "USER arendez" in lines and "EXPOSE 29400" in lines
-    assert lines[-1] == 'CMD ["arendez-server", "--host", "0.0.0.0", "--port", "29400"]'
+    assert 'RUN pip install --no-cache-dir ".[metrics]" \\' in lines
+    assert "USER arendez" in lines and "EXPOSE 29400 29480" in lines
+    assert json.loads(lines[-1].removeprefix("CMD ")) == [
+        *("arendez-server", "--host", "0.0.0.0", "--port", "29400"),
+        *("--http-host", "0.0.0.0", "--http-port", "29480"),
+    ]
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".git", ".venv", "venv", "**/__pycache__", ".pytest_cache"} <= ignored
     assert not ignored & {"examples", "README.md", "pyproject.toml", "arendez", "server"}
@@ -200,6 +204,11 @@ def test_compose_demo_on_podman() -> None:
         assert f"weights identical on all {WORLD} ranks" in logs[ranks[0]]
         server = _podman("inspect", "--format", "{{.State.Running}}", f"{project}_server_1").stdout.strip()
         assert server == "true"  # the server outlives its job
+        # its metrics, through the port published on the host's loopback: 4 ranks joined and left
+        with urllib.request.urlopen("http://127.0.0.1:29480/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        assert 'arendez_departures_total{kind="left"} 4.0' in text.splitlines(), text
+        assert 'arendez_request_seconds_count{op="join"} 4.0' in text.splitlines(), text
     finally:
         down = _podman_compose(project, "down", "-t", "2", timeout=120)
         containers, networks = _leftovers(project)

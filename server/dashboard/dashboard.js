@@ -12,6 +12,10 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
+function count(n, what) {
+  return n + " " + what + (n === 1 ? "" : "s");
+}
+
 function time(seconds) {
   return new Date(seconds * 1000).toLocaleTimeString();
 }
@@ -28,7 +32,7 @@ function roundTable(round) {
       el("td", {}, m.address)));
   }
   const hidden = round.members.length - shown.length;
-  return hidden ? [table, el("div", { class: "meta" }, hidden + " more active ranks")] : [table];
+  return hidden ? [table, el("div", { class: "meta" }, count(hidden, "more active rank"))] : [table];
 }
 
 function jobPanel(job) {
@@ -36,7 +40,7 @@ function jobPanel(job) {
   const failures = job.events.filter((e) => e.kind === "failed").length;
   const panel = el("section", { class: "job" + (failures ? " has-failed" : ""), "data-job": job.name },
     el("h2", {}, "job " + job.name),
-    el("div", { class: "meta" }, job.keys + " keys, " + job.bytes + " bytes stored, " + failures + " failures"));
+    el("div", { class: "meta" }, count(job.keys, "key") + ", " + count(job.bytes, "byte") + " stored, " + count(failures, "failure")));
   for (const round of job.rounds) {
     const what = round.complete ? "round " + round.id : "forming: " + round.members.length + "/" + round.world_size + " joined";
     panel.append(el("div", { class: "meta" }, what + ", world size " + round.world_size), ...roundTable(round));
@@ -54,7 +58,7 @@ function jobPanel(job) {
 function render(status) {
   const ranks = status.jobs.flatMap((j) => j.rounds).reduce((n, r) => n + r.members.length, 0);
   document.getElementById("summary").textContent =
-    status.url + " \u2014 " + status.jobs.length + " jobs, " + ranks + " ranks, " + status.connections + " connections";
+    status.url + " \u2014 " + [count(status.jobs.length, "job"), count(ranks, "rank"), count(status.connections, "connection")].join(", ");
   const updated = document.getElementById("updated");
   updated.textContent = "updated " + time(status.time);
   updated.className = "";
