@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http import HTTPStatus
 from importlib import resources
 from typing import Any
 
@@ -235,7 +236,8 @@ class HttpServer:
         try:
             if len(self._clients) > MAX_HTTP_CONNECTIONS:
                 conn = h11.Connection(h11.SERVER)
-                writer.write(self._response(conn, 503, "text/plain", b"too many HTTP connections\n"))
+                busy = f"already {MAX_HTTP_CONNECTIONS} HTTP connections open: try again\n".encode()
+                writer.write(self._response(conn, 503, "text/plain", busy))
             else:
                 async with asyncio.timeout(READ_TIMEOUT):
                     await self._serve(reader, writer)
@@ -295,7 +297,8 @@ class HttpServer:
         ]
         if status == 401:
             headers.append(("WWW-Authenticate", "Bearer"))
-        out = conn.send(h11.Response(status_code=status, headers=headers)) or b""
+        reason = HTTPStatus(status).phrase.encode()
+        out = conn.send(h11.Response(status_code=status, headers=headers, reason=reason)) or b""
         if not head:
             out += conn.send(h11.Data(data=body)) or b""
         return out + (conn.send(h11.EndOfMessage()) or b"")

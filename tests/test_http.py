@@ -209,6 +209,23 @@ def test_bad_http_requests_get_clear_answers_and_the_server_carries_on() -> None
         assert done.stderr.startswith("arendez-server status: status URL must start with http://")
 
 
+@pytest.mark.timeout(30)
+def test_too_many_idle_http_connections_get_503_and_the_rest_are_served() -> None:
+    from arendez_server.http import MAX_HTTP_CONNECTIONS
+
+    with http_server() as (_, base):
+        host, port = base.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(MAX_HTTP_CONNECTIONS)]
+        try:
+            until(lambda: get(base + "/status")[0] == 503, 10, "a 503 once the idle connections are open")
+            code, _, body = get(base + "/status")
+            assert code == 503 and f"already {MAX_HTTP_CONNECTIONS} HTTP connections".encode() in body
+        finally:
+            for sock in idle:
+                sock.close()
+        until(lambda: get(base + "/status")[0] == 200, 10, "served again once they closed")
+
+
 def _colour_pixels(png: bytes) -> dict[str, int]:
     """How many pixels of the dashboard's active-green and failed-red a screenshot has."""
     from PIL import Image
