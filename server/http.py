@@ -128,13 +128,17 @@ class Metrics(ServerHooks):
             registry=self.registry,
         )  # fmt: skip
         self.registry.register(_StateCollector(self))
+        self._by_op: dict[str, Any] = {}
         self._events: collections.OrderedDict[str, collections.deque[dict[str, Any]]] = (
             collections.OrderedDict()
         )
 
     # -- hooks -------------------------------------------------------------------------------
     def request(self, op: str, seconds: float, error: str | None) -> None:
-        self.requests.labels(op).observe(seconds)
+        child = self._by_op.get(op)  # the server only reports known ops: a few keys
+        if child is None:
+            child = self._by_op[op] = self.requests.labels(op)
+        child.observe(seconds)
         if error is not None:
             self.errors.labels(op, error).inc()
 
