@@ -249,13 +249,35 @@ RANK_STATES = """JSON.stringify(Object.fromEntries([...document.querySelectorAll
     '[data-job="web"] tr[data-rank]')].map((tr) => [tr.dataset.rank, tr.dataset.state])))"""
 
 
-@pytest.mark.timeout(90)
-def test_dashboard_in_headless_chromium_shows_ranks_then_the_failed_one(tmp_path: Any) -> None:
+def _chromium() -> str:
     binary = chromium()
     if binary is None:
         if os.environ.get("ARENDEZ_CI") == "1":
             pytest.fail("chromium is not installed (apt-get install chromium), and ARENDEZ_CI=1 requires it")
         pytest.skip("chromium is not installed (apt-get install chromium)")
+    return binary
+
+
+@pytest.mark.timeout(60)
+def test_dashboard_takes_the_token_from_its_address(tmp_path: Any) -> None:
+    (tmp_path / "token").write_text("s3cret")
+    with http_server("--token-file", str(tmp_path / "token")) as (_, base):
+        browser = Browser(_chromium())
+        try:
+            browser.open(base + "/")
+            updated = "document.getElementById('updated').textContent"
+            shown = browser.wait_for(f"{updated}.startsWith('cannot refresh') && {updated}", 20, "a refusal")
+            assert "HTTP 401" in shown
+            browser.open(base + "/#token=s3cret")
+            browser.wait_for(f"{updated}.startsWith('updated ')", 20, "a refresh with the token")
+            assert "0 jobs" in browser.evaluate("document.getElementById('summary').textContent")
+        finally:
+            browser.close()
+
+
+@pytest.mark.timeout(90)
+def test_dashboard_in_headless_chromium_shows_ranks_then_the_failed_one(tmp_path: Any) -> None:
+    binary = _chromium()
     pytest.importorskip("PIL", reason="the screenshot check needs pillow (the test extra)")
     with http_server() as (srv, base), ranks(srv.url, "web", 60.0) as procs:
         until(lambda: members(status(base), "web") == ALL_ACTIVE, 30, "4 active ranks in /status")
