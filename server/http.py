@@ -264,7 +264,11 @@ class HttpServer:
                 async with asyncio.timeout(READ_TIMEOUT):
                     await self._serve(reader, writer)
             await writer.drain()
-        except (TimeoutError, ConnectionError, h11.RemoteProtocolError, asyncio.IncompleteReadError):
+        except h11.RemoteProtocolError as exc:  # 400, or 431 for a head over MAX_REQUEST_HEAD bytes
+            reply = f"bad HTTP request: {exc} (requests: GET, head at most {MAX_REQUEST_HEAD} bytes)\n"
+            writer.write(self._response(h11.Connection(h11.SERVER), exc.error_status_hint, "text/plain",
+                                        reply.encode()))  # fmt: skip
+        except (TimeoutError, ConnectionError):
             pass
         finally:
             self._clients.discard(task)

@@ -216,5 +216,7 @@ def test_compose_demo_on_podman() -> None:
             _podman("rm", "-f", name, check=False)
         for name in networks:
             _podman("network", "rm", "-f", name, check=False)
+        # earlier builds of arendez:local that this one untagged (the current one stays, as a cache)
+        _podman("image", "prune", "-f", "--filter", "label=org.arendez.image=arendez", check=False)
         assert down.returncode == 0, f"podman-compose down failed:\n{down.stderr}"
         assert _leftovers(project) == ([], [])
