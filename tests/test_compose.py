@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import urllib.request
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,12 @@ def _leftovers(project: str) -> tuple[list[str], list[str]]:
     return names, [n for n in networks if n.startswith(f"{project}_")]
 
 
+def _samples(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value of each sample line of a Prometheus text exposition."""
+    lines = [ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#")]
+    return {name: float(value) for name, value in lines}
+
+
 @pytest.mark.timeout(420)
 def test_compose_demo_on_podman() -> None:
     """``podman-compose up`` on the demo: 4 ranks in containers train to identical weights."""
@@ -204,11 +211,16 @@ def test_compose_demo_on_podman() -> None:
         assert f"weights identical on all {WORLD} ranks" in logs[ranks[0]]
         server = _podman("inspect", "--format", "{{.State.Running}}", f"{project}_server_1").stdout.strip()
         assert server == "true"  # the server outlives its job
-        # its metrics, through the port published on the host's loopback: 4 ranks joined and left
+        # its metrics, through the port published on the host's loopback: 4 ranks joined and are gone
+        # (under CPU load a rank can be declared failed before its leave arrives: counted, not hidden)
         with urllib.request.urlopen("http://127.0.0.1:29480/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        assert 'arendez_departures_total{kind="left"} 4.0' in text.splitlines(), text
-        assert 'arendez_request_seconds_count{op="join"} 4.0' in text.splitlines(), text
+            samples = _samples(reply.read().decode())
+        assert samples['arendez_request_seconds_count{op="join"}'] == WORLD, samples
+        gone = [samples.get(f'arendez_departures_total{{kind="{kind}"}}', 0.0) for kind in ("left", "failed")]
+        assert sum(gone) == WORLD and samples['arendez_ranks{state="active"}'] == 0, samples
+        if gone[1]:
+            note = f"demo: {gone[1]:g} of {WORLD} ranks declared failed by the lease before leaving"
+            warnings.warn(note, stacklevel=1)
     finally:
         down = _podman_compose(project, "down", "-t", "2", timeout=120)
         containers, networks = _leftovers(project)
