@@ -32,6 +32,7 @@ from arendez.errors import (
     StoreTimeoutError,
 )
 
+from .hooks import ServerHooks
 from .state import Departure, Job, Lease, Round, ServerState, StateLimits
 
 log = logging.getLogger("arendez.server")
@@ -69,6 +70,7 @@ class ServerConfig:
     #: Raise this process's open-file limit to its hard limit (the standalone server does).
     raise_fd_limit: bool = False
     limits: StateLimits = field(default_factory=StateLimits)
+    hooks: ServerHooks = field(default_factory=ServerHooks)  # metrics, dashboard (server/http.py)
 
 
 def raise_fd_limit() -> int:
@@ -253,11 +255,13 @@ class Server:
     def _refusal(self, host: str) -> LimitError | None:
         cfg = self.config
         if len(self._conns) > self.max_connections:
+            cfg.hooks.refused("max_connections")
             return LimitError(
                 f"server refused the connection: it already has {self.max_connections} connections "
                 "(limit: arendez-server --max-connections, and the open-file limit)"
             )
         if self._per_host[host] > cfg.max_connections_per_host:
+            cfg.hooks.refused("max_connections_per_host")
             return LimitError(
                 f"server refused the connection: {host} already has "
                 f"{cfg.max_connections_per_host} connections (limit: arendez-server "
@@ -369,6 +373,7 @@ class Server:
                     raise ProtocolError(f"unknown request {op!r:.40}")
                 self._start_blocking(session, rid, header)
                 return
+            started, error = time.perf_counter(), None
             try:
                 job = self.state.job(session.job)
                 value = handler(self, session, job, header)
@@ -377,13 +382,16 @@ class Server:
                 else:
                     session.reply(rid, value)
             except ArendezError as exc:
+                error = type(exc).__name__
                 session.reply_error(rid, exc)
+            self.config.hooks.request(op, time.perf_counter() - started, error)
         except ProtocolError as exc:
             log.info("protocol error from %s: %s", session.conn.peer, exc)
             session.conn.fail(exc, tell_peer=True)
 
     def _start_blocking(self, session: _Session, rid: Any, header: dict[str, Any]) -> None:
         if len(session.tasks) >= self.config.max_pending_per_connection:
+            self.config.hooks.refused("max_pending_per_connection")
             session.reply_error(
                 rid,
                 LimitError(
@@ -397,6 +405,7 @@ class Server:
         task.add_done_callback(session.tasks.discard)
 
     async def _blocking(self, session: _Session, rid: Any, header: dict[str, Any]) -> None:
+        started, error = time.perf_counter(), None
         try:
             job = self.state.job(session.job)
             value = await _BLOCKING[header["op"]](self, session, job, header)
@@ -407,7 +416,9 @@ class Server:
             else:
                 session.reply(rid, value)
         except ArendezError as exc:
+            error = type(exc).__name__
             session.reply_error(rid, exc)
+        self.config.hooks.request(header["op"], time.perf_counter() - started, error)
 
     def _changed(self, job: str, key: str) -> None:
         """Wake the waiters of ``key`` in ``job``."""
@@ -447,6 +458,7 @@ class Server:
         if not departures:
             return
         for gone in departures:
+            self.config.hooks.departed(gone)
             (log.warning if gone.failed else log.info)("job %r rank %d %s", gone.job, gone.rank, gone.reason)
         self._departed.extend(departures)
         if self._departure_flush is None:

@@ -13,6 +13,7 @@ from arendez import loop as _loop
 from arendez.tls import server_context
 
 from .app import Server, ServerConfig
+from .hooks import ServerHooks, metrics_hooks, start_http, status_main
 from .state import StateLimits
 
 
@@ -57,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
         default=lim.max_bytes_per_job,
         help=f"keys + values (default {lim.max_bytes_per_job})",
     )
+    p.add_argument("--http-port", type=int, help="serve /metrics, /status and a dashboard on this port")
+    p.add_argument("--http-host", default="127.0.0.1", help="address for --http-port (default 127.0.0.1)")
     return p
 
 
@@ -71,10 +74,13 @@ def read_token(path: str | None) -> str | None:
     return os.environ.get("ARENDEZ_TOKEN") or None
 
 
-async def _run(config: ServerConfig) -> None:
+async def _run(config: ServerConfig, http_host: str, http_port: int | None) -> None:
     server = Server(config)
     await server.start()
+    http = None if http_port is None else await start_http(server, http_host, http_port)
     print(f"arendez-server listening on {server.url}", flush=True)
+    if http is not None:
+        print(f"arendez-server http on {http.url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -82,9 +88,14 @@ async def _run(config: ServerConfig) -> None:
     await stop.wait()
     logging.getLogger("arendez.server").info("shutting down")
     await server.close()
+    if http is not None:
+        await http.close()
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["status"]:
+        return status_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -122,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         max_pending_per_connection=args.max_pending_per_connection,
         raise_fd_limit=True,
         limits=limits,
+        hooks=metrics_hooks() if args.http_port is not None else ServerHooks(),
     )
-    _loop.run(_run(config))
+    _loop.run(_run(config, args.http_host, args.http_port))
     return 0
 
 
