@@ -315,6 +315,14 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
             input_split_sizes or None,
         )
 
+    # torch 2.13's Python front end calls these names; they dispatch to a C++ backend by
+    # device, which a Python group has none of, so they are answered here
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    all_to_all_single = alltoall_base
+
     def barrier(self, opts: Any = None) -> Work:
         if self._engine:
             return self._run(None, self._engine.barrier)
