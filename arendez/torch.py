@@ -54,6 +54,7 @@ _PrefixStore: Any = torch._C._distributed_c10d.PrefixStore
 
 BACKEND = "arendez"
 _URL_KEY = "arendez/url"
+_alive: list[Any] = []  # Python stores handed to torch (see _arendez_rendezvous)
 _LINGER_SECONDS = 10.0
 
 _OPS = {
@@ -95,7 +96,10 @@ class Work(_TorchWork):  # type: ignore[misc]
     def __init__(self, value: Any) -> None:
         super().__init__()
         self._value = value
-        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        # C++ consumers (DDP's reducer) read the future's value as tensors: an error must be a
+        # C++-level error, which torch sets on a ``then`` child whose callback raises.
+        self._source: torch.futures.Future[None] = torch.futures.Future()
+        self._future: torch.futures.Future[Any] = self._source.then(self._outcome)
         self._done: Completion | None = None
 
     def _start(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:
@@ -103,13 +107,15 @@ class Work(_TorchWork):  # type: ignore[misc]
         return self
 
     def _settle(self, done: Completion) -> None:  # on the loop thread
-        error = done.error
-        if error is None:
-            if isinstance(done._result, int) and self._value is None:
-                self._value = done._result
-            self._future.set_result(self._value)
-        else:
-            self._future.set_exception(error)
+        if done.error is None and isinstance(done._result, int) and self._value is None:
+            self._value = done._result  # recv from any source: the sender
+        self._source.set_result(None)
+
+    def _outcome(self, _: Any) -> Any:
+        assert self._done is not None
+        if self._done.error is not None:
+            raise self._done.error
+        return self._value
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until done (without the GIL); re-raise the arendez error (e.g. ``RankFailedError``)."""
@@ -349,7 +355,12 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
             return
         self._closed = True
         if self._engine is None:
-            shared.call(self._destroy)
+            try:
+                shared.call(self._destroy)
+            finally:
+                stores, _alive[:] = list(_alive), []
+                for store in stores:
+                    store.close()
 
     abort = shutdown
 
@@ -581,6 +592,10 @@ class ServerStore(_TorchStore):  # type: ignore[misc]
     def set_timeout(self, timeout: Any) -> None:
         self._timeout = _seconds(timeout) or self._timeout
 
+    def close(self) -> None:
+        """Close the connection to the server (torch stops using the store at destroy)."""
+        shared.call(self._store.close)
+
 
 async def _open_store(host: str, port: int, job: str, token: str | None, timeout: float) -> Any:
     store = arendez.Store(host, port, job, token=token, timeout=timeout)
@@ -590,14 +605,20 @@ async def _open_store(host: str, port: int, job: str, token: str | None, timeout
 def _arendez_rendezvous(
     url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30), **kwargs: Any
 ) -> Iterator[tuple[Any, int, int]]:
-    """torch rendezvous handler for ``arendez://[token@]host:port[/job]``."""
-    rank = int(kwargs.get("rank", -1))
-    world_size = int(kwargs.get("world_size", -1))
-    rank = rank if rank >= 0 else int(os.environ.get("RANK", "-1"))
-    world_size = world_size if world_size >= 1 else int(os.environ.get("WORLD_SIZE", "-1"))
+    """torch rendezvous handler for ``arendez://[token@]host:port[/job]`` (torch appends
+    ``?rank=R&world_size=N`` when they are given; else ``RANK`` / ``WORLD_SIZE``)."""
+    parsed = urllib.parse.urlsplit(url)
+    query = dict(urllib.parse.parse_qsl(parsed.query))
+    try:
+        rank = int(query.get("rank", os.environ.get("RANK", "-1")))
+        world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
+    except ValueError:
+        raise RendezvousError(f"{url}: rank and world_size must be integers") from None
     if rank < 0 or world_size < 1:
         raise RendezvousError(f"{url} needs rank and world_size (arguments or RANK / WORLD_SIZE)")
-    yield ServerStore(url, timeout.total_seconds()), rank, world_size
+    store = ServerStore(urllib.parse.urlunsplit(parsed._replace(query="")), timeout.total_seconds())
+    _alive.append(store)  # torch keeps only the C++ half: the Python half must outlive this frame
+    yield store, rank, world_size
     raise RendezvousError("arendez:// does not re-rendezvous")
 
 
