@@ -45,7 +45,11 @@ def _init(rank: int, ws: int, init: str) -> None:
 def mlp(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)
+        torch.nn.Linear(16, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 4),
     )
 
 
@@ -87,7 +91,12 @@ def ddp_until_failure(rank: int, ws: int, init: str, marks: str) -> dict[str, An
                 Path(marks, f"ready-{rank}").touch()
             time.sleep(0.005)
     except Exception as exc:
-        return {"at": time.time(), "type": type(exc).__name__, "runtime": isinstance(exc, RuntimeError), "message": str(exc)}
+        return {
+            "at": time.time(),
+            "type": type(exc).__name__,
+            "runtime": isinstance(exc, RuntimeError),
+            "message": str(exc),
+        }
     return {"at": None, "type": None, "message": "training never failed"}
 
 
@@ -212,13 +221,13 @@ def _every(rank: int, ws: int, ranks: list[int], group: Any) -> list[str]:
     single_in = torch.cat(ins)
     single_out = torch.empty(3 * n)
     dist.all_to_all_single(single_out, single_in, group=group)
-    _same(single_out, np.concatenate([_np(contribution(r, 3, torch.float32, me)) for r in ranks]), "a2a single")
+    _same(
+        single_out, np.concatenate([_np(contribution(r, 3, torch.float32, me)) for r in ranks]), "a2a single"
+    )
     # uneven splits: rank i sends i+1 rows to everyone
     rows_in = torch.full((n * (me + 1), 2), float(rank))
     rows_out = torch.empty(sum(i + 1 for i in range(n)), 2)
-    dist.all_to_all_single(
-        rows_out, rows_in, [i + 1 for i in range(n)], [me + 1] * n, group=group
-    )
+    dist.all_to_all_single(rows_out, rows_in, [i + 1 for i in range(n)], [me + 1] * n, group=group)
     want = np.concatenate([np.full((i + 1, 2), float(r)) for i, r in enumerate(ranks)])
     _same(rows_out, want, "a2a single uneven")
     done += ["all_to_all", "all_to_all_single"]
@@ -228,8 +237,10 @@ def _every(rank: int, ws: int, ranks: list[int], group: Any) -> list[str]:
     right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
     if n > 1:
         got = torch.empty(6)
-        ops = [dist.P2POp(dist.isend, contribution(rank, 6, torch.float32), right, group=group),
-               dist.P2POp(dist.irecv, got, left, group=group)]
+        ops = [
+            dist.P2POp(dist.isend, contribution(rank, 6, torch.float32), right, group=group),
+            dist.P2POp(dist.irecv, got, left, group=group),
+        ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         _same(got, _np(contribution(left, 6, torch.float32)), "batch_isend_irecv")
