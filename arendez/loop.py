@@ -59,13 +59,6 @@ class Completion:
         if self._on_done is not None:
             self._on_done(self)
 
-    def _from_task(self, task: asyncio.Task[Any]) -> None:
-        if task.cancelled():
-            self._finish(None, asyncio.CancelledError("the arendez call was cancelled"))
-        else:
-            error = task.exception()
-            self._finish(None if error is not None else task.result(), error)
-
     def done(self) -> bool:
         """True once the coroutine returned or raised."""
         return self._done
@@ -140,7 +133,8 @@ class LoopThread:
         if self.in_loop_thread():
             raise RuntimeError("a blocking arendez call was made from the arendez loop thread itself")
         done = Completion(on_done)
-        self.loop().call_soon_threadsafe(_begin, done, fn, args, kwargs)
+        coro = fn(*args, **(kwargs or {}))  # building a coroutine runs none of its code
+        self.loop().call_soon_threadsafe(_begin, done, coro)
         return done
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
@@ -149,18 +143,20 @@ class LoopThread:
         return result
 
 
-def _begin(
-    done: Completion,
-    fn: Callable[..., Coroutine[Any, Any, Any]],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any] | None,
-) -> None:
+def _begin(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
+    asyncio.get_running_loop().create_task(_drive(done, coro))
+
+
+async def _drive(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
+    """Await ``coro`` and store its outcome in the same step it finishes (no done-callback turn)."""
     try:
-        task = asyncio.get_running_loop().create_task(fn(*args, **(kwargs or {})))
-    except BaseException as exc:  # building the coroutine failed (bad arguments)
+        result = await coro
+    except BaseException as exc:
         done._finish(None, exc)
-        return
-    task.add_done_callback(done._from_task)
+        if not isinstance(exc, Exception):
+            raise  # cancellation and exits still end the task as they would
+    else:
+        done._finish(result, None)
 
 
 shared = LoopThread()
