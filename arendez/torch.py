@@ -33,6 +33,7 @@ import hashlib
 import importlib
 import os
 import secrets
+import threading
 import urllib.parse
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
@@ -96,11 +97,14 @@ class Work(_TorchWork):  # type: ignore[misc]
     def __init__(self, value: Any) -> None:
         super().__init__()
         self._value = value
-        # C++ consumers (DDP's reducer) read the future's value as tensors: an error must be a
-        # C++-level error, which torch sets on a ``then`` child whose callback raises.
-        self._source: torch.futures.Future[None] = torch.futures.Future()
-        self._future: torch.futures.Future[Any] = self._source.then(self._outcome)
         self._done: Completion | None = None
+        # get_future() is built on demand (a torch future and its ``then`` child cost tens of
+        # microseconds; a blocking call never asks for one). The lock makes exactly one of
+        # get_future() and the loop thread's _settle() complete it.
+        self._lock = threading.Lock()
+        self._settled = False
+        self._source: torch.futures.Future[None] | None = None
+        self._future: torch.futures.Future[Any] | None = None
 
     def _start(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:
         self._done = shared.start(fn, args, None, self._settle)
@@ -109,13 +113,36 @@ class Work(_TorchWork):  # type: ignore[misc]
     def _settle(self, done: Completion) -> None:  # on the loop thread
         if done.error is None and isinstance(done._result, int) and self._value is None:
             self._value = done._result  # recv from any source: the sender
-        self._source.set_result(None)
+        with self._lock:
+            self._settled = True
+            source = self._source
+        if source is not None:
+            source.set_result(None)
 
     def _outcome(self, _: Any) -> Any:
         assert self._done is not None
         if self._done.error is not None:
             raise self._done.error
         return self._value
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A ``torch.futures.Future`` of the output tensors; an arendez failure is its error.
+
+        C++ consumers (DDP's reducer) read the value as tensors, so an error must be a C++-level
+        error: torch sets one on a ``then`` child whose callback raises.
+        """
+        with self._lock:
+            if self._future is None:
+                self._source = torch.futures.Future()
+                self._future = self._source.then(self._outcome)
+                fire = self._settled
+            else:
+                fire = False
+        if fire:
+            assert self._source is not None
+            self._source.set_result(None)
+        assert self._future is not None
+        return self._future
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until done (without the GIL); re-raise the arendez error (e.g. ``RankFailedError``)."""
@@ -135,9 +162,6 @@ class Work(_TorchWork):  # type: ignore[misc]
 
     def exception(self) -> BaseException | None:
         return None if self._done is None else self._done.error
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        return self._future
 
     def result(self) -> Any:
         self.wait()
@@ -161,10 +185,6 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         self._closed = False
 
     def getBackendName(self) -> str:
-        return BACKEND
-
-    @property
-    def _name(self) -> str:  # torch's repr helpers look for a name
         return BACKEND
 
     def _global(self, group_rank: int) -> int:

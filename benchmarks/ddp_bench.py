@@ -2,24 +2,25 @@
 
 ::
 
-    python benchmarks/ddp_bench.py [--ranks 2 4] [--steps 6] [--iters 2000] [--json out.json]
+    python benchmarks/ddp_bench.py [--ranks 2 4] [--steps 6] [--iters 2000] [--rounds 4] [--json out.json]
 
-For every world size, gloo then arendez, each in a fresh set of rank processes (this script
-re-runs itself with ``--worker``), over ``tcp://127.0.0.1:<free port>``; every rank uses one
-intra-op thread (``torch.set_num_threads(1)``) so the backends share the cores alike.
+For every world size one set of rank processes (this script re-runs itself with ``--worker``)
+joins over ``tcp://127.0.0.1:<free port>`` with the default group on backend ``arendez`` and a
+second group over the same ranks on ``gloo``; the cases of the two backends alternate (in rounds,
+order flipped each round), so both see the same machine load, which on a shared 2-core machine
+swings by 2-3x within a minute. Every rank uses one intra-op thread (``torch.set_num_threads(1)``).
 
-- DDP step: an MLP of about 25M float32 parameters (``--width``, ``--depth``), DDP's default
-  buckets (25 MiB, first 1 MiB), SGD, a batch of ``--batch`` rows per rank; 2 warm-up steps, then
-  ``--steps`` timed steps; a step's time is the max over ranks (barrier before each), the median
-  is reported. The compute part of a step is also timed on one process without DDP, so the
-  communication share is visible.
-- 8 B all_reduce (two float32): ``dist.all_reduce`` through each backend; on the arendez run also
-  ``arendez.sync.all_reduce`` on a torch tensor and the async API awaited inside the loop (no
-  thread hop) as the floor; the median over ``--iters`` calls after 200 warm-up calls, per rank,
-  max over ranks.
-
-Ratios are arendez/gloo (time: lower is better). The machine's other load is not controlled:
-run it when the machine is quiet, and read the ranges over several runs, not one number.
+- DDP step: an MLP of about 25M float32 parameters (``--width`` x ``--depth`` linear layers), one
+  model copy per backend with the same initial weights, DDP's default buckets (25 MiB, first
+  1 MiB), SGD, ``--batch`` rows per rank; 2 warm-up steps, then ``--steps`` timed steps of each
+  backend, alternating; a step's time is the max over ranks (barrier before each). The row shows
+  the median and range, and the per-step ratio gloo/arendez (> 1: arendez faster). The compute part
+  of a step is timed once on one process without DDP, so the communication share is visible.
+- 8 B all_reduce (two float32): ``dist.all_reduce`` through each backend, ``arendez.sync.all_reduce``
+  on a torch tensor, the async API awaited inside the loop (no thread hop: the floor), and the
+  hop alone (a no-op coroutine through ``arendez.loop.shared``); per round, the median over
+  ``--iters / --rounds`` calls after warm-up calls, max over ranks. Ratios are arendez/gloo
+  (< 1: arendez faster).
 """
 
 from __future__ import annotations
@@ -55,103 +56,105 @@ def model(width: int, depth: int) -> Any:
     return torch.nn.Sequential(*layers)
 
 
-def _max_over_ranks(dist: Any, value: float) -> float:
+def _max_over_ranks(dist: Any, value: float, group: Any = None) -> float:
     import torch
 
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank: the default group is arendez, ``gloo`` a gloo group over the same ranks; the
+    cases of the two alternate in rounds, so both see the same machine load."""
     import torch
     import torch.distributed as dist
 
+    import arendez
+    import arendez.sync
+    import arendez.torch  # registers the backend
+    from arendez.loop import shared
+
     torch.set_num_threads(1)
-    if args.backend == "arendez":
-        import arendez.torch  # registers the backend
     dist.init_process_group(
-        args.backend,
+        "arendez",
         init_method=args.init,
         rank=args.rank,
         world_size=args.world_size,
         timeout=datetime.timedelta(seconds=120),
     )
-    out: dict[str, Any] = {}
-    # 8 B all_reduce latency
-    lat: dict[str, float] = {}
+    gloo = dist.new_group(backend="gloo")
+    groups = {"gloo": gloo, "arendez": None}
     small = torch.ones(2)
 
-    def timed(call: Any) -> float:
-        for _ in range(200):
+    def timed(call: Any, n: int) -> float:
+        for _ in range(min(100, n)):
             call()
-        dist.barrier()
+        dist.barrier(group=gloo)
         times = []
-        for _ in range(args.iters):
+        for _ in range(n):
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)
-        return _max_over_ranks(dist, statistics.median(times))
+        return _max_over_ranks(dist, statistics.median(times), gloo)
 
-    lat["torch.distributed"] = timed(lambda: dist.all_reduce(small, op=dist.ReduceOp.MAX))
-    if args.backend == "arendez":
-        import arendez
-        import arendez.sync
-        from arendez.loop import shared
+    async def in_loop(n: int) -> float:
+        x = torch.ones(2)
+        for _ in range(min(100, n)):
+            await arendez.all_reduce(x, op="max")
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await arendez.all_reduce(x, op="max")
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
-        lat["arendez.sync"] = timed(lambda: arendez.sync.all_reduce(small, op="max"))
+    async def noop() -> None:
+        return None
 
-        async def in_loop() -> float:
-            x = torch.ones(2)
-            for _ in range(200):
-                await arendez.all_reduce(x, op="max")
-            times = []
-            for _ in range(args.iters):
-                t0 = time.perf_counter()
-                await arendez.all_reduce(x, op="max")
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
-
-        dist.barrier()
-        lat["async API (no hop)"] = _max_over_ranks(dist, shared.call(in_loop))
-
-        async def noop() -> None:
-            return None
-
-        hop = statistics.median(_hop_times(shared, noop, args.iters))
-        lat["hop only (no-op coroutine)"] = _max_over_ranks(dist, hop)
-    out["latency"] = lat
-    # DDP step
-    net = model(args.width, args.depth)
-    out["params"] = sum(p.numel() for p in net.parameters())
-    ddp = torch.nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    cases: dict[str, Any] = {
+        "gloo: torch.distributed": lambda n: timed(
+            lambda: dist.all_reduce(small, op=dist.ReduceOp.MAX, group=gloo), n
+        ),
+        "arendez: torch.distributed": lambda n: timed(
+            lambda: dist.all_reduce(small, op=dist.ReduceOp.MAX), n
+        ),
+        "arendez: arendez.sync": lambda n: timed(lambda: arendez.sync.all_reduce(small, op="max"), n),
+        "arendez: async API in the loop (no hop)": lambda n: _max_over_ranks(
+            dist, shared.call(in_loop, n), gloo
+        ),
+        "arendez: hop only (no-op coroutine)": lambda n: timed(lambda: shared.call(noop), n),
+    }
+    lat: dict[str, list[float]] = {name: [] for name in cases}
+    per_round = max(1, args.iters // args.rounds)
+    for r in range(args.rounds):
+        order = list(cases) if r % 2 == 0 else list(reversed(cases))
+        for name in order:
+            lat[name].append(cases[name](per_round))
+    out: dict[str, Any] = {"latency": lat}
+    # DDP: one model copy per backend (same initial weights), steps alternating between them
+    nets = {b: model(args.width, args.depth) for b in groups}
+    out["params"] = sum(p.numel() for p in nets["gloo"].parameters())
+    ddps = {b: torch.nn.parallel.DistributedDataParallel(nets[b], process_group=g) for b, g in groups.items()}
+    opts = {b: torch.optim.SGD(ddps[b].parameters(), lr=1e-4) for b in groups}
     x = torch.randn(args.batch, args.width)
-    steps = []
+    steps: dict[str, list[float]] = {b: [] for b in groups}
     for i in range(2 + args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        ddp(x).square().mean().backward()
-        opt.step()
-        took = _max_over_ranks(dist, time.perf_counter() - t0)
-        if i >= 2:
-            steps.append(took)
-    out["step"] = statistics.median(steps)
-    out["step_range"] = [min(steps), max(steps)]
+        order = list(groups) if i % 2 == 0 else list(reversed(groups))
+        for b in order:
+            dist.barrier(group=gloo)
+            t0 = time.perf_counter()
+            opts[b].zero_grad()
+            ddps[b](x).square().mean().backward()
+            opts[b].step()
+            took = _max_over_ranks(dist, time.perf_counter() - t0, gloo)
+            if i >= 2:
+                steps[b].append(took)
+    out["steps"] = steps
+    pairs = zip(nets["gloo"].parameters(), nets["arendez"].parameters(), strict=True)
+    same = all(torch.allclose(p, q, rtol=1e-4, atol=1e-6) for p, q in pairs)
+    out["same_weights_after"] = bool(same)
     dist.destroy_process_group()
-    return out
-
-
-def _hop_times(shared: Any, noop: Any, n: int) -> list[float]:
-    """Round trips of a no-op coroutine through the loop thread: the hop alone."""
-    for _ in range(200):
-        shared.call(noop)
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        shared.call(noop)
-        out.append(time.perf_counter() - t0)
     return out
 
 
@@ -174,10 +177,10 @@ def compute_only(args: argparse.Namespace) -> float:
     return statistics.median(times)
 
 
-def run(backend: str, ws: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(ws: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     init = f"tcp://127.0.0.1:{_free_port()}"
     common = ["--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)]
-    common += ["--steps", str(args.steps), "--iters", str(args.iters)]
+    common += ["--steps", str(args.steps), "--iters", str(args.iters), "--rounds", str(args.rounds)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ARENDEZ_URL"):
         env.pop(name, None)
@@ -187,7 +190,6 @@ def run(backend: str, ws: int, args: argparse.Namespace) -> list[dict[str, Any]]
                 sys.executable,
                 __file__,
                 "--worker",
-                backend,
                 "--rank",
                 str(r),
                 "--world-size",
@@ -207,7 +209,7 @@ def run(backend: str, ws: int, args: argparse.Namespace) -> list[dict[str, Any]]
         for p in procs:
             out, _ = p.communicate(timeout=args.timeout)
             if p.returncode != 0:
-                raise RuntimeError(f"{backend} W={ws}: a rank exited {p.returncode}")
+                raise RuntimeError(f"W={ws}: a rank exited {p.returncode}")
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for p in procs:
@@ -215,6 +217,11 @@ def run(backend: str, ws: int, args: argparse.Namespace) -> list[dict[str, Any]]
                 p.kill()
                 p.wait()
     return results
+
+
+def _span(values: list[float], scale: float, unit: str) -> str:
+    low, mid, high = min(values) * scale, statistics.median(values) * scale, max(values) * scale
+    return f"{mid:.0f} {unit} ({low:.0f}-{high:.0f})"
 
 
 def main() -> None:
@@ -227,13 +234,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--worker", choices=["gloo", "arendez"])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--worker", action="store_true")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--init", default="")
     args = ap.parse_args()
     if args.worker:
-        args.backend = args.worker
         print(json.dumps(worker(args)), flush=True)
         return
     report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "runs": []}
@@ -241,21 +248,27 @@ def main() -> None:
     report["compute_only_step"] = compute
     rows = []
     for ws in args.ranks:
-        got = {b: run(b, ws, args)[0] for b in ("gloo", "arendez")}
-        report["runs"].append({"world_size": ws, **got})
-        g, a = got["gloo"], got["arendez"]
+        res = run(ws, args)[0]
+        report["runs"].append({"world_size": ws, **res})
+        g, a = res["steps"]["gloo"], res["steps"]["arendez"]
+        ratio = [x / y for x, y in zip(g, a, strict=True)]
         rows.append(
-            f"| DDP step, {a['params'] / 1e6:.1f}M params | {ws} | {g['step'] * 1e3:.0f} ms | "
-            f"{a['step'] * 1e3:.0f} ms | {g['step'] / a['step']:.2f}x |"
+            f"| DDP step, {res['params'] / 1e6:.1f}M params | {ws} | {_span(g, 1e3, 'ms')} | "
+            f"{_span(a, 1e3, 'ms')} | {statistics.median(ratio):.2f}x faster "
+            f"({min(ratio):.2f}-{max(ratio):.2f}) |"
         )
-        gl = g["latency"]["torch.distributed"]
-        for name, value in a["latency"].items():
+        lat = res["latency"]
+        gl = lat["gloo: torch.distributed"]
+        for name, values in lat.items():
+            if name.startswith("gloo"):
+                continue
+            share = [v / x for v, x in zip(values, gl, strict=True)]
             rows.append(
-                f"| 8 B all_reduce: {name} | {ws} | {gl * 1e6:.0f} us | {value * 1e6:.1f} us | "
-                f"{value / gl:.2f} of gloo |"
+                f"| 8 B all_reduce, {name} | {ws} | {_span(gl, 1e6, 'us')} | {_span(values, 1e6, 'us')} | "
+                f"{statistics.median(share):.2f} of gloo ({min(share):.2f}-{max(share):.2f}) |"
             )
-    print(f"compute part of a step (1 process, no DDP): {compute * 1e3:.0f} ms")
-    print("| case | ranks | gloo | arendez | arendez vs gloo |")
+    print(f"compute part of a step (1 process, no DDP, before the runs): {compute * 1e3:.0f} ms")
+    print("| case | ranks | gloo: median (min-max over rounds) | arendez | arendez vs gloo |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json:
