@@ -551,7 +551,12 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupArendez:
     else:
         store.wait([_URL_KEY], datetime.timedelta(seconds=timeout))
         url = store.get(_URL_KEY).decode()
-    shared.call(arendez.init_process_group, "tcp", url, world_size=size, rank=rank, timeout=timeout)
+    try:
+        shared.call(arendez.init_process_group, "tcp", url, world_size=size, rank=rank, timeout=timeout)
+    except BaseException:
+        if pg._server is not None:
+            shared.call(pg._server.close)
+        raise
     return pg
 
 
