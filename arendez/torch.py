@@ -545,12 +545,16 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupArendez:
     base = _unwrap(store)
     if isinstance(base, ServerStore):
         url = base.url
-    elif rank == 0:
-        url = shared.call(_host, pg, _host_of(store))
-        store.set(_URL_KEY, url)
     else:
-        store.wait([_URL_KEY], datetime.timedelta(seconds=timeout))
-        url = store.get(_URL_KEY).decode()
+        # A store passed in again after destroy still holds the previous URL: every rank counts
+        # itself in, and init k (all its ranks count before any can finish it) reads round k's key.
+        key = f"{_URL_KEY}/{(int(store.add(_URL_KEY + '/joins', 1)) - 1) // size}"
+        if rank == 0:
+            url = shared.call(_host, pg, _host_of(store))
+            store.set(key, url)
+        else:
+            store.wait([key], datetime.timedelta(seconds=timeout))
+            url = store.get(key).decode()
     try:
         shared.call(arendez.init_process_group, "tcp", url, world_size=size, rank=rank, timeout=timeout)
     except BaseException:

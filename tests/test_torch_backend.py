@@ -96,6 +96,15 @@ def test_init_through_an_arendez_server_or_a_torch_store(init: str, arendez_serv
 
 
 @pytest.mark.timeout(90)
+def test_reinit_after_destroy_with_the_same_store() -> None:
+    """Each init through one store gets its own embedded server, never the last round's URL."""
+    ws, rounds = 2, 3
+    results = _run("reinit_with_one_store", ws, "store", rounds, env={"TEST_STORE_PORT": str(_free_port())})
+    want = [float(sum(r + i for r in range(ws))) for i in range(rounds)]
+    assert results == [want] * ws
+
+
+@pytest.mark.timeout(90)
 def test_kill_9_during_ddp_fails_every_survivor_within_3s(tmp_path: Any) -> None:
     ws, victim = 3, 1
     procs = _spawn("ddp_until_failure", ws, f"tcp://127.0.0.1:{_free_port()}", str(tmp_path))

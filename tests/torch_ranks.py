@@ -77,6 +77,21 @@ def ddp(rank: int, ws: int, init: str, steps: int, bucket_mb: float) -> dict[str
 
 
 @scenario
+def reinit_with_one_store(rank: int, ws: int, init: str, rounds: int) -> list[float]:
+    """The same torch store passed to init_process_group again after each destroy."""
+    port = int(os.environ["TEST_STORE_PORT"])
+    store = dist.TCPStore("127.0.0.1", port, ws, rank == 0, timeout=datetime.timedelta(seconds=30))
+    sums = []
+    for i in range(rounds):
+        dist.init_process_group("arendez", store=store, rank=rank, world_size=ws)
+        t = torch.full((3,), float(rank + i))
+        dist.all_reduce(t)
+        sums.append(float(t[0]))
+        dist.destroy_process_group()
+    return sums
+
+
+@scenario
 def ddp_until_failure(rank: int, ws: int, init: str, marks: str) -> dict[str, Any]:
     _init(rank, ws, init)
     ddp_model = torch.nn.parallel.DistributedDataParallel(mlp())
