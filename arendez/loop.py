@@ -1,9 +1,16 @@
-"""Event-loop selection: uvloop when installed (the default), else asyncio's own loop."""
+"""Event-loop selection, and the one loop thread that blocking callers hop into.
+
+``LoopThread.call`` runs a coroutine on the loop thread and blocks the calling thread (without
+the GIL) until it is done. The hop is one ``call_soon_threadsafe`` in and one lock release out:
+no ``concurrent.futures.Future``, no condition variable, no chained asyncio future per call.
+"""
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import os
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -26,3 +33,131 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on the preferred loop."""
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(main)
+
+
+class Completion:
+    """The outcome of one coroutine run on the loop thread, waitable from any thread.
+
+    A pre-acquired lock is the cheapest thing a thread can block on without the GIL; the loop
+    thread releases it once the result or error is stored.
+    """
+
+    __slots__ = ("_done", "_error", "_lock", "_on_done", "_result")
+
+    def __init__(self, on_done: Callable[[Completion], None] | None = None) -> None:
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._on_done = on_done
+
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._done = True
+        self._lock.release()
+        if self._on_done is not None:
+            self._on_done(self)
+
+    def done(self) -> bool:
+        """True once the coroutine returned or raised."""
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done (False if ``timeout`` seconds passed first); never raises the error."""
+        if self._done:
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        self._lock.release()  # the next waiter passes straight through
+        return True
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception the coroutine raised (None while pending or after success)."""
+        return self._error
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait, then return the coroutine's value or raise its exception."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"the arendez call did not finish within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class LoopThread:
+    """One event loop in a daemon thread, started on first use, shared by every blocking caller."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop (starting its thread if needed)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            return loop
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                loop = loop_factory()()
+                ready = threading.Event()
+
+                def serve() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                self._thread = threading.Thread(target=serve, name="arendez-loop", daemon=True)
+                self._thread.start()
+                ready.wait()
+                self._loop = loop
+            return self._loop
+
+    def in_loop_thread(self) -> bool:
+        """True when called from the loop thread itself (where blocking would deadlock)."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def start(
+        self,
+        fn: Callable[..., Coroutine[Any, Any, Any]],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        on_done: Callable[[Completion], None] | None = None,
+    ) -> Completion:
+        """Run ``fn(*args, **kwargs)`` as a task on the loop; calls are started in call order.
+
+        ``on_done`` runs on the loop thread right after the result is stored.
+        """
+        if self.in_loop_thread():
+            raise RuntimeError("a blocking arendez call was made from the arendez loop thread itself")
+        done = Completion(on_done)
+        coro = fn(*args, **(kwargs or {}))  # building a coroutine runs none of its code
+        self.loop().call_soon_threadsafe(_begin, done, coro)
+        return done
+
+    def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the loop and block until it returns (or re-raise)."""
+        result: T = self.start(fn, args, kwargs).result()
+        return result
+
+
+def _begin(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
+    asyncio.get_running_loop().create_task(_drive(done, coro))
+
+
+async def _drive(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
+    """Await ``coro`` and store its outcome in the same step it finishes (no done-callback turn)."""
+    try:
+        result = await coro
+    except BaseException as exc:
+        done._finish(None, exc)
+        if not isinstance(exc, Exception):
+            raise  # cancellation and exits still end the task as they would
+    else:
+        done._finish(result, None)
+
+
+shared = LoopThread()
+"""The loop thread of this process: ``arendez.sync`` and the torch backend both use it."""

@@ -1,81 +1,52 @@
 """Blocking facade: ``import arendez.sync as dist`` gives the async API's names, blocking.
 
-The coroutines run on a private event loop (uvloop when available) in a daemon thread that
-holds the peer connections, so a torch.distributed script ports by changing its import line.
+The coroutines run on one private event loop (uvloop when available) in a daemon thread that
+holds the peer connections (``arendez.loop.shared``, also used by the torch backend), so a
+torch.distributed script ports by changing its import line. The hop into the loop and back
+costs one ``call_soon_threadsafe`` and one lock release (see ``arendez.loop``).
 ``async_op=True`` returns a ``Work`` whose ``wait()`` blocks, as in torch.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
-import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from . import api
-from .arrays import ReduceOp
+import arendez as api  # the public async API only
+
 from .errors import *  # noqa: F403 - the same error names as the async API
-from .group import GroupMember, ProcessGroup
-from .loop import loop_factory
+from .loop import Completion, shared
 
-
-class _LoopThread:
-    """One event loop in a daemon thread, started on first use."""
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()
-
-    def loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None or self._loop.is_closed():
-                loop = loop_factory()()
-                ready = threading.Event()
-
-                def serve() -> None:
-                    asyncio.set_event_loop(loop)
-                    loop.call_soon(ready.set)
-                    loop.run_forever()
-
-                threading.Thread(target=serve, name="arendez-loop", daemon=True).start()
-                ready.wait()
-                self._loop = loop
-            return self._loop
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop())
-
-
-_thread = _LoopThread()
+GroupMember = api.GroupMember
+ProcessGroup = api.ProcessGroup
+ReduceOp = api.ReduceOp
 
 
 class Work:
     """Handle of a collective started with ``async_op=True``."""
 
-    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
-        self._future = future
+    def __init__(self, done: Completion) -> None:
+        self._done = done
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the collective is done; re-raises its error."""
-        self._future.result(timeout)
+        self._done.result(timeout)
         return True
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._done.done()
 
     def result(self) -> Any:
-        return self._future.result()
+        return self._done.result()
 
 
 def _blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        future = _thread.submit(fn(*args, **kwargs))
         if async_op:
-            return Work(future)
-        return future.result()
+            return Work(shared.start(fn, args, kwargs))
+        return shared.call(fn, *args, **kwargs)
 
     return call
 

@@ -1,0 +1,664 @@
+"""torch.distributed backend ``"arendez"``: ``import arendez.torch`` registers it.
+
+Then ``torch.distributed.init_process_group(backend="arendez", init_method=...)`` runs every
+CPU collective and DDP on arendez. How it is wired:
+
+- The backend is a Python subclass of torch's ``ProcessGroup`` (the C++ class has a pybind
+  trampoline that dispatches its virtual collectives to Python). torch's ``Backend`` class has no
+  Python constructor in torch 2.13, so the registered creator returns the ``ProcessGroup``
+  itself; torch then uses it as the group object, and DDP's C++ reducer calls its ``allreduce``.
+- Every call is started on arendez's one loop thread (``arendez.loop.shared``) with one
+  ``call_soon_threadsafe``; it returns a ``Work`` whose ``wait()`` blocks on a lock (the GIL is
+  released) and whose ``get_future()`` is a ``torch.futures.Future`` completed by the loop thread.
+  Calls are started in the order torch's threads make them, which is what arendez matches
+  collectives by.
+- Rendezvous: torch builds its store from ``env://``/``tcp://`` (or takes the ``store=`` you
+  pass). Rank 0 then starts an arendez server in the loop thread on the store's host and
+  publishes ``arendez://token@host:port/job`` in that store; every rank joins through it (leases,
+  failure detection, peer addresses). ``init_method="arendez://host:port/job"`` joins a
+  standalone ``arendez-server`` directly; torch's own store is then kept on that server too.
+- Subgroups (``new_group(..., backend="arendez")``): torch calls the creator on members only,
+  while arendez's ``new_group`` must be entered by every rank of the world, so subgroup
+  collectives run here over arendez point-to-point messages (direct exchange, one message per
+  pair; fine for the small control groups subgroups usually are, not bandwidth-optimal).
+- ``destroy_process_group()`` calls ``shutdown()``, which destroys the arendez world (drain, then
+  close); the rank hosting the embedded server keeps it up until the others have left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import importlib
+import os
+import secrets
+import threading
+import urllib.parse
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import arendez
+
+from .errors import CollectiveTimeoutError, RendezvousError
+from .loop import Completion, shared
+
+# torch's stubs type these classes' virtual methods with overloads our trampoline overrides do not
+# mirror; they are subclassed through Any aliases (the overrides are exercised by the tests).
+_TorchProcessGroup: Any = dist.ProcessGroup
+_TorchWork: Any = dist.Work
+_TorchStore: Any = torch._C._distributed_c10d.Store
+_PrefixStore: Any = torch._C._distributed_c10d.PrefixStore
+
+BACKEND = "arendez"
+_URL_KEY = "arendez/url"
+_alive: list[Any] = []  # Python stores handed to torch (see _arendez_rendezvous)
+_LINGER_SECONDS = 10.0
+
+_OPS = {
+    "SUM": arendez.ReduceOp.SUM,
+    "AVG": arendez.ReduceOp.AVG,
+    "PRODUCT": arendez.ReduceOp.PRODUCT,
+    "MIN": arendez.ReduceOp.MIN,
+    "MAX": arendez.ReduceOp.MAX,
+    "BAND": arendez.ReduceOp.BAND,
+    "BOR": arendez.ReduceOp.BOR,
+    "BXOR": arendez.ReduceOp.BXOR,
+}
+_RAW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: it travels as its bits
+
+
+def _op(opts: Any) -> arendez.ReduceOp:
+    name = opts.reduceOp.op.name
+    if name not in _OPS:
+        raise ValueError(f"ReduceOp.{name} is not supported by the arendez backend; use one of {list(_OPS)}")
+    return _OPS[name]
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A view arendez can carry without reducing (bfloat16 travels as int16 bits)."""
+    return t.view(_RAW[t.dtype]) if t.dtype in _RAW else t
+
+
+def _seconds(timeout: Any) -> float | None:
+    """torch's ``timedelta`` (0 = no timeout) or seconds as a float, None for no limit."""
+    if timeout is None:
+        return None
+    value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return value if value > 0 else None
+
+
+class Work(_TorchWork):  # type: ignore[misc]
+    """torch ``Work`` over one arendez call on the loop thread."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self._value = value
+        self._done: Completion | None = None
+        # get_future() is built on demand (a torch future and its ``then`` child cost tens of
+        # microseconds; a blocking call never asks for one). The lock makes exactly one of
+        # get_future() and the loop thread's _settle() complete it.
+        self._lock = threading.Lock()
+        self._settled = False
+        self._source: torch.futures.Future[None] | None = None
+        self._future: torch.futures.Future[Any] | None = None
+
+    def _start(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:
+        self._done = shared.start(fn, args, None, self._settle)
+        return self
+
+    def _settle(self, done: Completion) -> None:  # on the loop thread
+        if done.error is None and isinstance(done._result, int) and self._value is None:
+            self._value = done._result  # recv from any source: the sender
+        with self._lock:
+            self._settled = True
+            source = self._source
+        if source is not None:
+            source.set_result(None)
+
+    def _outcome(self, _: Any) -> Any:
+        assert self._done is not None
+        if self._done.error is not None:
+            raise self._done.error
+        return self._value
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A ``torch.futures.Future`` of the output tensors; an arendez failure is its error.
+
+        C++ consumers (DDP's reducer) read the value as tensors, so an error must be a C++-level
+        error: torch sets one on a ``then`` child whose callback raises.
+        """
+        with self._lock:
+            if self._future is None:
+                self._source = torch.futures.Future()
+                self._future = self._source.then(self._outcome)
+                fire = self._settled
+            else:
+                fire = False
+        if fire:
+            assert self._source is not None
+            self._source.set_result(None)
+        assert self._future is not None
+        return self._future
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until done (without the GIL); re-raise the arendez error (e.g. ``RankFailedError``)."""
+        assert self._done is not None
+        limit = _seconds(timeout)
+        if not self._done.wait(limit):
+            raise CollectiveTimeoutError("Work.wait", limit or 0.0)
+        if self._done.error is not None:
+            raise self._done.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done is not None and self._done.done()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._done is not None and self._done.error is None
+
+    def exception(self) -> BaseException | None:
+        return None if self._done is None else self._done.error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
+
+    def _source_rank(self) -> int:
+        """The sender of a ``recv`` from any source (group rank)."""
+        self.wait()
+        return int(self._done._result) if self._done is not None else -1
+
+
+class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
+    """One torch process group backed by arendez; the default group maps onto arendez's world."""
+
+    def __init__(self, rank: int, size: int, ranks: Sequence[int] | None, tag: int) -> None:
+        super().__init__(rank, size)
+        self._ranks = list(ranks) if ranks else list(range(size))
+        self._engine = None if not ranks else _Direct(self._ranks, rank, tag)
+        self._server: Any = None
+        self._job = ""
+        self._closed = False
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def _global(self, group_rank: int) -> int:
+        return self._ranks[group_rank]
+
+    def _run(self, value: Any, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:
+        return Work(value)._start(fn, *args)
+
+    # -- reductions ------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        op = _op(opts or dist.AllreduceOptions())
+        if self._engine:
+            return self._run(tensors, self._engine.all_reduce, tensors[0], op)
+        return self._run(tensors, arendez.all_reduce, tensors[0], op)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        op = _op(opts or dist.AllreduceCoalescedOptions())
+        return self._run(tensors, self._coalesced, tensors, op)
+
+    async def _coalesced(self, tensors: list[torch.Tensor], op: arendez.ReduceOp) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():  # one collective per dtype, over a flat copy
+            flat = torch.cat([t.reshape(-1) for t in group])
+            if self._engine:
+                await self._engine.all_reduce(flat, op)
+            else:
+                await arendez.all_reduce(flat, op)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        op, root = _op(opts), self._global(opts.rootRank)
+        if self._engine:
+            return self._run(tensors, self._engine.reduce, tensors[0], root, op)
+        return self._run(tensors, arendez.reduce, tensors[0], root, op)
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> Work:
+        op = _op(opts)
+        if self._engine:
+            return self._run(outputs, self._engine.reduce_scatter, outputs[0], inputs[0], op)
+        return self._run(outputs, arendez.reduce_scatter, outputs[0], inputs[0], op)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
+        op = _op(opts)
+        if self._engine:
+            parts = list(input.reshape(-1).chunk(self.size()))
+            return self._run([output], self._engine.reduce_scatter, output, parts, op)
+        return self._run([output], arendez.reduce_scatter_tensor, output, input, op)
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
+    ) -> Work:
+        op = _op(opts)
+
+        async def each() -> None:
+            for out, x in zip(outputs, inputs, strict=True):
+                if self._engine:
+                    await self._engine.reduce_scatter(out, list(x.reshape(-1).chunk(self.size())), op)
+                else:
+                    await arendez.reduce_scatter_tensor(out, x, op)
+
+        return self._run(outputs, each)
+
+    # -- data movement ---------------------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        root = self._global(opts.rootRank)
+        if self._engine:
+            return self._run(tensors, self._engine.broadcast, _raw(tensors[0]), root)
+        return self._run(tensors, arendez.broadcast, _raw(tensors[0]), root)
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        outs, x = [_raw(t) for t in outputs[0]], _raw(inputs[0])
+        if self._engine:
+            return self._run(outputs, self._engine.all_gather, outs, x)
+        return self._run(outputs, arendez.all_gather, outs, x)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+        if self._engine:
+            outs = list(_raw(output).reshape(-1).chunk(self.size()))
+            return self._run([output], self._engine.all_gather, outs, _raw(input))
+        return self._run([output], arendez.all_gather_into_tensor, _raw(output), _raw(input))
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        async def each() -> None:
+            for out, x in zip(outputs, inputs, strict=True):
+                if self._engine:
+                    await self._engine.all_gather(list(_raw(out).reshape(-1).chunk(self.size())), _raw(x))
+                else:
+                    await arendez.all_gather_into_tensor(_raw(out), _raw(x))
+
+        return self._run(outputs, each)
+
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        async def each() -> None:
+            for outs, x in zip(outputs, inputs, strict=True):
+                raw = [_raw(t) for t in outs]
+                if self._engine:
+                    await self._engine.all_gather(raw, _raw(x))
+                else:
+                    await arendez.all_gather(raw, _raw(x))
+
+        return self._run(outputs, each)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:
+        root = self._global(opts.rootRank)
+        outs = [_raw(t) for t in outputs[0]] if outputs else None
+        if self._engine:
+            return self._run(outputs, self._engine.gather, _raw(inputs[0]), outs, root)
+        return self._run(outputs, arendez.gather, _raw(inputs[0]), outs, root)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
+        root = self._global(opts.rootRank)
+        ins = [_raw(t) for t in inputs[0]] if inputs else None
+        if self._engine:
+            return self._run(outputs, self._engine.scatter, _raw(outputs[0]), ins, root)
+        return self._run(outputs, arendez.scatter, _raw(outputs[0]), ins, root)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        outs, ins = [_raw(t) for t in outputs], [_raw(t) for t in inputs]
+        if self._engine:
+            return self._run(outputs, self._engine.all_to_all, outs, ins)
+        return self._run(outputs, arendez.all_to_all, outs, ins)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Work:
+        if self._engine:
+            outs = _rows(_raw(output), output_split_sizes, self.size())
+            ins = _rows(_raw(input), input_split_sizes, self.size())
+            return self._run([output], self._engine.all_to_all, outs, ins)
+        return self._run(
+            [output],
+            arendez.all_to_all_single,
+            _raw(output),
+            _raw(input),
+            output_split_sizes or None,
+            input_split_sizes or None,
+        )
+
+    # torch 2.13's Python front end calls these names; they dispatch to a C++ backend by
+    # device, which a Python group has none of, so they are answered here
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts: Any = None) -> Work:
+        if self._engine:
+            return self._run(None, self._engine.barrier)
+        return self._run(None, arendez.barrier)
+
+    # -- point to point (ranks are group ranks) ----------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
+        return self._run(tensors, arendez.send, _raw(tensors[0]), self._global(dst), None, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
+        return self._run(tensors, self._recv, _raw(tensors[0]), self._global(src), tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
+        return self._run(None, self._recv, _raw(tensors[0]), None, tag)
+
+    async def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
+        sender = await arendez.recv(tensor, src, None, tag)
+        return self._ranks.index(sender) if sender in self._ranks else sender
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Destroy the arendez world behind the default group (subgroups just stop)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._engine is None:
+            try:
+                shared.call(self._destroy)
+            finally:
+                stores, _alive[:] = list(_alive), []
+                for store in stores:
+                    store.close()
+
+    abort = shutdown
+
+    async def _destroy(self) -> None:
+        await arendez.destroy_process_group()
+        if self._server is not None:
+            loop = asyncio.get_running_loop()
+            until = loop.time() + _LINGER_SECONDS
+            while _job_in_use(self._server, self._job) and loop.time() < until:
+                await asyncio.sleep(0.02)
+            await self._server.close()
+            self._server = None
+
+
+def _job_in_use(server: Any, job: str) -> bool:
+    found = server.state.jobs.get(job)
+    return bool(found is not None and found.in_use)
+
+
+def _rows(t: torch.Tensor, sizes: list[int], n: int) -> list[torch.Tensor]:
+    rows = t.shape[0] if t.dim() else t.numel()
+    sizes = sizes or [rows // n] * n
+    if len(sizes) != n or sum(sizes) != rows:
+        raise ValueError(f"split sizes {sizes} must be {n} numbers summing to {rows}")
+    parts: tuple[torch.Tensor, ...] = torch.split(t, sizes)
+    return [p.reshape(-1) for p in parts]
+
+
+# -- subgroups: direct exchange over arendez point-to-point ----------------------------------
+_REDUCE: dict[arendez.ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    arendez.ReduceOp.SUM: lambda a, b: a.add_(b),
+    arendez.ReduceOp.AVG: lambda a, b: a.add_(b),
+    arendez.ReduceOp.PRODUCT: lambda a, b: a.mul_(b),
+    arendez.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a),
+    arendez.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
+    arendez.ReduceOp.BAND: lambda a, b: a.bitwise_and_(b),
+    arendez.ReduceOp.BOR: lambda a, b: a.bitwise_or_(b),
+    arendez.ReduceOp.BXOR: lambda a, b: a.bitwise_xor_(b),
+}
+
+
+class _Direct:
+    """Collectives of one subgroup as direct messages between its members, one at a time.
+
+    Every contribution is combined in group-rank order, so all members get identical results.
+    """
+
+    def __init__(self, ranks: list[int], me: int, tag: int) -> None:
+        self.ranks, self.me, self.tag = ranks, me, tag
+        self._lock: asyncio.Lock | None = None
+
+    async def _exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:  # subgroup collectives match by order: one at a time
+            await asyncio.gather(
+                *(arendez.send(t, self.ranks[p], None, self.tag) for p, t in sends.items()),
+                *(arendez.recv(t, self.ranks[p], None, self.tag) for p, t in recvs.items()),
+            )
+
+    def _others(self) -> Iterator[int]:
+        return (p for p in range(len(self.ranks)) if p != self.me)
+
+    def _combine(self, parts: list[torch.Tensor], out: torch.Tensor, op: arendez.ReduceOp) -> None:
+        acc = parts[0].clone()
+        for part in parts[1:]:
+            _REDUCE[op](acc, part)
+        if op is arendez.ReduceOp.AVG:
+            acc.div_(len(parts))
+        out.copy_(acc.view_as(out))
+
+    async def all_reduce(self, t: torch.Tensor, op: arendez.ReduceOp) -> None:
+        flat = t.reshape(-1)
+        parts = [flat if p == self.me else torch.empty_like(flat) for p in range(len(self.ranks))]
+        await self._exchange({p: flat for p in self._others()}, {p: parts[p] for p in self._others()})
+        self._combine(parts, t, op)
+
+    async def reduce(self, t: torch.Tensor, root: int, op: arendez.ReduceOp) -> None:
+        r = self.ranks.index(root)
+        if self.me != r:
+            await self._exchange({r: t}, {})
+            return
+        parts = [t.reshape(-1) if p == r else torch.empty_like(t.reshape(-1)) for p in range(len(self.ranks))]
+        await self._exchange({}, {p: parts[p] for p in self._others()})
+        self._combine(parts, t, op)
+
+    async def reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: arendez.ReduceOp) -> None:
+        parts = [
+            ins[self.me].reshape(-1) if p == self.me else torch.empty_like(out.reshape(-1))
+            for p in range(len(self.ranks))
+        ]
+        await self._exchange({p: ins[p] for p in self._others()}, {p: parts[p] for p in self._others()})
+        self._combine(parts, out, op)
+
+    async def broadcast(self, t: torch.Tensor, root: int) -> None:
+        r = self.ranks.index(root)
+        await self._exchange(
+            {p: t for p in self._others()} if self.me == r else {}, {} if self.me == r else {r: t}
+        )
+
+    async def all_gather(self, outs: list[torch.Tensor], x: torch.Tensor) -> None:
+        outs[self.me].copy_(x.view_as(outs[self.me]))
+        await self._exchange({p: x for p in self._others()}, {p: outs[p] for p in self._others()})
+
+    async def gather(self, x: torch.Tensor, outs: list[torch.Tensor] | None, root: int) -> None:
+        r = self.ranks.index(root)
+        if self.me != r:
+            await self._exchange({r: x}, {})
+            return
+        assert outs is not None
+        outs[r].copy_(x.view_as(outs[r]))
+        await self._exchange({}, {p: outs[p] for p in self._others()})
+
+    async def scatter(self, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> None:
+        r = self.ranks.index(root)
+        if self.me != r:
+            await self._exchange({}, {r: out})
+            return
+        assert ins is not None
+        out.copy_(ins[r].view_as(out))
+        await self._exchange({p: ins[p] for p in self._others()}, {})
+
+    async def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
+        outs[self.me].copy_(ins[self.me].view_as(outs[self.me]))
+        await self._exchange({p: ins[p] for p in self._others()}, {p: outs[p] for p in self._others()})
+
+    async def barrier(self) -> None:
+        flag = torch.zeros(1, dtype=torch.uint8)
+        await self.all_reduce(flag, arendez.ReduceOp.MAX)
+
+
+# -- creation and rendezvous -----------------------------------------------------------------
+def _unwrap(store: Any) -> Any:
+    """The store under torch's ``PrefixStore`` layers."""
+    while isinstance(store, _PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def _host_of(store: Any) -> str:
+    """Where the embedded server should listen: the torch store's host when it has one."""
+    explicit = os.environ.get("ARENDEZ_SERVER_HOST")
+    if explicit:
+        return explicit
+    host = getattr(_unwrap(store), "host", None)
+    if isinstance(host, str) and host:
+        return host
+    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def _create(opts: Any, backend_options: Any = None) -> ProcessGroupArendez:
+    """torch's creator: the default group joins (or hosts) an arendez world; subgroups map onto it."""
+    store, rank, size = opts.store, opts.group_rank, opts.group_size
+    timeout = _seconds(opts.timeout) or 1800.0
+    ranks = list(opts.global_ranks_in_group)
+    if ranks:  # a subgroup: torch calls this on its members only
+        if not arendez.is_initialized():
+            raise RendezvousError("an arendez subgroup needs the default group on the arendez backend")
+        tag = (1 << 40) + int(hashlib.sha1(f"{opts.group_id}|{ranks}".encode()).hexdigest()[:8], 16)
+        return ProcessGroupArendez(rank, size, ranks, tag)
+    pg = ProcessGroupArendez(rank, size, None, 0)
+    base = _unwrap(store)
+    if isinstance(base, ServerStore):
+        url = base.url
+    else:
+        # A store passed in again after destroy still holds the previous URL: every rank counts
+        # itself in, and init k (all its ranks count before any can finish it) reads round k's key.
+        key = f"{_URL_KEY}/{(int(store.add(_URL_KEY + '/joins', 1)) - 1) // size}"
+        if rank == 0:
+            url = shared.call(_host, pg, _host_of(store))
+            store.set(key, url)
+        else:
+            store.wait([key], datetime.timedelta(seconds=timeout))
+            url = store.get(key).decode()
+    try:
+        shared.call(arendez.init_process_group, "tcp", url, world_size=size, rank=rank, timeout=timeout)
+    except BaseException:
+        if pg._server is not None:
+            shared.call(pg._server.close)
+        raise
+    return pg
+
+
+async def _host(pg: ProcessGroupArendez, host: str) -> str:
+    """Start the embedded arendez server for this job on the loop thread; its join URL."""
+    arendez_server = importlib.import_module("arendez_server")  # installed from server/
+    token = secrets.token_hex(16)
+    pg._job = f"torch-{secrets.token_hex(6)}"
+    server = arendez_server.Server(arendez_server.ServerConfig(host=host, port=0, token=token))
+    await server.start()
+    pg._server = server
+    where = f"[{host}]" if ":" in host else host
+    return f"arendez://{token}@{where}:{server.port}/{pg._job}"
+
+
+class ServerStore(_TorchStore):  # type: ignore[misc]
+    """A torch ``Store`` kept in a job's namespace on an arendez server (for ``arendez://``)."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        super().__init__()
+        parsed = urllib.parse.urlsplit(url)
+        if not parsed.hostname or not parsed.port:
+            raise RendezvousError(f"{url!r} needs host and port: arendez://[token@]host:port[/job]")
+        self.url = url
+        self._timeout = timeout
+        token = urllib.parse.unquote(parsed.username) if parsed.username else os.environ.get("ARENDEZ_TOKEN")
+        self._store: Any = shared.call(
+            _open_store, parsed.hostname, parsed.port, parsed.path.strip("/") + "/torch", token, timeout
+        )
+
+    def _call(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        return shared.call(fn, *args)
+
+    def set(self, key: str, value: Any) -> None:
+        self._call(self._store.set, key, bytes(value) if not isinstance(value, str) else value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._call(self._store.get, key, self._timeout))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call(self._store.add, key, amount))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return bytes(self._call(self._store.compare_set, key, bytes(expected), bytes(desired)))
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        self._call(self._store.wait, keys, _seconds(timeout) or self._timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call(self._store.check, keys))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call(self._store.delete, key))
+
+    def num_keys(self) -> int:
+        return int(self._call(self._store.num_keys))
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._timeout = _seconds(timeout) or self._timeout
+
+    def close(self) -> None:
+        """Close the connection to the server (torch stops using the store at destroy)."""
+        shared.call(self._store.close)
+
+
+async def _open_store(host: str, port: int, job: str, token: str | None, timeout: float) -> Any:
+    store = arendez.Store(host, port, job, token=token, timeout=timeout)
+    return await store.connect(timeout)
+
+
+def _arendez_rendezvous(
+    url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30), **kwargs: Any
+) -> Iterator[tuple[Any, int, int]]:
+    """torch rendezvous handler for ``arendez://[token@]host:port[/job]`` (torch appends
+    ``?rank=R&world_size=N`` when they are given; else ``RANK`` / ``WORLD_SIZE``)."""
+    parsed = urllib.parse.urlsplit(url)
+    query = dict(urllib.parse.parse_qsl(parsed.query))
+    try:
+        rank = int(query.get("rank", os.environ.get("RANK", "-1")))
+        world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
+    except ValueError:
+        raise RendezvousError(f"{url}: rank and world_size must be integers") from None
+    if rank < 0 or world_size < 1:
+        raise RendezvousError(f"{url} needs rank and world_size (arguments or RANK / WORLD_SIZE)")
+    store = ServerStore(urllib.parse.urlunsplit(parsed._replace(query="")), timeout.total_seconds())
+    _alive.append(store)  # torch keeps only the C++ half: the Python half must outlive this frame
+    yield store, rank, world_size
+    raise RendezvousError("arendez:// does not re-rendezvous")
+
+
+def register() -> None:
+    """Register backend ``"arendez"`` (CPU) and the ``arendez://`` init method with torch."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    rendezvous: Any = importlib.import_module("torch.distributed.rendezvous")
+    rendezvous.register_rendezvous_handler("arendez", _arendez_rendezvous)
+
+
+register()
+
+__all__ = ["BACKEND", "ProcessGroupArendez", "ServerStore", "Work", "register"]

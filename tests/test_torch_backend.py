@@ -1,0 +1,125 @@
+"""torch.distributed backend "arendez" with real rank processes (see ``tests/torch_ranks.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.harness import PY, RankResult, collect, popen, wait_for_files  # noqa: E402
+from tests.torch_ranks import batch, mlp, train_step  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(name: str, ws: int, init: str, *args: Any, env: dict[str, str] | None = None) -> list[Any]:
+    procs = []
+    for rank in range(ws):
+        extra = dict(env or {})
+        if init == "env://":
+            extra.update(RANK=str(rank), WORLD_SIZE=str(ws))
+        argv = [PY, "-m", "tests.torch_ranks", name, str(rank), str(ws), init, json.dumps(list(args))]
+        procs.append(popen(argv, extra))
+    return procs
+
+
+def _run(name: str, ws: int, init: str, *args: Any, env: dict[str, str] | None = None) -> list[Any]:
+    results = collect(_spawn(name, ws, init, *args, env=env), 90)
+    for res in results:
+        assert res.returncode == 0, f"rank {res.rank} exited {res.returncode}:\n{res.stderr[-4000:]}"
+    return [res.value for res in results]
+
+
+def _reference(ws: int, steps: int) -> list[list[float]]:
+    """One process training on the ranks' batches concatenated."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        xs, ys = zip(*(batch(step, r) for r in range(ws)), strict=True)
+        train_step(model, opt, torch.cat(xs), torch.cat(ys))
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ws", [2, 4])
+def test_ddp_matches_single_process_reference(ws: int) -> None:
+    steps = 4
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    # small buckets, so a step runs several all_reduces in flight from DDP's autograd hooks
+    results = _run("ddp", ws, "env://", steps, 0.01, env=env)
+    params = [r["params"] for r in results]
+    for other in params[1:]:
+        assert other == params[0], "ranks ended with different parameters"
+    want = _reference(ws, steps)
+    for got, ref in zip(params[0], want, strict=True):
+        assert torch.allclose(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_every_collective_matches_numpy_including_a_subgroup() -> None:
+    ws = 3
+    done = _run("collectives", ws, f"tcp://127.0.0.1:{_free_port()}")
+    every = [
+        "all_reduce", "async_work_and_future", "all_reduce_coalesced", "broadcast", "reduce",
+        "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
+        "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "send_recv",
+        "object_collectives",
+    ]  # fmt: skip
+    assert done[1] == every  # rank 1 is not in the subgroup [0, 2]
+    for rank in (0, 2):
+        assert done[rank] == every + [f"sub:{name}" for name in every]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("init", ["arendez", "store"])
+def test_init_through_an_arendez_server_or_a_torch_store(init: str, arendez_server: Any) -> None:
+    """``arendez://host:port/job`` joins a standalone server; a passed TCPStore gets an embedded one."""
+    if init == "arendez":
+        method, env = f"{arendez_server.url}/torch-{os.getpid()}", None
+    else:
+        method, env = "store", {"TEST_STORE_PORT": str(_free_port())}
+    results = _run("ddp", 2, method, 2, 25.0, env=env)
+    assert results[0]["params"] == results[1]["params"]
+    want = _reference(2, 2)
+    assert torch.allclose(torch.tensor(results[0]["params"][0]), torch.tensor(want[0]), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.timeout(90)
+def test_reinit_after_destroy_with_the_same_store() -> None:
+    """Each init through one store gets its own embedded server, never the last round's URL."""
+    ws, rounds = 2, 3
+    results = _run("reinit_with_one_store", ws, "store", rounds, env={"TEST_STORE_PORT": str(_free_port())})
+    want = [float(sum(r + i for r in range(ws))) for i in range(rounds)]
+    assert results == [want] * ws
+
+
+@pytest.mark.timeout(90)
+def test_kill_9_during_ddp_fails_every_survivor_within_3s(tmp_path: Any) -> None:
+    ws, victim = 3, 1
+    procs = _spawn("ddp_until_failure", ws, f"tcp://127.0.0.1:{_free_port()}", str(tmp_path))
+    try:
+        wait_for_files(tmp_path, "ready-*", ws, timeout=60)
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        killed_at = time.time()
+        survivors: list[RankResult] = collect([p for r, p in enumerate(procs) if r != victim], 30)
+    finally:
+        procs[victim].kill()
+        procs[victim].wait()
+    for res in survivors:
+        assert res.returncode == 0, res.stderr[-3000:]
+        out = res.value
+        assert out["at"] is not None, out
+        assert out["runtime"], out  # a RuntimeError (subclass) through torch's reducer
+        assert f"rank {victim}" in out["message"], out
+        assert out["at"] - killed_at < 3.0, f"detected after {out['at'] - killed_at:.2f}s: {out}"

@@ -1,0 +1,301 @@
+"""Rank programs for the torch backend tests: ``python -m tests.torch_ranks NAME RANK WS INIT ARGS``.
+
+Each rank prints ``RESULT <json>`` as its last line (see ``tests.harness.RankResult``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import arendez.torch  # noqa: F401 - registers the backend
+
+SCENARIOS: dict[str, Callable[..., Any]] = {}
+
+
+def scenario(fn: Callable[..., Any]) -> Callable[..., Any]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def _init(rank: int, ws: int, init: str) -> None:
+    if init == "store":  # a torch TCPStore passed in; the backend derives its rendezvous through it
+        port = int(os.environ["TEST_STORE_PORT"])
+        store = dist.TCPStore("127.0.0.1", port, ws, rank == 0, timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group("arendez", store=store, rank=rank, world_size=ws)
+    elif init == "env://":
+        dist.init_process_group("arendez")  # RANK / WORLD_SIZE / MASTER_* from the environment
+    else:
+        dist.init_process_group(
+            "arendez", init_method=init, rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=30)
+        )
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 4),
+    )
+
+
+def batch(step: int, rank: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+@scenario
+def ddp(rank: int, ws: int, init: str, steps: int, bucket_mb: float) -> dict[str, Any]:
+    _init(rank, ws, init)
+    model = mlp()
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        train_step(ddp_model, opt, *batch(step, rank))
+    dist.destroy_process_group()
+    return {"params": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
+
+
+@scenario
+def reinit_with_one_store(rank: int, ws: int, init: str, rounds: int) -> list[float]:
+    """The same torch store passed to init_process_group again after each destroy."""
+    port = int(os.environ["TEST_STORE_PORT"])
+    store = dist.TCPStore("127.0.0.1", port, ws, rank == 0, timeout=datetime.timedelta(seconds=30))
+    sums = []
+    for i in range(rounds):
+        dist.init_process_group("arendez", store=store, rank=rank, world_size=ws)
+        t = torch.full((3,), float(rank + i))
+        dist.all_reduce(t)
+        sums.append(float(t[0]))
+        dist.destroy_process_group()
+    return sums
+
+
+@scenario
+def ddp_until_failure(rank: int, ws: int, init: str, marks: str) -> dict[str, Any]:
+    _init(rank, ws, init)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(mlp())
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
+    deadline = time.monotonic() + 30
+    step = 0
+    try:
+        while time.monotonic() < deadline:
+            train_step(ddp_model, opt, *batch(step, rank))
+            step += 1
+            if step == 3:
+                Path(marks, f"ready-{rank}").touch()
+            time.sleep(0.005)
+    except Exception as exc:
+        return {
+            "at": time.time(),
+            "type": type(exc).__name__,
+            "runtime": isinstance(exc, RuntimeError),
+            "message": str(exc),
+        }
+    return {"at": None, "type": None, "message": "training never failed"}
+
+
+def _np(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    return t.numpy().copy()
+
+
+def contribution(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    values = (np.arange(n) * 7 + rank * 13 + salt) % 11 + 1
+    return torch.from_numpy(values.astype(np.float64)).to(dtype)
+
+
+def _same(got: torch.Tensor, want: np.ndarray[Any, Any], what: str) -> None:
+    if not np.allclose(got.to(torch.float64).numpy(), want.astype(np.float64), rtol=1e-5):
+        raise AssertionError(f"{what}: got {got.tolist()} want {want.tolist()}")
+
+
+@scenario
+def collectives(rank: int, ws: int, init: str) -> list[str]:
+    """Every torch.distributed collective, checked against numpy on every rank."""
+    _init(rank, ws, init)
+    done = _every(rank, ws, list(range(ws)), None)
+    sub_ranks = [0, ws - 1]
+    sub = dist.new_group(sub_ranks, backend="arendez")
+    if rank in sub_ranks:
+        done += [f"sub:{name}" for name in _every(rank, ws, sub_ranks, sub)]
+    dist.barrier()
+    dist.destroy_process_group()
+    return done
+
+
+def _every(rank: int, ws: int, ranks: list[int], group: Any) -> list[str]:
+    done: list[str] = []
+    n = len(ranks)
+    me = ranks.index(rank)
+    parts = [_np(contribution(r, 10, torch.float32)) for r in ranks]
+    # all_reduce, every op torch names (AVG too: gloo lacks it), sync and async
+    for op, fn in [
+        (dist.ReduceOp.SUM, np.sum),
+        (dist.ReduceOp.PRODUCT, np.prod),
+        (dist.ReduceOp.MIN, np.min),
+        (dist.ReduceOp.MAX, np.max),
+        (dist.ReduceOp.AVG, np.mean),
+    ]:
+        t = contribution(rank, 10, torch.float32)
+        dist.all_reduce(t, op=op, group=group)
+        _same(t, fn(np.stack(parts), axis=0), f"all_reduce {op}")
+    ints = [_np(contribution(r, 10, torch.int64)).astype(np.int64) for r in ranks]
+    for op, ufunc in [
+        (dist.ReduceOp.BAND, np.bitwise_and),
+        (dist.ReduceOp.BOR, np.bitwise_or),
+        (dist.ReduceOp.BXOR, np.bitwise_xor),
+    ]:
+        t = contribution(rank, 10, torch.int64)
+        dist.all_reduce(t, op=op, group=group)
+        _same(t, ufunc.reduce(np.stack(ints), axis=0), f"all_reduce {op}")
+    done.append("all_reduce")
+    t = contribution(rank, 10, torch.float32)
+    work = dist.all_reduce(t, group=group, async_op=True)
+    assert work is not None
+    assert work.wait(timeout=datetime.timedelta(seconds=20)) is True
+    _same(t, np.sum(parts, axis=0), "async all_reduce")
+    t2 = contribution(rank, 10, torch.float32)
+    fut = dist.all_reduce(t2, group=group, async_op=True).get_future()
+    value = fut.wait()
+    _same(value[0], np.sum(parts, axis=0), "all_reduce future value")
+    done.append("async_work_and_future")
+    pair = [contribution(rank, 5, torch.float32), contribution(rank, 3, torch.float32, 1)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch plans to deprecate it; gloo has it
+        dist.all_reduce_coalesced(pair, group=group)
+    _same(pair[0], np.sum([_np(contribution(r, 5, torch.float32)) for r in ranks], axis=0), "coalesced 0")
+    _same(pair[1], np.sum([_np(contribution(r, 3, torch.float32, 1)) for r in ranks], axis=0), "coalesced 1")
+    done.append("all_reduce_coalesced")
+    root = ranks[-1]
+    t = contribution(rank, 10, torch.float32)
+    dist.broadcast(t, src=root, group=group)
+    _same(t, parts[-1], "broadcast")
+    b = torch.full((4,), float(rank), dtype=torch.bfloat16)
+    dist.broadcast(b, src=root, group=group)
+    assert b.tolist() == [float(root)] * 4, f"bfloat16 broadcast {b.tolist()}"
+    done.append("broadcast")
+    t = contribution(rank, 10, torch.float32)
+    dist.reduce(t, dst=root, op=dist.ReduceOp.MAX, group=group)
+    if rank == root:
+        _same(t, np.max(parts, axis=0), "reduce")
+    done.append("reduce")
+    mine = contribution(rank, 10, torch.float32)
+    outs = [torch.empty(10) for _ in ranks]
+    dist.all_gather(outs, mine, group=group)
+    for i in range(n):
+        _same(outs[i], parts[i], f"all_gather {i}")
+    flat = torch.empty(10 * n)
+    dist.all_gather_into_tensor(flat, mine, group=group)
+    _same(flat, np.concatenate(parts), "all_gather_into_tensor")
+    done += ["all_gather", "all_gather_into_tensor"]
+    gathered = [torch.empty(10) for _ in ranks] if rank == root else None
+    dist.gather(mine, gathered, dst=root, group=group)
+    if gathered is not None:
+        for i in range(n):
+            _same(gathered[i], parts[i], f"gather {i}")
+    done.append("gather")
+    out = torch.empty(10)
+    pieces = [contribution(r, 10, torch.float32, 5) for r in ranks] if rank == root else None
+    dist.scatter(out, pieces, src=root, group=group)
+    _same(out, _np(contribution(rank, 10, torch.float32, 5)), "scatter")
+    done.append("scatter")
+    blocks = [contribution(rank, 4, torch.float32, j) for j in range(n)]
+    out = torch.empty(4)
+    dist.reduce_scatter(out, blocks, group=group)
+    _same(out, np.sum([_np(contribution(r, 4, torch.float32, me)) for r in ranks], axis=0), "reduce_scatter")
+    big = torch.cat(blocks)
+    out = torch.empty(4)
+    dist.reduce_scatter_tensor(out, big, group=group)
+    _same(out, np.sum([_np(contribution(r, 4, torch.float32, me)) for r in ranks], axis=0), "rs_tensor")
+    done += ["reduce_scatter", "reduce_scatter_tensor"]
+    ins = [contribution(rank, 3, torch.float32, j) for j in range(n)]
+    outs = [torch.empty(3) for _ in ranks]
+    dist.all_to_all(outs, ins, group=group)
+    for i, r in enumerate(ranks):
+        _same(outs[i], _np(contribution(r, 3, torch.float32, me)), f"all_to_all {i}")
+    single_in = torch.cat(ins)
+    single_out = torch.empty(3 * n)
+    dist.all_to_all_single(single_out, single_in, group=group)
+    _same(
+        single_out, np.concatenate([_np(contribution(r, 3, torch.float32, me)) for r in ranks]), "a2a single"
+    )
+    # uneven splits: rank i sends i+1 rows to everyone
+    rows_in = torch.full((n * (me + 1), 2), float(rank))
+    rows_out = torch.empty(sum(i + 1 for i in range(n)), 2)
+    dist.all_to_all_single(rows_out, rows_in, [i + 1 for i in range(n)], [me + 1] * n, group=group)
+    want = np.concatenate([np.full((i + 1, 2), float(r)) for i, r in enumerate(ranks)])
+    _same(rows_out, want, "a2a single uneven")
+    done += ["all_to_all", "all_to_all_single"]
+    dist.barrier(group=group)
+    done.append("barrier")
+    # point to point: a ring of send/recv, isend/irecv, batch_isend_irecv, recv from any source
+    right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
+    if n > 1:
+        got = torch.empty(6)
+        ops = [
+            dist.P2POp(dist.isend, contribution(rank, 6, torch.float32), right, group=group),
+            dist.P2POp(dist.irecv, got, left, group=group),
+        ]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        _same(got, _np(contribution(left, 6, torch.float32)), "batch_isend_irecv")
+        got = torch.empty(6)
+        send = dist.isend(contribution(rank, 6, torch.float32, 2), right, group=group)
+        recv = dist.irecv(got, left, group=group)
+        send.wait()
+        recv.wait()
+        _same(got, _np(contribution(left, 6, torch.float32, 2)), "isend/irecv")
+        if me == 0:
+            for _ in range(n - 1):
+                got = torch.empty(2)
+                sender = dist.recv(got, group=group)
+                assert got.tolist() == [float(sender)] * 2, (sender, got.tolist())
+        else:
+            dist.send(torch.full((2,), float(rank)), ranks[0], group=group)
+        done.append("send_recv")
+    objs: list[Any] = [None] * n
+    dist.all_gather_object(objs, {"rank": rank, "s": "x" * rank}, group=group)
+    assert objs == [{"rank": r, "s": "x" * r} for r in ranks], objs
+    lst: list[Any] = [rank, "from"] if rank == root else [None, None]
+    dist.broadcast_object_list(lst, src=root, group=group)
+    assert lst == [root, "from"], lst
+    gl: list[Any] | None = [None] * n if rank == root else None
+    dist.gather_object(("g", rank), gl, dst=root, group=group)
+    if gl is not None:
+        assert gl == [("g", r) for r in ranks], gl
+    so: list[Any] = [None]
+    dist.scatter_object_list(so, [("s", r) for r in ranks] if rank == root else None, src=root, group=group)
+    assert so == [("s", rank)], so
+    done.append("object_collectives")
+    return done
+
+
+def main() -> None:
+    name, rank, ws, init, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    torch.set_num_threads(1)
+    result = SCENARIOS[name](rank, ws, init, *json.loads(args))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
