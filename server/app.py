@@ -192,7 +192,9 @@ class Server:
         fds = raise_fd_limit() if cfg.raise_fd_limit else fd_limit()
         if cfg.max_connections > fds - FD_RESERVE:
             self.max_connections = max(1, fds - FD_RESERVE)
-            log.warning(
+            # only news when the operator asked for more (the standalone server); an embedded
+            # server just fits the process it lives in
+            (log.warning if cfg.raise_fd_limit else log.debug)(
                 "open-file limit %d admits %d connections, not --max-connections %d",
                 fds,
                 self.max_connections,
