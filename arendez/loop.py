@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import atexit
+import contextlib
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger("arendez")
+
+#: How long the exit of a process may spend closing a world it left up (``LoopThread.stop``).
+EXIT_SECONDS = 2.0
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
@@ -113,7 +122,27 @@ class LoopThread:
                 self._thread.start()
                 ready.wait()
                 self._loop = loop
+                atexit.register(self.stop)
             return self._loop
+
+    def stop(self, timeout: float = EXIT_SECONDS) -> None:
+        """Wind the loop down before the interpreter does (runs at exit): a world still up is
+        closed (with one warning that ``destroy_process_group`` was not called), the tasks left
+        are cancelled, the loop stops and its thread ends, all within ``timeout``.
+
+        A daemon thread that the interpreter freezes mid-call into a C++ library (torch's
+        futures) can crash the exiting process; stopping it first makes the exit clean.
+        """
+        with self._lock:
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive() or self.in_loop_thread():
+            return
+        deadline = time.monotonic() + timeout
+        wound = asyncio.run_coroutine_threadsafe(_wind_down(timeout), loop)
+        with contextlib.suppress(Exception):
+            wound.result(max(0.0, deadline - time.monotonic()))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(max(0.0, deadline - time.monotonic()))
 
     def in_loop_thread(self) -> bool:
         """True when called from the loop thread itself (where blocking would deadlock)."""
@@ -141,6 +170,22 @@ class LoopThread:
         """Run ``fn(*args, **kwargs)`` on the loop and block until it returns (or re-raise)."""
         result: T = self.start(fn, args, kwargs).result()
         return result
+
+
+async def _wind_down(timeout: float) -> None:
+    from . import registry  # (imported late: loop.py sits below the API)
+    from .lifecycle import destroy_process_group
+
+    if registry.world_or_none() is not None:
+        log.warning("the process exits with its process group up: destroy_process_group() was not called")
+        with contextlib.suppress(Exception):
+            await destroy_process_group(timeout=timeout / 2)
+    me = asyncio.current_task()
+    rest = [task for task in asyncio.all_tasks() if task is not me]
+    for task in rest:
+        task.cancel()
+    if rest:
+        await asyncio.wait(rest, timeout=timeout / 4)
 
 
 def _begin(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
