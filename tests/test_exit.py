@@ -1,0 +1,37 @@
+"""A process that ends with its world still up closes it quietly: one warning that destroy was not
+called, a goodbye to its peers, and no failure alarm on any of them."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from tests.harness import ROOT, collect, popen
+
+SCRIPT = str(ROOT / "tests" / "scripts" / "exit_without_destroy.py")
+NOT_DESTROYED = "destroy_process_group() was not called"
+ALARMS = ("lost the store", "connection lost", "RankFailedError", "Traceback", "declared failed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ending", ["normal", "raise"])
+def test_exit_without_destroy_is_quiet_and_bounded(ending: str) -> None:
+    world, port = 3, str(_free_port())
+    extra = ["raise"] if ending == "raise" else []
+    procs = [popen([sys.executable, SCRIPT, str(r), str(world), port, *extra]) for r in range(world)]
+    results = collect(procs, 30)
+    for res in results:
+        want = 1 if ending == "raise" and res.rank == world - 1 else 0
+        assert res.returncode == want, res.stderr[-2000:]
+        assert f"rank {res.rank} sum 6" in res.stdout
+        assert res.stderr.count(NOT_DESTROYED) == 1, res.stderr[-2000:]
+        alarms = [line for line in res.stderr.splitlines() if any(a in line for a in ALARMS)]
+        assert not alarms, f"rank {res.rank}: {alarms}"
