@@ -26,6 +26,9 @@ _SCRATCH = 64 * 1024
 #: Bytes read at once between payloads: a small frame whole, little of a large payload.
 HEADER_READ = 4096
 
+#: The payload of a frame whose bytes were thrown away (``Decoder.divert``).
+DIVERTED = memoryview(b"")
+
 _packer = msgpack.Packer(use_bin_type=True)
 
 
@@ -77,6 +80,8 @@ class Decoder:
         self._header: Any = None
         self._dest: memoryview | None = None
         self._got = 0
+        self._discard_left = 0  # bytes of a diverted payload still to read and throw away
+        self._discard: memoryview | None = None
 
     def set_sink(self, sink: Sink) -> None:
         """Route future payloads through ``sink``."""
@@ -92,6 +97,17 @@ class Decoder:
         if self._header is not None:  # a payload is arriving: its header was read unparsed
             self._header = parse(self._header)
 
+    def divert(self, should: Callable[[Any, memoryview], bool]) -> memoryview | None:
+        """If a payload is arriving and ``should(header, buffer)`` for it, read its remaining
+        bytes into a throwaway buffer and return the buffer it was landing in (else None): that
+        buffer is never written again. The frame still completes, with an empty payload
+        (``DIVERTED``), so the stream and whoever counts frames stay in step."""
+        if self._dest is None or not should(self._header, self._dest):
+            return None
+        dest, self._dest = self._dest, None
+        self._discard_left = dest.nbytes - self._got
+        return dest
+
     def get_buffer(self) -> memoryview:
         """Where the next bytes from the stream should be written.
 
@@ -101,6 +117,10 @@ class Decoder:
         """
         if self._dest is not None:
             return self._dest[self._got :]
+        if self._discard_left:
+            if self._discard is None:
+                self._discard = memoryview(bytearray(_SCRATCH))
+            return self._discard[: min(self._discard_left, _SCRATCH)]
         want = HEADER_READ
         if self._filled >= PREFIX.size:  # _parse already checked this length against the limit
             hlen, _ = PREFIX.unpack_from(self._view, 0)
@@ -115,6 +135,12 @@ class Decoder:
     def feed(self, nbytes: int) -> list[tuple[Any, memoryview | None]]:
         """Account for ``nbytes`` written into the last buffer; return the completed frames."""
         frames: list[tuple[Any, memoryview | None]] = []
+        if self._discard_left:
+            self._discard_left -= nbytes
+            if not self._discard_left:
+                frames.append((self._header, DIVERTED))
+                self._header = None
+            return frames
         if self._dest is not None:
             self._got += nbytes
             if self._got < len(self._dest):
