@@ -301,7 +301,8 @@ class ProcessGroup:
             timer.cancel()
             del self.active[seq]
             if op.error is not None:  # what is still arriving for it must not land in its buffers
-                self.world.divert(lambda h, _: isinstance(h, frames.Data) and h.gid == self.gid and h.seq == seq)
+                gid = self.gid
+                self.world.divert(lambda h, _: isinstance(h, frames.Data) and h.gid == gid and h.seq == seq)
             self.world.mail.close(op.keys)  # (what came but was never taken is given back)
             op.release_all()
             if not op.done.done():
