@@ -107,12 +107,13 @@ def test_issue_scenario_inproc(inproc_join: None) -> None:
 def test_cancel_one_of_eight_concurrent_inproc(inproc_join: None) -> None:
     r0, r1 = _inproc(jobs.cancel_one_of_eight)
     expected = ["ok"] * 8
-    assert r0 == expected[:3] + ["CancelledError"] + expected[4:]
-    assert r1 == expected[:3] + ["CollectiveCancelledError"] + expected[4:]
+    assert r0 == [*expected[:3], "CancelledError", *expected[4:]]
+    assert r1 == [*expected[:3], "CollectiveCancelledError", *expected[4:]]
 
 
 def test_cancel_at_random_points_inproc(inproc_join: None) -> None:
     outcomes = _inproc(jobs.cancel_at_random, 1 << 20, 6, 1)
+    assert outcomes[0][0] == "cancelled", outcomes  # (rank 1 may have had all it needed)
     assert all(o in ("completed", "cancelled", "peer cancelled") for r in outcomes for o in r)
 
 
@@ -126,16 +127,27 @@ def test_issue_scenario_over_tcp(arendez_server: Any) -> None:
 
 
 @pytest.mark.parametrize("env", [TCP, SHM], ids=["tcp", "shm"])
-@pytest.mark.parametrize("nbytes,rounds", [(1 << 20, 6), (64 << 20, 2)], ids=["1MiB", "64MiB"])
-def test_cancel_at_random_points(arendez_server: Any, env: dict[str, str], nbytes: int, rounds: int) -> None:
-    url = f"{arendez_server.url}/cancel-random-{nbytes}-{env['ARENDEZ_SHM']}"
-    r0, r1 = run_processes(jobs.cancel_at_random, 2, url, nbytes, rounds, 7, env=env, timeout=90)
-    for mine, theirs in zip(r0, r1, strict=True):  # a cancel that came too late changes nothing
-        assert (mine, theirs) in {
+@pytest.mark.parametrize(
+    "collective,nbytes,rounds",
+    [("all_reduce", 1 << 20, 6), ("all_reduce", 64 << 20, 2), ("broadcast", 64 << 20, 3)],
+    ids=["all_reduce-1MiB", "all_reduce-64MiB", "broadcast-64MiB"],
+)
+def test_cancel_at_random_points(
+    arendez_server: Any, env: dict[str, str], collective: str, nbytes: int, rounds: int
+) -> None:
+    url = f"{arendez_server.url}/cancel-{collective}-{nbytes}-{env['ARENDEZ_SHM']}"
+    results = run_processes(jobs.cancel_at_random, 2, url, nbytes, rounds, 7, collective, env=env, timeout=90)
+    canceller = 0 if collective == "all_reduce" else 1
+    mine, theirs = results[canceller], results[1 - canceller]
+    assert mine[0] == "cancelled", results  # (round 0 cancels at once)
+    if nbytes > 8 << 20:  # too large to be over before the cancel: the peer was still in it
+        assert "peer cancelled" in theirs, results
+    for a, b in zip(mine, theirs, strict=True):  # a cancel that came too late changes nothing
+        assert (a, b) in {
             ("completed", "completed"),
             ("cancelled", "peer cancelled"),
-            ("cancelled", "completed"),  # rank 1 had all it needed before the cancel
-        }, (r0, r1)
+            ("cancelled", "completed"),  # the peer had done its part before the cancel
+        }, results
 
 
 def test_cancel_one_of_eight_concurrent_over_tcp(arendez_server: Any) -> None:

@@ -49,29 +49,39 @@ async def issue_scenario(rank: int, ws: int, url: str) -> dict[str, Any]:
     return out
 
 
-async def cancel_at_random(rank: int, ws: int, url: str, nbytes: int, rounds: int, seed: int) -> dict[str, Any]:
-    """Rank 0 cancels its all_reduce of ``nbytes`` at a random point, ``rounds`` times; after
-    each, both ranks fill the cancelled buffer with a sentinel, run two exact collectives (one
-    as large), and check the sentinel is intact (nothing landed after the cancel returned)."""
+async def cancel_at_random(
+    rank: int, ws: int, url: str, nbytes: int, rounds: int, seed: int, collective: str = "all_reduce"
+) -> list[str]:
+    """One rank cancels its collective over ``nbytes`` at a random point, ``rounds`` times: the
+    ``all_reduce`` of rank 0, or rank 1's receive of rank 0's ``broadcast`` (the cancel lands
+    while the payload streams into rank 1's buffer). After each, both ranks fill the cancelled
+    buffer with a sentinel, run two exact collectives (one as large) and check the sentinel is
+    intact: nothing landed in it after the cancel returned."""
     await join(url, ws, rank)
     rng = random.Random(seed * 10 + rank)
+    canceller = 0 if collective == "all_reduce" else 1
     n = nbytes // 4
     outcomes = []
     for i in range(rounds):
         x = np.full(n, float(rank + 1), np.float32)
-        task = asyncio.get_running_loop().create_task(dist.all_reduce(x))
-        if rank == 0:
-            await asyncio.sleep(rng.uniform(0.0, 0.15 if nbytes > 8 << 20 else 0.01))
+        if collective == "all_reduce":
+            call, expected = dist.all_reduce(x), 3.0
+        else:
+            call, expected = dist.broadcast(x, src=0), 1.0
+        task = asyncio.get_running_loop().create_task(call)
+        if rank == canceller:
+            delay = rng.uniform(0.0, 0.15 if nbytes > 8 << 20 else 0.003)
+            await asyncio.sleep(0.0 if i == 0 else delay)  # round 0: cancelled mid-way for sure
             task.cancel()
         try:
             await task
             outcome = "completed"
-            assert float(x[0]) == float(x[-1]) == 3.0, (i, float(x[0]), float(x[-1]))
+            assert float(x[0]) == float(x[-1]) == expected, (i, float(x[0]), float(x[-1]))
         except asyncio.CancelledError:
             outcome = "cancelled"
-            assert rank == 0
+            assert rank == canceller
         except dist.CollectiveCancelledError as exc:
-            assert exc.rank == 0 and exc.collective == "all_reduce", exc
+            assert exc.rank == canceller and exc.collective == collective, exc
             outcome = "peer cancelled"
         x.fill(SENTINEL)  # the cancelled collective's buffer: nothing may write it from now on
         big = np.full(n, float(rank + 1 + i), np.float32)
