@@ -23,6 +23,7 @@ PREFIX = struct.Struct("<IQ")
 #: Largest payload one frame may carry; bigger messages are split by the sender.
 MAX_SEGMENT = (1 << 30) - 1
 _SCRATCH = 64 * 1024
+_DISCARD = 1 << 20  # what a diverted payload's bytes are read into (and forgotten), at once
 #: Bytes read at once between payloads: a small frame whole, little of a large payload.
 HEADER_READ = 4096
 
@@ -119,8 +120,8 @@ class Decoder:
             return self._dest[self._got :]
         if self._discard_left:
             if self._discard is None:
-                self._discard = memoryview(bytearray(_SCRATCH))
-            return self._discard[: min(self._discard_left, _SCRATCH)]
+                self._discard = memoryview(bytearray(_DISCARD))
+            return self._discard[: min(self._discard_left, _DISCARD)]
         want = HEADER_READ
         if self._filled >= PREFIX.size:  # _parse already checked this length against the limit
             hlen, _ = PREFIX.unpack_from(self._view, 0)
