@@ -98,15 +98,21 @@ class Decoder:
         if self._header is not None:  # a payload is arriving: its header was read unparsed
             self._header = parse(self._header)
 
-    def divert(self, should: Callable[[Any, memoryview], bool]) -> memoryview | None:
-        """If a payload is arriving and ``should(header, buffer)`` for it, read its remaining
-        bytes into a throwaway buffer and return the buffer it was landing in (else None): that
-        buffer is never written again. The frame still completes, with an empty payload
-        (``DIVERTED``), so the stream and whoever counts frames stay in step."""
+    def divert(self, should: Callable[[Any, memoryview], bool], *, keep: bool = False) -> memoryview | None:
+        """If a payload is arriving and ``should(header, buffer)`` for it, stop writing that
+        buffer and return it (else None): it is never written again. The remaining bytes are read
+        into a throwaway buffer and the frame completes with an empty payload (``DIVERTED``), or,
+        with ``keep``, into a fresh buffer (what came so far is copied there) that the frame
+        completes with. Either way the stream, and whoever counts frames, stay in step."""
         if self._dest is None or not should(self._header, self._dest):
             return None
         dest, self._dest = self._dest, None
-        self._discard_left = dest.nbytes - self._got
+        if keep:
+            fresh = memoryview(cast(Any, np.empty(dest.nbytes, np.uint8))).cast("B")
+            fresh[: self._got] = dest[: self._got]
+            self._dest = fresh
+        else:
+            self._discard_left = dest.nbytes - self._got
         return dest
 
     def get_buffer(self) -> memoryview:

@@ -151,20 +151,27 @@ class World:
         finally:
             self.p2p.cancel(fut)
             if not fut.done() or fut.cancelled() or fut.exception() is not None:
-                # given up (timeout, cancel): a payload still arriving into ``out`` goes nowhere
-                self.divert(lambda h, dest: isinstance(h, frames.P2P) and dest.obj is out.obj)
+                # given up (timeout, cancel): a message streaming into ``out`` lands elsewhere
+                # and is left for the next recv, as one that had not started to arrive
+                pick = lambda h, dest: isinstance(h, frames.P2P) and dest.obj is out.obj  # noqa: E731
+                for peer in self.divert(pick, keep=True):
+                    self.p2p.unclaim(peer, fut)
 
-    def divert(self, should: Callable[[Any, memoryview], bool]) -> None:
+    def divert(self, should: Callable[[Any, memoryview], bool], *, keep: bool = False) -> list[int]:
         """A receive gave up: the payload now arriving on any link whose header and buffer
-        ``should`` picks has its remaining bytes thrown away (``wire.Decoder.divert``)."""
+        ``should`` picks no longer lands in that buffer (``wire.Decoder.divert``); return the
+        peers whose payload was diverted."""
+        peers: list[int] = []
         if self.mesh is None:
-            return
-        for conn in list(self.mesh.conns.values()):
-            landing = conn.divert(should)
-            if landing is not None:  # a pool buffer it took goes back to the pool
-                pooled = self._pooled.pop(id(landing.obj), None)
+            return peers
+        for peer, conn in list(self.mesh.conns.items()):
+            landing = conn.divert(should, keep=keep)
+            if landing is not None:
+                peers.append(peer)
+                pooled = self._pooled.pop(id(landing.obj), None)  # a pool buffer goes back
                 if pooled is not None:
                     self.pool.give(pooled)
+        return peers
 
     def say_goodbye(self) -> None:
         """Tell every peer this rank leaves, and which ranks it saw fail."""

@@ -54,6 +54,19 @@ def test_divert_keeps_the_stream_in_step_and_never_writes_the_buffer_again() -> 
     assert got[0][1] is wire.DIVERTED and bytes(got[1][1] or b"") == b"abc"
 
 
+def test_divert_keep_moves_the_payload_to_a_fresh_buffer() -> None:
+    user = np.zeros(300_000, np.uint8)
+    decoder = wire.Decoder(sink=lambda h, n: memoryview(user))
+    payload = (bytes(range(1, 256)) * 1200)[:300_000]
+    frame = _frame("p2p", payload)
+    _feed(decoder, frame[:150_000], 5000)
+    written = user.copy()
+    assert decoder.divert(lambda h, dest: True, keep=True) is not None
+    got = _feed(decoder, frame[150_000:], 5000)
+    assert np.array_equal(user, written)
+    assert got[0][0] == "p2p" and got[0][1] is not None and bytes(got[0][1]) == payload
+
+
 def test_divert_leaves_other_payloads_alone() -> None:
     decoder = wire.Decoder()
     frame = _frame("other", bytes(200_000))
@@ -167,3 +180,9 @@ def test_cancelled_destroy_still_closes_within_its_timeout(arendez_server: Any) 
     assert r0["pending"] == "GroupDestroyedError"
     assert r0["destroy_seconds"] < 5.0  # its own timeout is 2 s
     assert "destroyed its process group" in r1["reason"], r1
+
+
+def test_cancelled_recv_mid_payload_over_tcp(arendez_server: Any) -> None:
+    url = f"{arendez_server.url}/cancel-recv"
+    _, seen = run_processes(jobs.cancel_recv, 2, url, 64 << 20, env=TCP)
+    assert seen[0] == "gave up", seen  # 64 MiB do not cross loopback in 10 ms

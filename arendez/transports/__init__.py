@@ -30,7 +30,7 @@ class Link(Protocol):
 
     def drain_future(self) -> Any: ...
 
-    def divert(self, should: Callable[[Any, memoryview], bool]) -> memoryview | None:
+    def divert(self, should: Callable[[Any, memoryview], bool], *, keep: bool = False) -> memoryview | None:
         """Throw away the rest of a payload now arriving whose header ``should`` picks."""
         ...
 

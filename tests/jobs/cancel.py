@@ -176,3 +176,36 @@ async def cancel_destroy(rank: int, ws: int, url: str) -> dict[str, Any]:
         out["reason"] = dist.current_world().dead[0]
         await dist.destroy_process_group()
     return out
+
+
+async def cancel_recv(rank: int, ws: int, url: str, nbytes: int) -> list[str]:
+    """Rank 1 gives up (``wait_for``) a ``recv`` of ``nbytes`` while the payload streams in: its
+    buffer is not written after that (sentinel), and the message is not lost: the next recv
+    gets it, then the later messages, exact and in order."""
+    await join(url, ws, rank)
+    n = nbytes // 4
+    seen = []
+    for i in range(2):
+        await dist.barrier()
+        if rank == 0:
+            await dist.send(np.full(n, 1.0 + i, np.float32), dst=1)
+            await dist.send(np.full(1000, 5.0 + i), dst=1)
+        else:
+            x = np.zeros(n, np.float32)
+            try:
+                await asyncio.wait_for(dist.recv(x, src=0), 0.01 if i == 0 else 0.02)
+                seen.append("received")
+            except TimeoutError:
+                seen.append("gave up")
+            x.fill(SENTINEL)
+            if seen[-1] == "gave up":  # the same message, now for this recv
+                again = np.zeros(n, np.float32)
+                await dist.recv(again, src=0)
+                assert np.array_equal(again, np.full(n, 1.0 + i, np.float32)), (i, again[:3], again[-3:])
+            small = np.zeros(1000)
+            await dist.recv(small, src=0)
+            assert np.array_equal(small, np.full(1000, 5.0 + i)), (i, small[:3])
+            assert np.all(x == SENTINEL), f"round {i}: the given-up recv buffer was written"
+        await dist.barrier()
+    await dist.destroy_process_group()
+    return seen
