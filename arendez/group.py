@@ -5,7 +5,12 @@ Each collective is an ``Op``: it has the group's next sequence number and a fing
 collectives at the same sequence number fail with ``CollectiveMismatchError`` instead of
 exchanging garbage. An ``Op`` fails as a unit: a dead peer, a deadline or a destroy wakes every
 future it waits on with the same error. Its receives go through the world's ``Mailbox``; a
-receive posted before its frame arrives gets the payload written straight into its buffer.
+receive posted before its frame arrives gets the payload written straight into its buffer (once
+the op has ended, what is still arriving for it is diverted: its buffers are never written again).
+
+A collective fails on every member together: a mismatch (``MISMATCH``) or a cancelled task
+(``CANCEL``, ``CollectiveCancelledError`` on the others) fails its sequence number at once where
+it runs and, on a member that has not reached it yet, as soon as it starts it.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ async def cancel_at_random(
     outcomes = []
     for i in range(rounds):
         x = np.full(n, float(rank + 1), np.float32)
+        await dist.barrier()  # (else one rank's whole payload may be there before the other starts)
         if collective == "all_reduce":
             call, expected = dist.all_reduce(x), 3.0
         else:
