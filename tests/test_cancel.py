@@ -142,7 +142,7 @@ def test_issue_scenario_over_tcp(arendez_server: Any) -> None:
 @pytest.mark.parametrize("env", [TCP, SHM], ids=["tcp", "shm"])
 @pytest.mark.parametrize(
     "collective,nbytes,rounds",
-    [("all_reduce", 1 << 20, 6), ("all_reduce", 64 << 20, 2), ("broadcast", 64 << 20, 3)],
+    [("all_reduce", 1 << 20, 4), ("all_reduce", 64 << 20, 2), ("broadcast", 64 << 20, 2)],
     ids=["all_reduce-1MiB", "all_reduce-64MiB", "broadcast-64MiB"],
 )
 def test_cancel_at_random_points(
@@ -178,7 +178,7 @@ def test_cancelled_destroy_still_closes_within_its_timeout(arendez_server: Any) 
     r0, r1 = run_processes(jobs.cancel_destroy, 2, f"{arendez_server.url}/cancel-destroy")
     assert r0["destroy"] == "cancelled" and r0["initialized"] is False
     assert r0["pending"] == "GroupDestroyedError"
-    assert r0["destroy_seconds"] < 5.0  # its own timeout is 2 s
+    assert r0["destroy_seconds"] < 4.0  # its own timeout is 1 s
     assert "destroyed its process group" in r1["reason"], r1
 
 

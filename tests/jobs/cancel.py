@@ -149,7 +149,7 @@ async def cancel_init(rank: int, ws: int, url: str, run_dir: str) -> float:
 
 
 async def cancel_destroy(rank: int, ws: int, url: str) -> dict[str, Any]:
-    """Rank 0 destroys (timeout 2 s) while its all_reduce waits for rank 1, which never starts
+    """Rank 0 destroys (timeout 1 s) while its all_reduce waits for rank 1, which never starts
     it, and the destroy is cancelled after 0.2 s: the world still closes within the timeout
     (rank 1 gets rank 0's goodbye while rank 0's process is still alive)."""
     await join(url, ws, rank)
@@ -159,7 +159,7 @@ async def cancel_destroy(rank: int, ws: int, url: str) -> dict[str, Any]:
         await asyncio.sleep(0.05)
         start = time.monotonic()
         try:
-            await asyncio.wait_for(dist.destroy_process_group(timeout=2.0), 0.2)
+            await asyncio.wait_for(dist.destroy_process_group(timeout=1.0), 0.2)
             out["destroy"] = "returned"
         except TimeoutError:
             out["destroy"] = "cancelled"
@@ -169,7 +169,7 @@ async def cancel_destroy(rank: int, ws: int, url: str) -> dict[str, Any]:
             await pending
         except dist.ArendezError as exc:
             out["pending"] = type(exc).__name__
-        await asyncio.sleep(3.0)  # alive: a goodbye rank 1 sees now came from the destroy
+        await asyncio.sleep(2.0)  # alive: a goodbye rank 1 sees now came from the destroy
     else:
         start = time.monotonic()
         await until(lambda w: 0 in w.dead, "rank 0 never left", 10.0)
