@@ -45,6 +45,21 @@ class CollectiveMismatchError(ArendezError):
     """Ranks started different collectives (op, dtype or count) at the same sequence number."""
 
 
+class CollectiveCancelledError(ArendezError):
+    """Another rank cancelled the collective (its task was cancelled): it ended on every rank.
+
+    ``rank`` is the (global) rank that cancelled, ``collective`` its name, ``seq`` the group's
+    sequence number of it. The group stays usable: the next collectives match as before.
+    """
+
+    def __init__(self, rank: int, collective: str, seq: int = -1) -> None:
+        self.rank = rank
+        self.collective = collective
+        self.seq = seq
+        where = f" (seq {seq})" if seq >= 0 else ""
+        super().__init__(f"rank {rank} cancelled {collective}{where}")
+
+
 class RankFailedError(ArendezError):
     """A rank the collective depends on died, left or lost its connection."""
 
@@ -82,6 +97,7 @@ class CollectiveTimeoutError(ArendezError, TimeoutError):
 __all__ = [
     "ArendezError",
     "AuthenticationError",
+    "CollectiveCancelledError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "GroupDestroyedError",

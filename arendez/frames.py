@@ -37,6 +37,7 @@ class Kind(enum.IntEnum):
     SHM_FREE = 9
     SHM_DATA = 10
     ERROR = 11
+    CANCEL = 12
 
 
 class Frame:
@@ -80,6 +81,17 @@ class Mismatch(Frame):
     gid: int
     seq: int
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Frame):
+    """The sender cancelled collective ``seq`` of group ``gid`` (named ``collective``): it ends
+    on every member, and a member that has not started it yet fails it when it does."""
+
+    KIND: ClassVar[Kind] = Kind.CANCEL
+    gid: int
+    seq: int
+    collective: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +242,7 @@ _CLASSES: tuple[type[Frame], ...] = (
     Data,
     ShmData,
     Mismatch,
+    Cancel,
     Bye,
     Query,
     Answer,

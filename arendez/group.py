@@ -5,7 +5,12 @@ Each collective is an ``Op``: it has the group's next sequence number and a fing
 collectives at the same sequence number fail with ``CollectiveMismatchError`` instead of
 exchanging garbage. An ``Op`` fails as a unit: a dead peer, a deadline or a destroy wakes every
 future it waits on with the same error. Its receives go through the world's ``Mailbox``; a
-receive posted before its frame arrives gets the payload written straight into its buffer.
+receive posted before its frame arrives gets the payload written straight into its buffer (once
+the op has ended, what is still arriving for it is diverted: its buffers are never written again).
+
+A collective fails on every member together: a mismatch (``MISMATCH``) or a cancelled task
+(``CANCEL``, ``CollectiveCancelledError`` on the others) fails its sequence number at once where
+it runs and, on a member that has not reached it yet, as soon as it starts it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from . import frames, wire
 from .arrays import byte_view
 from .errors import (
     ArendezError,
+    CollectiveCancelledError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     GroupDestroyedError,
@@ -230,7 +236,7 @@ class ProcessGroup:
     destroyed: bool = False
     early_fps: dict[int, tuple[int, str]] = field(default_factory=dict)
     early_keys: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
-    poisoned: dict[int, str] = field(default_factory=dict)
+    poisoned: dict[int, ArendezError] = field(default_factory=dict)  # seqs failed before they start
 
     @property
     def rank(self) -> int:
@@ -271,9 +277,9 @@ class ProcessGroup:
         early = self.early_fps.pop(seq, None)
         if early is not None and early[1] != fp:
             self.mismatch(seq, fp, early[1], early[0])
-        reason = self.poisoned.pop(seq, None)
-        if reason is not None:
-            op.fail(CollectiveMismatchError(reason))
+        failed = self.poisoned.pop(seq, None)
+        if failed is not None:
+            op.fail(failed)
         loop = asyncio.get_running_loop()
         limit = self.timeout if timeout is None else timeout
         timer = loop.call_later(limit, self._expire, op, limit)
@@ -290,12 +296,18 @@ class ProcessGroup:
             err = RankFailedError(peer, name, f"connection lost ({exc})")
             op.fail(err)
             raise err from None
+        except asyncio.CancelledError:
+            self.cancelled(op)
+            raise  # (asyncio.timeout, TaskGroup and task.cancel() rely on it)
         except BaseException as exc:
             op.fail(exc)
             raise
         finally:
             timer.cancel()
             del self.active[seq]
+            if op.error is not None:  # what is still arriving for it must not land in its buffers
+                gid = self.gid
+                self.world.divert(lambda h, _: isinstance(h, frames.Data) and h.gid == gid and h.seq == seq)
             self.world.mail.close(op.keys)  # (what came but was never taken is given back)
             op.release_all()
             if not op.done.done():
@@ -326,21 +338,36 @@ class ProcessGroup:
         self.poison(seq, message, tell=True)
 
     def poison(self, seq: int, message: str, *, tell: bool) -> None:
-        op = self.active.get(seq)
-        if op is not None:
-            if op.error is not None:
-                return
-            op.fail(CollectiveMismatchError(message))
-        elif seq >= self.next_seq:
-            if seq in self.poisoned:
-                return
-            self.poisoned[seq] = message
-        else:
-            return
-        if tell:
+        """Fail collective ``seq`` with ``CollectiveMismatchError(message)``; with ``tell``, tell
+        every other member too."""
+        if self.fail_seq(seq, CollectiveMismatchError(message)) and tell:
             for peer in self.ranks:
                 if peer != self.world.rank:
                     self.world.send_control(peer, frames.Mismatch(self.gid, seq, message))
+
+    def fail_seq(self, seq: int, exc: ArendezError) -> bool:
+        """Fail collective ``seq`` with ``exc``: now if it runs, when it starts if this rank has
+        not reached it yet (so sequence numbers stay aligned). False if it had already failed
+        or ended."""
+        op = self.active.get(seq)
+        if op is not None:
+            if op.error is not None:
+                return False
+            op.fail(exc)
+            return True
+        if seq < self.next_seq or seq in self.poisoned:
+            return False
+        self.poisoned[seq] = exc
+        return True
+
+    def cancelled(self, op: Op) -> None:
+        """This rank's task running ``op`` was cancelled: end it here and tell every member,
+        whose copy of it fails with ``CollectiveCancelledError`` (at once, or when they start it).
+        """
+        op.fail(CollectiveCancelledError(self.world.rank, op.name, op.seq))
+        for peer in self.ranks:
+            if peer != self.world.rank:
+                self.world.send_control(peer, frames.Cancel(self.gid, op.seq, op.name))
 
     async def drain(self, deadline: float) -> None:
         """Mark closing, let in-flight collectives finish by ``deadline`` (loop time), fail the

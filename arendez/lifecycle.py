@@ -190,6 +190,17 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
             world.groups.pop(group.gid, None)
         return
     deadline = loop.time() + seconds(timeout, default.timeout)
+    closing = loop.create_task(_close_world(world, deadline))
+    try:
+        await asyncio.shield(closing)
+    except asyncio.CancelledError:  # cancelled (asyncio.timeout, task.cancel()): the world
+        await asyncio.wait([closing])  # still closes, within the same deadline
+        raise
+
+
+async def _close_world(world: World, deadline: float) -> None:
+    """destroy_process_group's work for the whole world, bounded by ``deadline`` (loop time)."""
+    loop = asyncio.get_running_loop()
 
     def left() -> float:
         return max(0.0, deadline - loop.time())

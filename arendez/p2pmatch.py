@@ -111,6 +111,14 @@ class P2PMatcher:
         """Withdraw the receive ``fut`` (timed out or cancelled): it must not eat a message."""
         self._posted = [p for p in self._posted if p.fut is not fut]
 
+    def unclaim(self, peer: int, fut: asyncio.Future[int]) -> None:
+        """The recv ``fut`` gave up the message now arriving from ``peer`` (it lands in a fresh
+        buffer): once complete it goes to the next matching recv, or the stash."""
+        claims = self._receiving.get(peer, ())
+        for i, claimed in enumerate(claims):
+            if claimed is not None and claimed.fut is fut:
+                claims[i] = None  # type: ignore[index]
+
     def fail_group(self, gid: int, exc: BaseException) -> None:
         """Wake every pending recv of group ``gid`` with ``exc``."""
         for posted in self._posted:

@@ -161,6 +161,11 @@ class Connection(asyncio.BufferedProtocol):
             handler, self._on_close = self._on_close, None
             handler(self.error if isinstance(self.error, Exception) else None)
 
+    def divert(self, should: Callable[[Any, memoryview], bool], *, keep: bool = False) -> memoryview | None:
+        """Throw away the rest of the payload now arriving if ``should(header, buffer)``; return the
+        buffer it was landing in (``wire.Decoder.divert``)."""
+        return self._decoder.divert(should, keep=keep)
+
     def buffered(self) -> int:
         """Bytes queued for sending that the kernel has not taken yet."""
         return self._transport.get_write_buffer_size() if self._transport is not None else 0

@@ -23,8 +23,12 @@ PREFIX = struct.Struct("<IQ")
 #: Largest payload one frame may carry; bigger messages are split by the sender.
 MAX_SEGMENT = (1 << 30) - 1
 _SCRATCH = 8 * 1024  # grows for a larger header; reads between payloads are HEADER_READ
+_DISCARD = 1 << 20  # what a diverted payload's bytes are read into (and forgotten), at once
 #: Bytes read at once between payloads: a small frame whole, little of a large payload.
 HEADER_READ = 4096
+
+#: The payload of a frame whose bytes were thrown away (``Decoder.divert``).
+DIVERTED = memoryview(b"")
 
 _packer = msgpack.Packer(use_bin_type=True)
 
@@ -77,6 +81,8 @@ class Decoder:
         self._header: Any = None
         self._dest: memoryview | None = None
         self._got = 0
+        self._discard_left = 0  # bytes of a diverted payload still to read and throw away
+        self._discard: memoryview | None = None
 
     def set_sink(self, sink: Sink) -> None:
         """Route future payloads through ``sink``."""
@@ -92,6 +98,23 @@ class Decoder:
         if self._header is not None:  # a payload is arriving: its header was read unparsed
             self._header = parse(self._header)
 
+    def divert(self, should: Callable[[Any, memoryview], bool], *, keep: bool = False) -> memoryview | None:
+        """If a payload is arriving and ``should(header, buffer)`` for it, stop writing that
+        buffer and return it (else None): it is never written again. The remaining bytes are read
+        into a throwaway buffer and the frame completes with an empty payload (``DIVERTED``), or,
+        with ``keep``, into a fresh buffer (what came so far is copied there) that the frame
+        completes with. Either way the stream, and whoever counts frames, stay in step."""
+        if self._dest is None or not should(self._header, self._dest):
+            return None
+        dest, self._dest = self._dest, None
+        if keep:
+            fresh = memoryview(cast(Any, np.empty(dest.nbytes, np.uint8))).cast("B")
+            fresh[: self._got] = dest[: self._got]
+            self._dest = fresh
+        else:
+            self._discard_left = dest.nbytes - self._got
+        return dest
+
     def get_buffer(self) -> memoryview:
         """Where the next bytes from the stream should be written.
 
@@ -101,6 +124,10 @@ class Decoder:
         """
         if self._dest is not None:
             return self._dest[self._got :]
+        if self._discard_left:
+            if self._discard is None:
+                self._discard = memoryview(bytearray(_DISCARD))
+            return self._discard[: min(self._discard_left, _DISCARD)]
         want = HEADER_READ
         if self._filled >= PREFIX.size:  # _parse already checked this length against the limit
             hlen, _ = PREFIX.unpack_from(self._view, 0)
@@ -115,6 +142,12 @@ class Decoder:
     def feed(self, nbytes: int) -> list[tuple[Any, memoryview | None]]:
         """Account for ``nbytes`` written into the last buffer; return the completed frames."""
         frames: list[tuple[Any, memoryview | None]] = []
+        if self._discard_left:
+            self._discard_left -= nbytes
+            if not self._discard_left:
+                frames.append((self._header, DIVERTED))
+                self._header = None
+            return frames
         if self._dest is not None:
             self._got += nbytes
             if self._got < len(self._dest):

@@ -17,7 +17,14 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from . import frames, shm
-from .errors import CollectiveTimeoutError, ProtocolError, RankFailedError
+from .errors import (
+    ArendezError,
+    CollectiveCancelledError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ProtocolError,
+    RankFailedError,
+)
 from .group import ProcessGroup
 from .mailbox import BufferPool, Key, Mailbox, Outcome, Stats, give
 from .p2pmatch import P2PMatcher
@@ -54,7 +61,8 @@ class World:
         self.progress = Progress(self.send_control)
         self.pool = BufferPool()
         self._pooled: dict[int, Array] = {}  # pool buffers early payloads are arriving in
-        self._early_poison: dict[int, dict[int, str]] = {}  # MISMATCH for groups not made yet
+        # MISMATCH / CANCEL for groups not made yet, by gid and seq
+        self._early_poison: dict[int, dict[int, ArendezError]] = {}
         self._early_mail: dict[int, dict[int, list[Key]]] = {}  # DATA for them, by seq
         self._pending_gids: set[int] = set()
         self.shm_control = ShmControl(rank, shm.Channels(allowed=False), self.send_control)
@@ -140,6 +148,28 @@ class World:
             raise CollectiveTimeoutError("recv", timeout, others) from None
         finally:
             self.p2p.cancel(fut)
+            if not fut.done() or fut.cancelled() or fut.exception() is not None:
+                # given up (timeout, cancel): a message streaming into ``out`` lands elsewhere
+                # and is left for the next recv, as one that had not started to arrive
+                pick = lambda h, dest: isinstance(h, frames.P2P) and dest.obj is out.obj  # noqa: E731
+                for peer in self.divert(pick, keep=True):
+                    self.p2p.unclaim(peer, fut)
+
+    def divert(self, should: Callable[[Any, memoryview], bool], *, keep: bool = False) -> list[int]:
+        """A receive gave up: the payload now arriving on any link whose header and buffer
+        ``should`` picks no longer lands in that buffer (``wire.Decoder.divert``); return the
+        peers whose payload was diverted."""
+        peers: list[int] = []
+        if self.mesh is None:
+            return peers
+        for peer, conn in list(self.mesh.conns.items()):
+            landing = conn.divert(should, keep=keep)
+            if landing is not None:
+                peers.append(peer)
+                pooled = self._pooled.pop(id(landing.obj), None)  # a pool buffer goes back
+                if pooled is not None:
+                    self.pool.give(pooled)
+        return peers
 
     def say_goodbye(self) -> None:
         """Tell every peer this rank leaves, and which ranks it saw fail."""
@@ -177,11 +207,9 @@ class World:
         elif isinstance(frame, frames.P2P):
             self.p2p.deliver(peer, frame.gid, frame.tag, payload)
         elif isinstance(frame, frames.Mismatch):
-            group = self.groups.get(frame.gid)
-            if group is not None:
-                group.poison(frame.seq, frame.message, tell=False)
-            elif frame.gid >= self.next_gid and len(self._early_poison) < 1024:
-                self._early_poison.setdefault(frame.gid, {})[frame.seq] = frame.message
+            self._fail_seq(frame.gid, frame.seq, CollectiveMismatchError(frame.message))
+        elif isinstance(frame, frames.Cancel):
+            self._fail_seq(frame.gid, frame.seq, CollectiveCancelledError(peer, frame.collective, frame.seq))
         elif isinstance(frame, frames.Bye):
             # the leaver tells us who it saw die: blame the root cause, not the messenger
             for rank, reason in frame.failed.items():
@@ -199,6 +227,14 @@ class World:
             self.peer_lost(peer, f"it reported {frame.exception()!r}")
         elif peer not in self.dead:  # shared-memory control (a dead peer's link is already gone)
             self.shm_control.on_frame(peer, frame)
+
+    def _fail_seq(self, gid: int, seq: int, exc: ArendezError) -> None:
+        """A peer says collective ``seq`` of group ``gid`` failed (mismatch, cancel)."""
+        group = self.groups.get(gid)
+        if group is not None:
+            group.fail_seq(seq, exc)
+        elif (gid >= self.next_gid or gid in self._pending_gids) and len(self._early_poison) < 1024:
+            self._early_poison.setdefault(gid, {}).setdefault(seq, exc)  # made later: add_group
 
     def _on_data(self, peer: int, frame: frames.Data | frames.ShmData, payload: memoryview | None) -> None:
         gid, seq, fp = frame.gid, frame.seq, frame.fp

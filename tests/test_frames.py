@@ -12,6 +12,7 @@ EXAMPLES: list[frames.Frame] = [
     frames.Data(1, 2, 3, 4, "all_reduce|<f4|10|SUM"),
     frames.ShmData(0, 7, 1, 0, "broadcast|<i8|3|0", 4096, 24),
     frames.Mismatch(0, 5, "collective #5: this rank runs a, rank 1 runs b"),
+    frames.Cancel(0, 6, "all_reduce"),
     frames.Bye({2: "connection lost", 3: "declared failed"}),
     frames.Bye({}),
     frames.Query(0, 11),

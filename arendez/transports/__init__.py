@@ -12,7 +12,7 @@ the frames.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from .. import frames
@@ -29,6 +29,10 @@ class Link(Protocol):
     def drain(self) -> Awaitable[None]: ...
 
     def drain_future(self) -> Any: ...
+
+    def divert(self, should: Callable[[Any, memoryview], bool], *, keep: bool = False) -> memoryview | None:
+        """Throw away the rest of a payload now arriving whose header ``should`` picks."""
+        ...
 
 
 class Links(Protocol):

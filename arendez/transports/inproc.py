@@ -68,6 +68,9 @@ class InprocLink:
     def drain_future(self) -> None:
         return None  # the payload was copied at send: nothing is ever queued
 
+    def divert(self, should: Callable[[Any, memoryview], bool], *, keep: bool = False) -> None:
+        return None  # a payload lands whole at send time: none is ever half-received
+
     def close(self, why: str) -> None:
         """Close both ends; the peer learns it after the frames already sent."""
         if not self._open:
