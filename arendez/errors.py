@@ -48,7 +48,21 @@ class RankFailedError(ArendezError):
         self.rank = rank
         self.collective = collective
         self.reason = reason
+        self.also: list[tuple[int, str]] = []  # later failures seen before this was raised
         super().__init__(f"rank {rank} failed during {collective}: {reason}")
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every failed rank this error names, the first failure first."""
+        return [self.rank, *(r for r, _ in self.also)]
+
+    def add(self, rank: int, reason: str) -> None:
+        """Name one more failed rank (after the first), e.g. the messenger that died later."""
+        if rank in self.ranks:
+            return
+        self.also.append((rank, reason))
+        later = "; ".join(f"rank {r}: {why}" for r, why in self.also)
+        self.args = (f"rank {self.rank} failed during {self.collective}: {self.reason}; then {later}",)
 
 
 class CollectiveTimeoutError(ArendezError, TimeoutError):

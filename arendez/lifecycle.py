@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import algorithms as algo
-from . import shm, tls, validate
+from . import farewell, shm, tls, validate
 from .arrays import ReduceOp
 from .errors import RendezvousError
 from .group import GroupMember, ProcessGroup
@@ -55,7 +55,9 @@ async def init_process_group(
     build = _BUILDERS.get(where.transport)
     if build is None:
         raise RendezvousError(f"no transport {where.transport!r}; known: {', '.join(_BUILDERS)}")
-    install(await build(where, limit, store))
+    world = await build(where, limit, store)
+    farewell.register(world)  # a process that ends without destroy still says goodbye
+    install(world)
 
 
 def _checked(
@@ -237,6 +239,7 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
     world.closed = True
     if world.store is not None:  # before the goodbye: a rank that said it has left the store
         await world.store.leave(left())
+    await farewell.forget(world)
     world.say_goodbye()
     if world.server is not None:  # the others still need the store until they have left
         await world.peers_gone(min(deadline, loop.time() + LINGER_SECONDS))

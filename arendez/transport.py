@@ -174,6 +174,27 @@ class Connection(asyncio.BufferedProtocol):
             raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
         self._transport.writelines(wire.encode(header, payload))
 
+    def send_last(self, header: Any, timeout: float) -> bool:
+        """Write one frame straight to the socket, without the event loop (the process is
+        ending and the loop may be closed); True if it all went out within ``timeout``.
+
+        Best effort: refused (False) when other bytes are still queued (the frame would cut
+        into them) and on TLS streams (they cannot be written around the TLS layer).
+        """
+        transport = self._transport
+        if transport is None or transport.is_closing() or transport.get_write_buffer_size():
+            return False
+        sock = transport.get_extra_info("socket")
+        if sock is None or transport.get_extra_info("ssl_object") is not None:
+            return False
+        try:
+            with socket.socket(fileno=os.dup(sock.fileno())) as raw:  # closing it keeps ours
+                raw.settimeout(timeout)
+                raw.sendall(b"".join(wire.encode(header)))
+        except OSError:
+            return False
+        return True
+
     async def drain(self) -> None:
         """Wait until every queued byte is in the kernel (or the connection is gone)."""
         if self._transport is None:

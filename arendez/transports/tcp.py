@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import ssl as _ssl
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -189,6 +190,19 @@ class Mesh:
         conn = self.conns[peer]
         conn.send(frames.encode(frame), payload)
         return conn
+
+    def farewell(self, frame: frames.Frame, budget: float) -> list[int]:
+        """Send ``frame`` to every peer without the event loop, within ``budget`` seconds in
+        all (the process is ending); return the ranks it reached."""
+        deadline = time.monotonic() + budget
+        reached = []
+        for peer, conn in list(self.conns.items()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if conn.send_last(frames.encode(frame), left):
+                reached.append(peer)
+        return reached
 
     def abort(self) -> None:
         """Drop every connection without a goodbye, as a crash would (tests use it)."""
