@@ -171,6 +171,12 @@ def token_file(value: object, name: str = "--token-file") -> str:
     return token
 
 
+def token_path(value: object, name: str = "--token-file") -> str:
+    """``token_file`` for a command line that reads the file later: returns the checked path."""
+    token_file(value, name)
+    return readable_file(value, name)
+
+
 def certificate_pair(cert: str, key: str) -> None:
     """The PEM certificate chain and private key load and belong together."""
     readable_file(cert, "--tls-cert")
