@@ -29,6 +29,11 @@ class AuthenticationError(ArendezError):
     """The other side did not prove it knows the job's token (or we could not)."""
 
 
+class LimitError(ArendezError):
+    """A listener refused a connection because one of its limits was reached (the message
+    names the limit and its setting); retrying later may succeed."""
+
+
 class NotInitializedError(ArendezError):
     """A collective was called with no process group initialized."""
 
@@ -95,6 +100,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "GroupDestroyedError",
+    "LimitError",
     "NotInitializedError",
     "ProtocolError",
     "RankFailedError",
