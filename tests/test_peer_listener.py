@@ -4,20 +4,30 @@ budget before the handshake, and failed connections freed at once (no reference 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import json
 import socket
-import struct
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import msgpack
 import pytest
 
 from arendez import transport
 from arendez.errors import LimitError
 from arendez.transports import tcp
-from tests.harness import raw_frame
+from tests.harness import (
+    collect,
+    peer_bombs,
+    raw_frame,
+    read_until_closed,
+    rss_kib,
+    spawn_rank,
+    wait_for_files,
+)
+from tests.jobs import listener
 
 
 @contextmanager
@@ -46,23 +56,6 @@ async def _client(port: int, data: bytes, host: str = "127.0.0.1") -> bytes:
         writer.close()
 
 
-# what strangers send before (instead of) a hello: each must close the connection
-def _bombs() -> list[bytes]:
-    wide = msgpack.packb([{}] * 1000)  # 1 KiB of empty maps: a thousand dicts once decoded
-    deep = b"\x91" * 900 + b"\xc0"  # arrays nested 900 deep
-    return [
-        b"",  # says nothing and hangs up
-        b"GET / HTTP/1.1\r\n\r\n",
-        struct.pack("<IQ", 1 << 30, 0),  # a 1 GiB header announced
-        struct.pack("<IQ", 8, 1 << 20) + msgpack.packb({"rank": 1}).ljust(8, b"\xc0"),  # a payload
-        struct.pack("<IQ", len(wide), 0) + wide,
-        struct.pack("<IQ", len(deep), 0) + deep,
-        raw_frame({"rank": 1, "round": b"x" * 16, "nonce": b"n" * 16, "proof": b"p" * 32}),  # wrong proof
-        raw_frame({"nonce": b"n" * 16}) * 5,  # more frames than a handshake needs
-        struct.pack("<IQ", 5, 0) + b"\xc1\xc1\xc1\xc1\xc1",  # not msgpack
-    ]
-
-
 @pytest.mark.timeout(60)
 async def test_a_storm_of_bad_clients_leaves_no_connection_alive() -> None:
     mesh = tcp.Mesh(token="secret", limits=tcp.ListenerLimits(handshake_seconds=1.0))
@@ -77,7 +70,7 @@ async def test_a_storm_of_bad_clients_leaves_no_connection_alive() -> None:
     port = await mesh.listen("127.0.0.1", 0)
     try:
         with _no_cycle_collection():
-            bombs = _bombs()
+            bombs = peer_bombs()
             for _ in range(10):
                 replies = await asyncio.gather(*(_client(port, b) for b in bombs))
                 for reply in replies:
@@ -149,3 +142,64 @@ def test_limits_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("ARENDEZ_PEER_MAX_PENDING", "0")
     with pytest.raises(ValueError, match="ARENDEZ_PEER_MAX_PENDING must be at least 1, got 0"):
         tcp.ListenerLimits.from_env()
+
+
+def _attack_silently(port: int, count: int, hosts: int) -> tuple[list[socket.socket], int]:
+    """Open ``count`` connections from ``hosts`` loopback addresses that never say a word;
+    return them and how many the listener refused at once naming a limit."""
+    socks, refused = [], 0
+    for i in range(count):
+        sock = socket.socket()
+        sock.bind((f"127.0.0.{2 + i % hosts}", 0))
+        sock.settimeout(30)  # (a loaded machine accepts slowly)
+        sock.connect(("127.0.0.1", port))
+        socks.append(sock)
+    time.sleep(0.5)  # refusals are immediate: an error frame, then the close
+    for sock in socks:
+        data = b""
+        with contextlib.suppress(BlockingIOError, ConnectionError):
+            while chunk := sock.recv(4096, socket.MSG_DONTWAIT):
+                data += chunk
+        refused += b"LimitError" in data
+    return socks, refused
+
+
+@pytest.mark.timeout(150)
+def test_hostile_clients_at_a_ranks_listener_while_a_job_runs(arendez_server, tmp_path):
+    """Pre-auth bombs, 400 silent connections from 8 addresses (past the total limit), then
+    400 more once the first were dropped: the job's results stay exact and rank 0's RSS grows by < 64 MiB."""
+    env = {"ARENDEZ_PEER_HANDSHAKE_MS": "3000"}
+    url = f"{arendez_server.url}/peer-attack-{tmp_path.name}"
+    procs = [spawn_rank(listener.reduce_under_attack, r, 2, url, str(tmp_path), env=env) for r in range(2)]
+    peak = 0
+    try:
+        wait_for_files(tmp_path, "ready-*", 2)
+        info = json.loads((tmp_path / "rank-0.json").read_text())
+        pid, port = info["pid"], tcp.split_address(info["address"])[1]
+        before = rss_kib(pid)
+        for _ in range(10):
+            for bomb in peer_bombs():
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                    sock.sendall(bomb)
+                    sock.shutdown(socket.SHUT_WR)  # (the silent one hangs up at once)
+                    with contextlib.suppress(ConnectionError):
+                        read_until_closed(sock)  # (maybe the challenge), then closed
+        peak = max(peak, rss_kib(pid))
+        for _ in range(2):  # the second wave retries once the first was dropped
+            socks, refused = _attack_silently(port, 400, 8)
+            peak = max(peak, rss_kib(pid))
+            assert refused > 0  # (how many depends on how fast the held ones time out)
+            for sock in socks:
+                sock.close()
+            time.sleep(3.1)  # past the pre-handshake time: the held ones were dropped
+        after = rss_kib(pid)
+        (tmp_path / "stop").write_text("1")
+    finally:
+        results = collect(procs, 110)
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+    zero, one = (res.value for res in results)
+    assert zero == one and zero["wrong"] == 0 and zero["steps"] > 20, (zero, one)
+    grew = (max(peak, after) - before) / 1024
+    assert grew < 64, f"rank 0 grew by {grew:.1f} MiB (before {before} KiB, peak {peak}, after {after})"
+    print(f"rank 0 RSS: before {before} KiB, peak {peak} KiB, after {after} KiB; steps {zero['steps']}")

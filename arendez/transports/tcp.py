@@ -53,7 +53,7 @@ class ListenerLimits:
     """Bounds on the connections a peer listener holds before they authenticate."""
 
     per_host: int = 64  # ARENDEZ_PEER_MAX_PENDING_PER_HOST
-    total: int = 512  # ARENDEZ_PEER_MAX_PENDING
+    total: int = 256  # ARENDEZ_PEER_MAX_PENDING
     handshake_seconds: float = 10.0  # ARENDEZ_PEER_HANDSHAKE_MS / 1000
 
     @classmethod
@@ -144,7 +144,7 @@ class Mesh:
                 refused = self._refusal(host)
                 if refused is not None:
                     host = ""
-                    log.warning("refused a peer connection from %s: %s", conn.peer, refused)
+                    log.debug("refused a peer connection from %s: %s", conn.peer, refused)
                     conn.fail(refused, tell_peer=True)
                     return
                 self._pending[host] += 1
