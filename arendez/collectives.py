@@ -15,7 +15,8 @@ import numpy as np
 from . import algorithms as algo
 from .arrays import ReduceOp, as_array, as_bytes, ufunc_for
 from .group import ProcessGroup
-from .registry import on_group
+from .registry import on_group, seconds
+from .validate import index
 
 
 def _fp(name: str, x: np.ndarray[Any, Any], *extra: Any) -> str:
@@ -26,8 +27,9 @@ def _fp(name: str, x: np.ndarray[Any, Any], *extra: Any) -> str:
 async def barrier(group: Any = None, timeout: float | None = None) -> None:
     """Wait until every rank of ``group`` reaches the barrier."""
     g: ProcessGroup = group
+    limit = None if timeout is None else seconds(timeout, g.timeout)
     flag = np.zeros(1, np.uint8)
-    await g.run("barrier", "barrier", lambda c: algo.all_reduce(c, flag, ReduceOp.MAX), timeout)
+    await g.run("barrier", "barrier", lambda c: algo.all_reduce(c, flag, ReduceOp.MAX), limit)
 
 
 def _reduction(tensor: Any, op: Any, what: str = "tensor") -> tuple[np.ndarray[Any, Any], ReduceOp]:
@@ -57,7 +59,7 @@ async def reduce(
     g: ProcessGroup = group
     x, rop = _reduction(tensor, op)
     algo.check_algorithm(algorithm)
-    root = g.group_rank(dst, "dst")
+    root = g.group_rank(index(dst, "dst"), "dst")
     await g.run("reduce", _fp("reduce", x, rop.name, dst), lambda c: algo.reduce(c, x, root, rop, algorithm))
 
 
@@ -67,7 +69,7 @@ async def broadcast(tensor: Any, src: int, group: Any = None, *, algorithm: str 
     g: ProcessGroup = group
     x = as_array(tensor)
     algo.check_algorithm(algorithm)
-    root = g.group_rank(src, "src")
+    root = g.group_rank(index(src, "src"), "src")
     await g.run("broadcast", _fp("broadcast", x, src), lambda c: algo.broadcast(c, x, root, algorithm))
 
 
@@ -117,7 +119,7 @@ async def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int = 0
     """On ``dst``, fill ``gather_list[i]`` with rank ``i``'s ``tensor``."""
     g: ProcessGroup = group
     x = as_array(tensor, writable=False)
-    root = g.group_rank(dst, "dst")
+    root = g.group_rank(index(dst, "dst"), "dst")
     outs = None
     if g.rank == root:
         if gather_list is None:
@@ -133,7 +135,7 @@ async def scatter(
     """Rank ``i`` receives ``scatter_list[i]`` of ``src`` into ``tensor``."""
     g: ProcessGroup = group
     out = as_array(tensor)
-    root = g.group_rank(src, "src")
+    root = g.group_rank(index(src, "src"), "src")
     ins = None
     if g.rank == root:
         if scatter_list is None:

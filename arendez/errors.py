@@ -21,16 +21,18 @@ class StoreTimeoutError(StoreError, TimeoutError):
     """A store ``get``/``wait`` did not see its keys before the deadline."""
 
 
-class LimitError(StoreError):
-    """The server refused a connection or request: one of its limits is reached (named)."""
-
-
 class RendezvousError(ArendezError):
     """Joining a job failed: bad URL, full job, inconsistent world size, deadline passed."""
 
 
 class AuthenticationError(ArendezError):
     """The other side did not prove it knows the job's token (or we could not)."""
+
+
+class LimitError(StoreError):
+    """A listener (the server, or a rank's peer listener) refused a connection or request because
+    one of its limits was reached; the message names the limit and its setting. A ``StoreError``
+    so that code catching store failures sees the server's refusals; retrying later may succeed."""
 
 
 class NotInitializedError(ArendezError):
@@ -67,7 +69,21 @@ class RankFailedError(ArendezError):
         self.rank = rank
         self.collective = collective
         self.reason = reason
+        self.also: list[tuple[int, str]] = []  # later failures seen before this was raised
         super().__init__(f"rank {rank} failed during {collective}: {reason}")
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every failed rank this error names, the first failure first."""
+        return [self.rank, *(r for r, _ in self.also)]
+
+    def add(self, rank: int, reason: str) -> None:
+        """Name one more failed rank (after the first), e.g. the messenger that died later."""
+        if rank in self.ranks:
+            return
+        self.also.append((rank, reason))
+        later = "; ".join(f"rank {r}: {why}" for r, why in self.also)
+        self.args = (f"rank {self.rank} failed during {self.collective}: {self.reason}; then {later}",)
 
 
 class CollectiveTimeoutError(ArendezError, TimeoutError):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import algorithms as algo
-from . import embedded, shm, tls
+from . import embedded, farewell, shm, tls, validate
 from .arrays import ReduceOp
 from .errors import RendezvousError
 from .group import GroupMember, ProcessGroup
@@ -49,22 +49,45 @@ async def init_process_group(
 
     ``group_name`` is accepted for torch compatibility and unused.
     """
-    if backend not in (None, "tcp", "gloo", "arendez"):
-        raise ValueError(f"backend {backend!r} is not available; use 'tcp' (or its alias 'gloo')")
+    where, limit = _checked(backend, init_method, world_size, rank, timeout, store, group_name)
     if default_group() is not None:
         raise RendezvousError("the default process group is already initialized")
-    algo.forced_algorithm()  # a bad ARENDEZ_ALGORITHM fails here, not inside a collective
-    limit = seconds(timeout, DEFAULT_TIMEOUT)
-    if store is not None:
-        if world_size < 1:
-            raise RendezvousError("init_process_group(store=...) needs world_size")
-        where = Plan(world_size, rank, store.host, store.port, store.job)
-    else:
-        where = plan(init_method, world_size, rank)
     build = _BUILDERS.get(where.transport)
     if build is None:
         raise RendezvousError(f"no transport {where.transport!r}; known: {', '.join(_BUILDERS)}")
-    install(await build(where, limit, store))
+    world = await build(where, limit, store)
+    farewell.register(world)  # a process that ends without destroy still says goodbye
+    install(world)
+
+
+def _checked(
+    backend: object,
+    init_method: object,
+    world_size: object,
+    rank: object,
+    timeout: object,
+    store: object,
+    group_name: object,
+) -> tuple[Plan, float]:
+    """Every argument of ``init_process_group`` checked (and the plan made) before any I/O."""
+    validate.backend(backend)
+    url = validate.init_method(init_method)
+    size = validate.world_size(validate.index(world_size, "world_size"))
+    me = validate.rank(validate.index(rank, "rank"), size)
+    limit = DEFAULT_TIMEOUT if timeout is None else validate.seconds(timeout, "timeout")
+    validate.text(group_name, "group_name")
+    algo.forced_algorithm()  # a bad ARENDEZ_ALGORITHM fails here, not inside a collective
+    if store is not None:
+        if not isinstance(store, Store):
+            raise TypeError(f"store must be an arendez Store, got {type(store).__name__}")
+        if size < 1:
+            raise ValueError(f"init_process_group(store=...) needs world_size >= 1, got {size}")
+        where = Plan(size, me, store.host, store.port, store.job)
+    else:
+        where = plan(url, size, me)
+    # the environment may have supplied what the arguments left open: check the result too
+    validate.rank(where.rank, where.world_size, "rank" if me != -1 else "RANK")
+    return where, limit
 
 
 async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> World:
@@ -216,6 +239,7 @@ async def _close_world(world: World, deadline: float) -> None:
     world.closed = True
     if world.store is not None:  # before the goodbye: a rank that said it has left the store
         await world.store.leave(left())
+    await farewell.forget(world)
     world.say_goodbye()
     if world.server is not None:  # the others still need the store until they have left
         await world.peers_gone(min(deadline, loop.time() + LINGER_SECONDS))
@@ -253,13 +277,13 @@ async def new_group(
     default = resolve(None)
     assert default is not None
     world = default.world
-    members = sorted(set(range(world.world_size) if ranks is None else ranks))
-    if any(not 0 <= r < world.world_size for r in members) or not members:
-        raise ValueError(f"ranks must be distinct ranks in 0..{world.world_size - 1}, got {ranks!r}")
+    members = list(range(world.world_size)) if ranks is None else validate.rank_list(ranks, world.world_size)
+    limit = seconds(timeout, default.timeout)
+    validate.backend(backend)
     fp = f"new_group|{_digest(repr(members))}"
     gid = world.reserve_gid()
     await default.run(
         "new_group", fp, lambda comm: algo.all_reduce(comm, np.zeros(1, np.uint8), ReduceOp.MAX)
     )
-    group = world.add_group(gid, members, seconds(timeout, default.timeout))
+    group = world.add_group(gid, members, limit)
     return GroupMember.NON_GROUP_MEMBER if group is None else group

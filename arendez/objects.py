@@ -10,6 +10,7 @@ import numpy as np
 from .algorithms import Comm, others, wait_all
 from .group import ProcessGroup
 from .registry import on_group
+from .validate import index
 
 
 def _pack(obj: Any) -> bytes:
@@ -40,7 +41,7 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: Any = None)
 async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = None) -> None:
     """Replace ``object_list``'s entries with those of global rank ``src``."""
     g: ProcessGroup = group
-    root = g.group_rank(src, "src")
+    root = g.group_rank(index(src, "src"), "src")
     mine = _pack(list(object_list)) if g.rank == root else None
     fp = f"broadcast_object_list|{src}|{len(object_list)}"
 
@@ -54,7 +55,7 @@ async def gather_object(
 ) -> None:
     """On ``dst``, fill ``object_gather_list[i]`` with rank ``i``'s ``obj``."""
     g: ProcessGroup = group
-    root = g.group_rank(dst, "dst")
+    root = g.group_rank(index(dst, "dst"), "dst")
     if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
         raise ValueError(f"object_gather_list on the dst rank must have {g.size} entries")
     mine = _pack(obj)
@@ -73,7 +74,7 @@ async def scatter_object_list(
 ) -> None:
     """Rank ``i`` gets ``scatter_object_input_list[i]`` of ``src`` in its output list's slot 0."""
     g: ProcessGroup = group
-    root = g.group_rank(src, "src")
+    root = g.group_rank(index(src, "src"), "src")
     parts = None
     if g.rank == root:
         if scatter_object_input_list is None or len(scatter_object_input_list) != g.size:

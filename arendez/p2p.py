@@ -8,6 +8,14 @@ from . import wire
 from .arrays import as_array, byte_view
 from .group import ProcessGroup
 from .registry import on_group
+from .validate import index
+
+
+def _tag(tag: object) -> int:
+    value = index(tag, "tag")
+    if not -(1 << 63) <= value < 1 << 63:
+        raise ValueError(f"tag must fit in 64 signed bits, got {value}")
+    return value
 
 
 def _fp(x: Any) -> str:
@@ -20,7 +28,7 @@ async def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
     g: ProcessGroup = group
     g.check_usable("send")
     x = as_array(tensor, writable=False)
-    g.group_rank(dst, "dst")
+    g.group_rank(index(dst, "dst"), "dst")
     if dst == g.world.rank:
         raise ValueError("cannot send to this rank itself")
     raw = byte_view(x)
@@ -28,7 +36,7 @@ async def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
         raise ValueError(
             f"send carries at most {wire.MAX_SEGMENT} bytes; split the tensor (got {raw.nbytes})"
         )
-    await g.world.send_p2p(dst, g.gid, int(tag), _fp(x), raw, g.timeout)
+    await g.world.send_p2p(dst, g.gid, _tag(tag), _fp(x), raw, g.timeout)
 
 
 @on_group(missing=-1)
@@ -38,6 +46,6 @@ async def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int 
     g.check_usable("recv")
     out = as_array(tensor)
     if src is not None:
-        g.group_rank(src, "src")
+        g.group_rank(index(src, "src"), "src")
     others = [r for r in g.ranks if r != g.world.rank] if src is None else [src]
-    return await g.world.recv_p2p(src, g.gid, int(tag), byte_view(out), g.timeout, others)
+    return await g.world.recv_p2p(src, g.gid, _tag(tag), byte_view(out), g.timeout, others)

@@ -17,6 +17,7 @@ import inspect
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
+from . import validate
 from .errors import NotInitializedError
 from .group import GroupMember, ProcessGroup, Stats
 from .world import World
@@ -83,13 +84,9 @@ def default_group() -> ProcessGroup | None:
 
 
 def seconds(timeout: float | datetime.timedelta | None, default: float) -> float:
-    """``timeout`` in seconds (``default`` if None); a non-positive value is a ``ValueError``."""
-    if timeout is None:
-        return default
-    value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    if value <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
-    return value
+    """``timeout`` in seconds (``default`` if None); anything but a finite positive number of
+    seconds is a ``ValueError`` (``TypeError`` for a non-number)."""
+    return default if timeout is None else validate.seconds(timeout, "timeout")
 
 
 def resolve(group: Any) -> ProcessGroup | None:

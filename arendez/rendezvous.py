@@ -8,6 +8,7 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from . import validate
 from .errors import RendezvousError
 
 DEFAULT_PORT = 29400
@@ -48,10 +49,8 @@ def _hostport(netloc: str, url: str) -> tuple[str, int, str | None]:
     parsed = urllib.parse.urlsplit(f"//{netloc}")
     if not parsed.hostname:
         raise RendezvousError(f"{url!r} names no host")
-    try:
-        port = parsed.port or DEFAULT_PORT
-    except ValueError:
-        raise RendezvousError(f"{url!r} has an invalid port") from None
+    _, colon, raw = netloc.rpartition("@")[2].rpartition("]")[2].rpartition(":")
+    port = validate.port(raw, f"the port of init_method {url!r}", lowest=1) if colon and raw else DEFAULT_PORT
     token = urllib.parse.unquote(parsed.username) if parsed.username else None
     return parsed.hostname, port, token
 
@@ -81,6 +80,8 @@ def plan(
         if env.get("ARENDEZ_URL"):
             return plan(env["ARENDEZ_URL"], world_size, rank, env)
         addr, port = env.get("MASTER_ADDR"), _int_env(env, "MASTER_PORT")
+        if port is not None:
+            validate.port(port, "MASTER_PORT", lowest=1)
         if not addr or port is None:
             raise RendezvousError(
                 "env:// needs ARENDEZ_URL, or MASTER_ADDR and MASTER_PORT (with RANK and WORLD_SIZE)"

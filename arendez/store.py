@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import lease as _lease
-from . import transport, wire
+from . import transport, validate, wire
 from .errors import (
     AuthenticationError,
     LimitError,
@@ -92,6 +92,11 @@ class Store:
         timeout: float = 300.0,
         heartbeat_interval: float = 0.5,
     ) -> None:
+        validate.text(host, "host", empty=False)
+        port = validate.port(validate.index(port, "port"), lowest=1)
+        validate.text(job, "job")
+        timeout = validate.seconds(timeout, "timeout")
+        heartbeat_interval = validate.seconds(heartbeat_interval, "heartbeat_interval")
         self.host, self.port, self.job = host, port, job
         self.timeout = timeout
         self.on_event: EventHandler | None = None
@@ -117,6 +122,7 @@ class Store:
     # -- connection management -------------------------------------------------------------
     async def connect(self, timeout: float | None = None) -> Store:
         """Connect (retrying until ``timeout``) and start keeping the connection alive."""
+        timeout = validate.optional_seconds(timeout)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._maintain()))
         try:

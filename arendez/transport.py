@@ -17,13 +17,14 @@ import os
 import socket
 import ssl as _ssl
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from . import wire
 from .errors import ArendezError, AuthenticationError, ProtocolError
 
 FrameHandler = Callable[[Any, memoryview | None], None]
 CloseHandler = Callable[[BaseException | None], None]
+E = TypeVar("E", bound=BaseException)
 
 PROTOCOL_VERSION = 1
 #: Frames a connection holds before its owner takes over (a handshake needs two).
@@ -48,8 +49,9 @@ def _tune_socket(transport: asyncio.BaseTransport) -> None:
 class Connection(asyncio.BufferedProtocol):
     """One framed stream. Frames queue up for ``recv`` until a handler is installed."""
 
-    def __init__(self, limits: wire.Limits = wire.DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: wire.Limits = wire.DEFAULT_LIMITS, max_queued: int = MAX_QUEUED) -> None:
         self._decoder = wire.Decoder(limits=limits)
+        self._max_queued = max_queued
         self._transport: asyncio.Transport | None = None
         self._queue: collections.deque[tuple[Any, memoryview | None]] = collections.deque()
         self._queue_waiter: asyncio.Future[None] | None = None
@@ -81,8 +83,8 @@ class Connection(asyncio.BufferedProtocol):
             for header, payload in frames:
                 if self._on_frame is not None:
                     self._on_frame(header, payload)
-                elif len(self._queue) >= MAX_QUEUED:
-                    raise ProtocolError(f"more than {MAX_QUEUED} frames before the handshake finished")
+                elif len(self._queue) >= self._max_queued:
+                    raise ProtocolError(f"more than {self._max_queued} frames before the handshake finished")
                 else:
                     self._queue.append((header, payload))
                     if self._queue_waiter is not None and not self._queue_waiter.done():
@@ -97,7 +99,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.error is None:
-            self.error = exc or ConnectionResetError("connection closed by peer")
+            self.error = _detached(exc) or ConnectionResetError("connection closed by peer")
         self._transport = None
         self._wake_drainers()
         if self._queue_waiter is not None and not self._queue_waiter.done():
@@ -185,6 +187,27 @@ class Connection(asyncio.BufferedProtocol):
             raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
         self._transport.writelines(buffers)
 
+    def send_last(self, header: Any, timeout: float) -> bool:
+        """Write one frame straight to the socket, without the event loop (the process is
+        ending and the loop may be closed); True if it all went out within ``timeout``.
+
+        Best effort: refused (False) when other bytes are still queued (the frame would cut
+        into them) and on TLS streams (they cannot be written around the TLS layer).
+        """
+        transport = self._transport
+        if transport is None or transport.is_closing() or transport.get_write_buffer_size():
+            return False
+        sock = transport.get_extra_info("socket")
+        if sock is None or transport.get_extra_info("ssl_object") is not None:
+            return False
+        try:
+            with socket.socket(fileno=os.dup(sock.fileno())) as raw:  # closing it keeps ours
+                raw.settimeout(timeout)
+                raw.sendall(b"".join(wire.encode(header)))
+        except OSError:
+            return False
+        return True
+
     async def drain(self) -> None:
         """Wait until every queued byte is in the kernel (or the connection is gone)."""
         if self._transport is None:
@@ -217,9 +240,14 @@ class Connection(asyncio.BufferedProtocol):
             return self._queue.popleft()
 
     def fail(self, exc: BaseException, *, tell_peer: bool = False) -> None:
-        """Close because of ``exc``; with ``tell_peer`` first send it as an error frame."""
+        """Close because of ``exc``; with ``tell_peer`` first send it as an error frame.
+
+        The connection keeps ``exc`` without its traceback (whose frames would hold the
+        connection in a reference cycle) and drops the frames it had queued.
+        """
         if self.error is None:
-            self.error = exc
+            self.error = _detached(exc)
+        self._queue.clear()
         transport = self._transport
         if transport is None:
             return
@@ -245,6 +273,18 @@ class Connection(asyncio.BufferedProtocol):
                 await asyncio.shield(self.closed)
         except TimeoutError:
             self.abort()
+
+
+def _detached(exc: E | None) -> E | None:
+    """``exc`` with its traceback (and those of its causes) dropped, so that keeping it does
+    not keep the frames that raised it, and what they referenced, alive."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
 
 
 def error_frame(exc: BaseException) -> dict[str, Any]:

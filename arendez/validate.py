@@ -20,6 +20,8 @@ T = TypeVar("T")
 
 MAX_PORT = 65535
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: ``backend=`` names ``init_process_group`` accepts (``gloo`` is an alias of ``tcp``).
+BACKENDS = ("tcp", "gloo", "arendez")
 
 
 def integer(value: object, name: str) -> int:
@@ -35,11 +37,18 @@ def integer(value: object, name: str) -> int:
     return value
 
 
-def port(value: object, name: str = "port") -> int:
-    """A TCP port, 0-65535 (0: the system picks a free one)."""
+def index(value: object, name: str) -> int:
+    """An int given to the API (a rank, a tag): no bools, floats or strings."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def port(value: object, name: str = "port", *, lowest: int = 0) -> int:
+    """A TCP port, 0-65535 (0: the system picks a free one; ``lowest=1`` where one is dialled)."""
     number = integer(value, name)
-    if not 0 <= number <= MAX_PORT:
-        raise ValueError(f"{name} must be in 0-{MAX_PORT}, got {number}")
+    if not lowest <= number <= MAX_PORT:
+        raise ValueError(f"{name} must be in {lowest}-{MAX_PORT}, got {number}")
     return number
 
 
@@ -88,6 +97,53 @@ def seconds(value: object, name: str = "timeout", *, allow_zero: bool = False) -
     return number
 
 
+def optional_seconds(value: object, name: str = "timeout") -> float | None:
+    """None (the default applies) or ``seconds(value)``."""
+    return None if value is None else seconds(value, name)
+
+
+def text(value: object, name: str, *, empty: bool = True) -> str:
+    """A ``str`` (non-empty unless ``empty``)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__} {value!r}")
+    if not empty and not value:
+        raise ValueError(f"{name} must not be empty")
+    return value
+
+
+def backend(value: object, name: str = "backend") -> str | None:
+    """None or one of ``BACKENDS``."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a str or None, got {type(value).__name__} {value!r}")
+    if value is not None and value not in BACKENDS:
+        raise ValueError(f"{name} must be one of {', '.join(BACKENDS)} (or None), got {value!r}")
+    return value
+
+
+def init_method(value: object, name: str = "init_method") -> str | None:
+    """None or a URL string (its scheme and parts are checked by ``rendezvous.plan``)."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a URL str or None, got {type(value).__name__} {value!r}")
+    return value
+
+
+def rank_list(value: object, size: int, name: str = "ranks") -> list[int]:
+    """A non-empty collection of distinct ints in 0..size-1, sorted."""
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ranks, got {type(value).__name__} {value!r}")
+    items = list(value)
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise TypeError(f"{name} must hold ints, got {type(item).__name__} {item!r} in {items!r}")
+        if not 0 <= item < size:
+            raise ValueError(f"{name} must be ranks in 0..{size - 1}, got {item} in {items!r}")
+    if not items:
+        raise ValueError(f"{name} must name at least one rank, got {items!r}")
+    if len(set(items)) != len(items):
+        raise ValueError(f"{name} must be distinct, got {items!r}")
+    return sorted(items)
+
+
 def readable_file(value: object, name: str) -> str:
     """The path of a regular file this process can read."""
     if not isinstance(value, str | os.PathLike) or not str(value):
@@ -113,6 +169,12 @@ def token_file(value: object, name: str = "--token-file") -> str:
     if not token:
         raise ValueError(f"{name} {path!r} is empty; it must hold the shared token")
     return token
+
+
+def token_path(value: object, name: str = "--token-file") -> str:
+    """``token_file`` for a command line that reads the file later: returns the checked path."""
+    token_file(value, name)
+    return readable_file(value, name)
 
 
 def certificate_pair(cert: str, key: str) -> None:

@@ -212,8 +212,11 @@ class World:
             self._fail_seq(frame.gid, frame.seq, CollectiveCancelledError(peer, frame.collective, frame.seq))
         elif isinstance(frame, frames.Bye):
             # the leaver tells us who it saw die: blame the root cause, not the messenger
+            # (it names itself when its process ended without destroy_process_group)
             for rank, reason in frame.failed.items():
-                if rank != self.rank:
+                if rank == peer:
+                    self.peer_lost(rank, reason)
+                elif rank != self.rank:
                     self.peer_lost(rank, f"{reason} (reported by rank {peer})")
             self.peer_lost(peer, "it destroyed its process group", left=True)
         elif isinstance(frame, frames.Query):
@@ -303,6 +306,10 @@ class World:
                 for op in list(group.active.values()):
                     # A rank that left said goodbye after its last frame: only what we still
                     # expect from it is lost. A rank that died may hold up anyone: fail all.
-                    if not left or self.mail.expects(op.keys, peer):
+                    if left and not self.mail.expects(op.keys, peer):
+                        continue
+                    if isinstance(op.error, RankFailedError):
+                        op.error.add(peer, reason)  # name every failure, the first one first
+                    else:
                         op.fail(RankFailedError(peer, op.name, reason))
         self.p2p.peer_lost(peer, reason)

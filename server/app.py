@@ -658,10 +658,14 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
         async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
             await asyncio.shield(done)
     except TimeoutError:
+        joined = sorted(round_.members)  # counted before this rank withdraws: it joined too
         job.withdraw(round_, rank)
         s.round = s.rank = None
+        missing = sorted(set(range(round_.world_size)) - set(joined))
+        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
         raise RendezvousError(
-            f"job {s.job!r}: only {len(round_.members)} of {round_.world_size} ranks joined in time"
+            f"job {s.job!r}: only {len(joined)} of {round_.world_size} ranks joined in time "
+            f"(missing: {len(missing)} rank(s): {shown})"
         ) from None
     except asyncio.CancelledError:
         job.withdraw(round_, rank)

@@ -10,6 +10,7 @@ import signal
 import sys
 
 from arendez import loop as _loop
+from arendez import validate
 from arendez.tls import server_context
 
 from .app import Server, ServerConfig
@@ -19,48 +20,105 @@ from .state import StateLimits
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arendez-server", description=__doc__)
+    arg = validate.argtype
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=29400, help="port (0 picks a free one)")
-    p.add_argument("--token-file", help="file holding the shared token (or set ARENDEZ_TOKEN)")
-    p.add_argument("--tls-cert", help="PEM certificate chain for TLS")
-    p.add_argument("--tls-key", help="PEM private key for TLS")
-    p.add_argument("--tls-client-ca", help="require client certificates signed by this CA")
-    p.add_argument("--lease", type=float, default=2.5, help="seconds without heartbeat = failed")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument(
+        "--port", type=arg(validate.port, "--port"), default=29400, help="port (0 picks a free one)"
+    )
+    p.add_argument(
+        "--token-file",
+        type=arg(validate.token_path),
+        help="file holding the shared token (or set ARENDEZ_TOKEN)",
+    )
+    p.add_argument(
+        "--tls-cert", type=arg(validate.readable_file, "--tls-cert"), help="PEM certificate chain for TLS"
+    )
+    p.add_argument("--tls-key", type=arg(validate.readable_file, "--tls-key"), help="PEM private key for TLS")
+    p.add_argument(
+        "--tls-client-ca",
+        type=arg(validate.readable_file, "--tls-client-ca"),
+        help="require client certificates signed by this CA",
+    )
+    p.add_argument(
+        "--lease",
+        type=arg(validate.seconds, "--lease"),
+        default=2.5,
+        help="seconds without heartbeat = failed",
+    )
+    p.add_argument(
+        "--log-level", type=arg(validate.log_level), default="INFO", help="DEBUG, INFO, WARNING, ERROR"
+    )
     d = ServerConfig()
     lim = StateLimits()
-    p.add_argument("--backlog", type=int, default=d.backlog, help=f"listen queue (default {d.backlog})")
     p.add_argument(
-        "--max-connections", type=int, default=d.max_connections, help=f"default {d.max_connections}"
+        "--backlog",
+        type=arg(validate.at_least, 1, "--backlog"),
+        default=d.backlog,
+        help=f"listen queue (default {d.backlog})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=arg(validate.at_least, 1, "--max-connections"),
+        default=d.max_connections,
+        help=f"default {d.max_connections}",
     )
     p.add_argument(
         "--max-connections-per-host",
-        type=int,
+        type=arg(validate.at_least, 1, "--max-connections-per-host"),
         default=d.max_connections_per_host,
         help=f"default {d.max_connections_per_host}",
     )
     p.add_argument(
         "--max-pending-per-connection",
-        type=int,
+        type=arg(validate.at_least, 1, "--max-pending-per-connection"),
         default=d.max_pending_per_connection,
         help=f"blocking get/wait/join per connection (default {d.max_pending_per_connection})",
     )
-    p.add_argument("--max-jobs", type=int, default=lim.max_jobs, help=f"default {lim.max_jobs}")
     p.add_argument(
-        "--max-world-size", type=int, default=lim.max_world_size, help=f"default {lim.max_world_size}"
+        "--max-jobs",
+        type=arg(validate.at_least, 1, "--max-jobs"),
+        default=lim.max_jobs,
+        help=f"default {lim.max_jobs}",
     )
     p.add_argument(
-        "--max-keys-per-job", type=int, default=lim.max_keys_per_job, help=f"default {lim.max_keys_per_job}"
+        "--max-world-size",
+        type=arg(validate.at_least, 1, "--max-world-size"),
+        default=lim.max_world_size,
+        help=f"default {lim.max_world_size}",
+    )
+    p.add_argument(
+        "--max-keys-per-job",
+        type=arg(validate.at_least, 1, "--max-keys-per-job"),
+        default=lim.max_keys_per_job,
+        help=f"default {lim.max_keys_per_job}",
     )
     p.add_argument(
         "--max-bytes-per-job",
-        type=int,
+        type=arg(validate.at_least, 1, "--max-bytes-per-job"),
         default=lim.max_bytes_per_job,
         help=f"keys + values (default {lim.max_bytes_per_job})",
     )
-    p.add_argument("--http-port", type=int, help="serve /metrics, /status and a dashboard on this port")
+    p.add_argument(
+        "--http-port",
+        type=arg(validate.port, "--http-port"),
+        help="serve /metrics, /status and a dashboard on this port",
+    )
     p.add_argument("--http-host", default="127.0.0.1", help="address for --http-port (default 127.0.0.1)")
     return p
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, every one checked: a bad one is a usage error (exit status 2)."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    if args.tls_cert:
+        try:
+            validate.certificate_pair(args.tls_cert, args.tls_key)
+        except ValueError as exc:
+            p.error(str(exc))
+    return args
 
 
 def read_token(path: str | None) -> str | None:
@@ -96,25 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["status"]:
         return status_main(argv[1:])
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        print("arendez-server: --tls-cert and --tls-key go together", file=sys.stderr)
-        return 2
-    counts = (
-        "backlog",
-        "max_connections",
-        "max_connections_per_host",
-        "max_pending_per_connection",
-        "max_jobs",
-        "max_world_size",
-        "max_keys_per_job",
-        "max_bytes_per_job",
-    )
-    for name in counts:
-        if getattr(args, name) < 1:
-            print(f"arendez-server: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
-            return 2
+    args = _parse(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     limits = StateLimits(
         max_keys_per_job=args.max_keys_per_job,
         max_bytes_per_job=args.max_bytes_per_job,

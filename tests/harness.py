@@ -114,6 +114,24 @@ def raw_frame(obj: object, payload: int = 0) -> bytes:
     return struct.pack("<IQ", len(raw), payload) + raw
 
 
+def peer_bombs() -> list[bytes]:
+    """What strangers send a rank's peer listener before (instead of) a hello: each must get
+    the connection closed, and cost the listener nothing once it is."""
+    wide = msgpack.packb([{}] * 1000)  # 1 KiB of empty maps: a thousand dicts once decoded
+    deep = b"\x91" * 900 + b"\xc0"  # arrays nested 900 deep
+    return [
+        b"",  # says nothing and hangs up
+        b"GET / HTTP/1.1\r\n\r\n",
+        struct.pack("<IQ", 1 << 30, 0),  # a 1 GiB header announced
+        struct.pack("<IQ", 8, 1 << 20) + msgpack.packb({"rank": 1}).ljust(8, b"\xc0"),  # a payload
+        struct.pack("<IQ", len(wide), 0) + wide,
+        struct.pack("<IQ", len(deep), 0) + deep,
+        raw_frame({"rank": 1, "round": b"x" * 16, "nonce": b"n" * 16, "proof": b"p" * 32}),  # bad proof
+        raw_frame({"nonce": b"n" * 16}) * 5,  # more frames than a handshake needs
+        struct.pack("<IQ", 5, 0) + b"\xc1\xc1\xc1\xc1\xc1",  # not msgpack
+    ]
+
+
 def read_until_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
     """Read until EOF; return everything the other side sent before closing."""
     sock.settimeout(timeout)

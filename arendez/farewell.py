@@ -1,0 +1,122 @@
+"""Last words: a process that ends with its world still up tells its peers what it knew.
+
+A rank whose process ends without ``destroy_process_group`` (its ``asyncio.run`` returns or
+raises, or it gets SIGTERM) sends every peer a ``Bye`` naming the ranks it saw fail, first
+failure first, and itself last with why it ended. A survivor then blames the rank that failed
+first, not the messenger whose connection closed next.
+
+When the event loop ends, it cancels every task; a watcher task per world says the goodbye then,
+while the connections are still open (uvloop closes them with the loop). A SIGTERM handler
+(installed only over the default action) does it from the signal, then dies of the signal;
+an ``atexit`` hook covers loops that leave their sockets open. Best effort and bounded: the
+frame is written straight to each socket within ``ARENDEZ_FAREWELL_MS`` milliseconds in all;
+a link with bytes still queued, or a TLS link, is skipped and its peer sees the close, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import threading
+import weakref
+from types import FrameType
+from typing import Any
+
+from . import frames
+from .settings import env_int
+from .transports.tcp import Mesh
+from .world import World
+
+#: Default bound (milliseconds) on all goodbyes of one process together.
+DEFAULT_BUDGET_MS = 500
+
+_worlds: weakref.WeakSet[World] = weakref.WeakSet()
+_watchers: dict[int, asyncio.Task[None]] = {}
+_installed = False
+
+
+def register(world: World) -> None:
+    """Say goodbye for ``world`` if the process ends while it is still up."""
+    global _installed
+    if not isinstance(world.mesh, Mesh):
+        return  # in-process ranks end together
+    _worlds.add(world)
+    owner = asyncio.current_task()
+    _watchers[id(world)] = asyncio.get_running_loop().create_task(_watch(world, owner))
+    if _installed:
+        return
+    _installed = True
+    atexit.register(_at_exit)
+    if threading.current_thread() is threading.main_thread():
+        try:
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, _on_sigterm)
+        except ValueError:  # pragma: no cover - not the main interpreter
+            pass
+
+
+async def forget(world: World) -> None:
+    """``world`` is being destroyed (it says its own goodbye)."""
+    _worlds.discard(world)
+    watcher = _watchers.pop(id(world), None)
+    if watcher is not None:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+async def _watch(world: World, owner: asyncio.Task[Any] | None) -> None:
+    """Wait forever; cancelled while ``world`` is still up, the event loop is ending under it."""
+    try:
+        await asyncio.get_running_loop().create_future()
+    finally:
+        if world in _worlds:
+            _watchers.pop(id(world), None)
+            _goodbye(world, _why_ended(owner))
+
+
+def _goodbye(world: World, why: str) -> list[int]:
+    _worlds.discard(world)
+    if world.closed or not isinstance(world.mesh, Mesh):
+        return []
+    budget = env_int("ARENDEZ_FAREWELL_MS", DEFAULT_BUDGET_MS, minimum=0) / 1000
+    failed = {r: reason for r, reason in world.failed.items() if r != world.rank}
+    failed[world.rank] = why  # last: the sender names itself, and why it ended
+    world.closed = True
+    return world.mesh.farewell(frames.Bye(failed), budget)
+
+
+def say_last_words(why: str) -> list[int]:
+    """Send every live world's goodbye now; return the peer ranks reached."""
+    reached: list[int] = []
+    for world in list(_worlds):
+        reached += _goodbye(world, why)
+    return reached
+
+
+def _why_ended(owner: asyncio.Task[Any] | None) -> str:
+    exc: Any = None
+    if owner is not None and owner.done() and not owner.cancelled():
+        exc = owner.exception()
+    if exc is None:
+        exc = getattr(sys, "last_value", None)
+    if isinstance(exc, BaseException):
+        return f"its process ended with an uncaught {type(exc).__name__}: {str(exc)[:200]}"
+    return "its process exited without destroy_process_group"
+
+
+def _at_exit() -> None:
+    with contextlib.suppress(Exception):  # never let a goodbye turn an exit into a traceback
+        say_last_words(_why_ended(None))
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    try:
+        say_last_words("its process was terminated (SIGTERM)")
+    finally:  # then die of the signal, as without this handler
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

@@ -1,0 +1,67 @@
+"""A process that ends with its world up says goodbye: survivors name the rank that failed first."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import collect, spawn_rank, wait_for_files
+from tests.jobs import goodbye
+
+
+def _stop_rank_2(server_url: str, tmp: Path, deaf: bool):
+    url = f"{server_url}/stop-{tmp.name}"
+    procs = [spawn_rank(goodbye.messenger_dies, r, 3, url, str(tmp), deaf) for r in range(3)]
+    try:
+        wait_for_files(tmp, "ready-*", 3)
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        results = collect(procs[:2], 30)
+    finally:
+        procs[2].kill()
+        procs[2].wait()
+    return stopped_at, results
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("deaf", [False, True], ids=["with-server-events", "goodbye-only"])
+def test_survivors_of_a_stopped_rank_name_it_not_the_messenger(arendez_server, tmp_path, deaf):
+    """Ranks 0,1,2; rank 2 SIGSTOPped; rank 1 raises naming rank 2 and its process ends with
+    the error. Rank 0 names rank 2 first (with ``goodbye-only`` it hears of rank 2 only from
+    rank 1's goodbye), repeated."""
+    for attempt in range(3):
+        run = tmp_path / f"run{attempt}"
+        run.mkdir()
+        stopped_at, (zero, one) = _stop_rank_2(arendez_server.url, run, deaf)
+        assert one.returncode != 0 and "RankFailedError: rank 2 failed" in one.stderr, one.stderr[-2000:]
+        assert zero.returncode == 0, zero.stderr[-3000:]
+        out = zero.value
+        assert out["error"] == "RankFailedError" and out["ranks"][0] == 2, out
+        assert out["message"].startswith("rank 2 failed during all_reduce"), out
+        assert out["at"] - stopped_at < 8.0, f"rank 0 raised {out['at'] - stopped_at:.1f}s after the stop"
+        if deaf:  # the news came from the messenger, and the messenger is named after it
+            assert "reported by rank 1" in out["message"], out
+            assert out["ranks"] == [2, 1], out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["exit", "raise", "sigterm"])
+def test_a_rank_that_ends_without_destroy_says_how(arendez_server, tmp_path, how):
+    url = f"{arendez_server.url}/end-{how}-{tmp_path.name}"
+    procs = [spawn_rank(goodbye.ends_without_destroy, r, 2, url, how) for r in range(2)]
+    zero, one = collect(procs, 30)
+    expected = {"exit": 0, "raise": 1, "sigterm": -signal.SIGTERM}[how]
+    assert one.returncode == expected, one.stderr[-2000:]
+    assert zero.returncode == 0, zero.stderr[-3000:]
+    out = zero.value
+    assert out["error"] == "RankFailedError" and out["ranks"] == [1], out
+    words = {
+        "exit": "exited without destroy_process_group",
+        "raise": "uncaught RuntimeError: rank 1 gives up",
+        "sigterm": "terminated (SIGTERM)",
+    }[how]
+    assert words in out["message"], out

@@ -1,0 +1,93 @@
+"""``arendez-server``'s arguments: a bad one is a one-line usage error naming it (exit status 2),
+never a traceback, a wrapped port or a silent start."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server import cli
+from tests.harness import ROOT, _env
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "arendez_server", *argv],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=_env(),
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    return {"empty": str(empty), "junk": str(junk), "dir": str(tmp_path)}
+
+
+CASES = [
+    (["--port", "99999"], "--port", "must be in 0-65535, got 99999"),
+    (["--port", "-1"], "--port", "got -1"),
+    (["--port", "http"], "--port", "must be an integer"),
+    (["--token-file", "/nonexistent/token"], "--token-file", "does not exist"),
+    (["--token-file", "{empty}"], "--token-file", "is empty"),
+    (["--token-file", "{dir}"], "--token-file", "is not a regular file"),
+    (["--tls-cert", "/nonexistent", "--tls-key", "/x"], "--tls-cert", "does not exist"),
+    (["--tls-cert", "{junk}", "--tls-key", "{junk}"], "--tls-cert", "does not load"),
+    (["--tls-cert", "{junk}"], "--tls-cert", "go together"),
+    (["--log-level", "LOUD"], "--log-level", "got 'LOUD'"),
+    (["--lease", "0"], "--lease", "finite and > 0"),
+]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("argv,option,words", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_option_is_a_one_line_usage_error(files, argv, option, words):
+    proc = _run(*(a.format(**files) for a in argv))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("arendez-server: error:") and option in last and words in last, last
+
+
+def _refused(argv: list[str]) -> str:
+    """Parse ``argv`` in this process with socket creation forbidden; return the usage error."""
+    err = io.StringIO()
+    with (
+        mock.patch.object(socket, "socket", side_effect=AssertionError("a socket was opened")),
+        contextlib.redirect_stderr(err),
+        pytest.raises(SystemExit) as exit_,
+    ):
+        cli.main(argv)
+    assert exit_.value.code == 2, err.getvalue()
+    return err.getvalue().strip().splitlines()[-1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(st.integers(max_value=-1), st.integers(min_value=65536)))
+def test_any_port_out_of_range_is_refused_before_listening(port: int) -> None:
+    line = _refused(["--port", str(port)])
+    assert "--port" in line and str(port) in line and "0-65535" in line, line
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(st.characters(codec="ascii", categories=["L"]), min_size=1, max_size=10))
+def test_any_unknown_log_level_is_refused(level: str) -> None:
+    if level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        return
+    line = _refused(["--log-level", level])
+    assert "--log-level" in line and repr(level) in line, line
