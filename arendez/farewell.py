@@ -2,7 +2,8 @@
 
 A rank whose process ends without ``destroy_process_group`` (its ``asyncio.run`` returns or
 raises, or it gets SIGTERM) sends every peer a ``Bye`` naming the ranks it saw fail, first
-failure first, and itself last with why it ended. A survivor then blames the rank that failed
+failure first, and (if it ended by an exception or a signal) itself last with why it ended; a
+normal end without destroy is a clean leave. A survivor then blames the rank that failed
 first, not the messenger whose connection closed next.
 
 When the event loop ends, it cancels every task; a watcher task per world says the goodbye then,
@@ -79,18 +80,19 @@ async def _watch(world: World, owner: asyncio.Task[Any] | None) -> None:
             _goodbye(world, _why_ended(owner))
 
 
-def _goodbye(world: World, why: str) -> list[int]:
+def _goodbye(world: World, why: str | None) -> list[int]:
     _worlds.discard(world)
     if world.closed or not isinstance(world.mesh, Mesh):
         return []
     budget = env_int("ARENDEZ_FAREWELL_MS", DEFAULT_BUDGET_MS, minimum=0) / 1000
     failed = {r: reason for r, reason in world.failed.items() if r != world.rank}
-    failed[world.rank] = why  # last: the sender names itself, and why it ended
+    if why is not None:  # last: the sender names itself, and why it ended
+        failed[world.rank] = why
     world.closed = True
     return world.mesh.farewell(frames.Bye(failed), budget)
 
 
-def say_last_words(why: str) -> list[int]:
+def say_last_words(why: str | None) -> list[int]:
     """Send every live world's goodbye now; return the peer ranks reached."""
     reached: list[int] = []
     for world in list(_worlds):
@@ -98,7 +100,9 @@ def say_last_words(why: str) -> list[int]:
     return reached
 
 
-def _why_ended(owner: asyncio.Task[Any] | None) -> str:
+def _why_ended(owner: asyncio.Task[Any] | None) -> str | None:
+    """Why the process ended, if it failed; None for a normal end (a clean leave, as torch's
+    processes that never call destroy: the peers are told it left, not that it failed)."""
     exc: Any = None
     if owner is not None and owner.done() and not owner.cancelled():
         exc = owner.exception()
@@ -106,7 +110,7 @@ def _why_ended(owner: asyncio.Task[Any] | None) -> str:
         exc = getattr(sys, "last_value", None)
     if isinstance(exc, BaseException):
         return f"its process ended with an uncaught {type(exc).__name__}: {str(exc)[:200]}"
-    return "its process exited without destroy_process_group"
+    return None
 
 
 def _at_exit() -> None:

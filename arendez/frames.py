@@ -96,7 +96,8 @@ class Cancel(Frame):
 
 @dataclass(frozen=True, slots=True)
 class Bye(Frame):
-    """The sender destroyed its process group; ``failed`` are the ranks it saw die."""
+    """The sender left (destroyed its process group, or its process ended); ``failed`` are the
+    ranks it saw die (itself last if it ended by an exception or a signal)."""
 
     KIND: ClassVar[Kind] = Kind.BYE
     failed: dict[int, str]

@@ -218,7 +218,7 @@ class World:
                     self.peer_lost(rank, reason)
                 elif rank != self.rank:
                     self.peer_lost(rank, f"{reason} (reported by rank {peer})")
-            self.peer_lost(peer, "it destroyed its process group", left=True)
+            self.peer_lost(peer, "it left: it destroyed its process group, or its process ended", left=True)
         elif isinstance(frame, frames.Query):
             if not self.closed:  # (a rank that is leaving has no progress to report: silence)
                 group = self.groups.get(frame.gid)

@@ -60,7 +60,7 @@ def test_a_rank_that_ends_without_destroy_says_how(arendez_server, tmp_path, how
     out = zero.value
     assert out["error"] == "RankFailedError" and out["ranks"] == [1], out
     words = {
-        "exit": "exited without destroy_process_group",
+        "exit": "it left: it destroyed its process group, or its process ended",
         "raise": "uncaught RuntimeError: rank 1 gives up",
         "sigterm": "terminated (SIGTERM)",
     }[how]
