@@ -106,6 +106,7 @@ class Connection(asyncio.BufferedProtocol):
             self._queue_waiter.set_result(None)
         if not self.closed.done():
             self.closed.set_result(None)
+        self._on_frame = None  # no frame comes any more; its handler may refer back to this connection
         if self._on_close is not None:
             handler, self._on_close = self._on_close, None
             handler(exc if exc is not None else self.error)  # why we closed it, if we did
@@ -160,6 +161,7 @@ class Connection(asyncio.BufferedProtocol):
         while self._queue:
             on_frame(*self._queue.popleft())
         if self._transport is None and self.error is not None:
+            self._on_frame = None
             handler, self._on_close = self._on_close, None
             handler(self.error if isinstance(self.error, Exception) else None)
 

@@ -23,6 +23,7 @@ PREFIX = struct.Struct("<IQ")
 #: Largest payload one frame may carry; bigger messages are split by the sender.
 MAX_SEGMENT = (1 << 30) - 1
 _SCRATCH = 8 * 1024  # grows for a larger header; reads between payloads are HEADER_READ
+_MIN_SCRATCH = 256
 _DISCARD = 1 << 20  # what a diverted payload's bytes are read into (and forgotten), at once
 #: Bytes read at once between payloads: a small frame whole, little of a large payload.
 HEADER_READ = 4096
@@ -75,7 +76,9 @@ class Decoder:
         self._sink = sink
         self._limits = limits
         self._parse_header: Callable[[Any], Any] = _as_is
-        self._scratch = bytearray(_SCRATCH)
+        # no bigger than the largest frame allowed: a connection that may only send a hello
+        # costs a hello's worth of buffer until its limits are raised
+        self._scratch = bytearray(min(_SCRATCH, max(_MIN_SCRATCH, PREFIX.size + limits.max_header)))
         self._view = memoryview(self._scratch)
         self._filled = 0
         self._header: Any = None
@@ -128,7 +131,7 @@ class Decoder:
             if self._discard is None:
                 self._discard = memoryview(bytearray(_DISCARD))
             return self._discard[: min(self._discard_left, _DISCARD)]
-        want = HEADER_READ
+        want = min(HEADER_READ, len(self._scratch) - self._filled)  # the scratch as it is
         if self._filled >= PREFIX.size:  # _parse already checked this length against the limit
             hlen, _ = PREFIX.unpack_from(self._view, 0)
             want = PREFIX.size + hlen - self._filled

@@ -46,6 +46,10 @@ FLUSH_AT = 64 << 10
 DROP_DELAY = 0.2
 #: File descriptors kept free of connections (listener, logs, the interpreter's own).
 FD_RESERVE = 64
+#: The largest frame a client may send before its handshake (a hello is under 300 bytes).
+HELLO_MAX = 1024
+#: Frames a client may queue before its hello is checked.
+HELLO_FRAMES = 2
 #: Departures gathered before failure news goes out (one event per round per flush).
 DEPARTURE_BATCH = 0.01
 
@@ -151,7 +155,7 @@ class _ServerConnection(transport.Connection):
     """A client connection of the server: tells the server when it is made."""
 
     def __init__(self, server: Server, limits: wire.Limits) -> None:
-        super().__init__(limits)
+        super().__init__(limits, max_queued=HELLO_FRAMES)
         self.server = server
         self.host = ""
         self.nonce = b""
@@ -200,7 +204,7 @@ class Server:
                 self.max_connections,
                 cfg.max_connections,
             )
-        limits = wire.Limits(max_header=64 * 1024, max_payload=0)
+        limits = wire.Limits(max_header=HELLO_MAX, max_payload=0)  # raised once authenticated
         self._server = await loop.create_server(
             lambda: _ServerConnection(self, limits),
             cfg.host,
@@ -322,8 +326,9 @@ class Server:
         self._per_host[host] -= 1
         if self._per_host[host] <= 0:
             del self._per_host[host]
-        if conn.session is not None:
-            self._session_gone(conn.session)
+        session, conn.session = conn.session, None  # the session keeps its connection, not both ways
+        if session is not None:
+            self._session_gone(session)
 
     def _sweep_handshakes(self, now: float) -> None:
         late = [c for c in self._handshaking if c.deadline < now]

@@ -1,0 +1,229 @@
+"""Hostile clients at the server before they authenticate: a hello-sized budget per connection,
+failed connections freed at once, the job running on it stays exact and a real client is served."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import resource
+import socket
+import struct
+import time
+import weakref
+from typing import Any
+
+import msgpack
+import pytest
+from arendez_server.app import HELLO_MAX, Server, ServerConfig, _ServerConnection
+
+import arendez as dist
+from tests.harness import (
+    collect,
+    peer_bombs,
+    read_until_closed,
+    rss_kib,
+    spawn_rank,
+    start_server,
+    wait_for_files,
+)
+from tests.jobs import listener
+
+TOKEN = "secret"
+SILENT = 4096
+HOSTS = 8
+
+
+def _bombs() -> list[bytes]:
+    """``peer_bombs()`` plus wide and deep msgpack at the largest hello, and past it."""
+    wide_list = msgpack.packb([{}] * (HELLO_MAX - 3))  # a thousand dicts once decoded
+    wide_map = msgpack.packb({i: {} for i in range(300)})
+    deep = b"\x91" * (HELLO_MAX - 1) + b"\xc0"  # arrays nested a kilobyte deep
+    big = msgpack.packb([{}] * (64 * 1024))  # what a 64 KiB hello of empty maps was
+    frames = [wide_list, wide_map, deep, big]
+    assert all(len(f) <= HELLO_MAX for f in frames[:3]) and len(big) > HELLO_MAX
+    return peer_bombs() + [struct.pack("<IQ", len(f), 0) + f for f in frames]
+
+
+def _raise_fd_limit(need: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.fail(f"the open-file hard limit {hard} is below the {need} this test needs")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def _bomb(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(ConnectionError):
+            return read_until_closed(sock)
+    return b""
+
+
+def _silent(port: int, host: str) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((host, 0))
+    sock.settimeout(30)  # (a loaded machine accepts slowly)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+async def _first_frame(port: int, host: str) -> dict[str, Any]:
+    """Connect from ``host`` and return the server's first frame (a challenge or a refusal)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(host, 0))
+    try:
+        async with asyncio.timeout(5):
+            hlen, _ = struct.unpack("<IQ", await reader.readexactly(12))
+            frame: dict[str, Any] = msgpack.unpackb(await reader.readexactly(hlen))
+            return frame
+    finally:
+        writer.close()
+
+
+async def _timed_store_round_trip(store: dist.Store, i: int, latencies: list[float]) -> None:
+    started = time.monotonic()
+    await store.set(f"probe-{i}", str(i))
+    assert await store.get(f"probe-{i}", timeout=10) == str(i).encode()
+    latencies.append(time.monotonic() - started)
+
+
+@pytest.mark.timeout(90)
+async def test_hostile_clients_at_the_server_while_a_job_runs(tmp_path) -> None:
+    """Pre-auth bombs, 4,096 silent connections from 8 addresses, and clients refused by the
+    per-host limit that keep retrying: the server's RSS grows by < 64 MiB, the 2-rank job stays
+    exact, and a legitimate store client is answered throughout."""
+    _raise_fd_limit(SILENT + 1024)
+    (tmp_path / "token").write_text(TOKEN)
+    srv = start_server(
+        "--token-file",
+        str(tmp_path / "token"),
+        "--max-connections",
+        "8192",
+        "--max-connections-per-host",
+        "600",
+    )
+    url = f"{srv.url}/hostile-{tmp_path.name}"
+    env = {"ARENDEZ_TOKEN": TOKEN}
+    procs = [spawn_rank(listener.reduce_under_attack, r, 2, url, str(tmp_path), env=env) for r in range(2)]
+    held: list[socket.socket] = []
+    latencies: list[float] = []
+    store = None
+    try:
+        wait_for_files(tmp_path, "ready-*", 2)
+        store = await dist.Store("127.0.0.1", srv.port, "legit", token=TOKEN, timeout=10).connect()
+        before = rss_kib(srv.proc.pid)
+        peak = before
+        for round_ in range(5):
+            for bomb in _bombs():
+                assert b"\xa2ok" not in _bomb(srv.port, bomb)  # challenged (maybe), never welcomed
+            await _timed_store_round_trip(store, round_, latencies)
+        peak = max(peak, rss_kib(srv.proc.pid))
+        for i in range(SILENT):
+            held.append(_silent(srv.port, f"127.0.0.{2 + i % HOSTS}"))
+            if i % 512 == 511:
+                await _timed_store_round_trip(store, 100 + i, latencies)
+                peak = max(peak, rss_kib(srv.proc.pid))
+        # one address past its limit: its clients are refused naming the limit, and retry
+        crowd = "127.0.0.20"
+        held.extend(_silent(srv.port, crowd) for _ in range(600))
+        await asyncio.sleep(0.3)
+        refusals = 0
+        for attempt in range(40):
+            first = await _first_frame(srv.port, crowd)
+            assert first["error"] == "LimitError" and "--max-connections-per-host" in first["message"], first
+            refusals += 1
+            if attempt % 10 == 0:
+                await _timed_store_round_trip(store, 10_000 + attempt, latencies)
+        peak = max(peak, rss_kib(srv.proc.pid))
+        for sock in held:
+            sock.close()
+        held.clear()
+        # the crowd's slots free once the server has seen the closes: the retrying client gets in
+        for _ in range(100):
+            first = await _first_frame(srv.port, crowd)
+            if first.get("hello") == "arendez":  # challenged: admitted
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the refused client was never admitted after the crowd left")
+        await _timed_store_round_trip(store, 20_000, latencies)
+        after = rss_kib(srv.proc.pid)
+        (tmp_path / "stop").write_text("1")
+    finally:
+        for sock in held:
+            sock.close()
+        if store is not None:
+            await store.close()
+        results = collect(procs, 60)
+        srv.stop()
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+    zero, one = (res.value for res in results)
+    assert zero == one and zero["wrong"] == 0 and zero["steps"] > 20, (zero, one)
+    assert refusals == 40
+    grew = (max(peak, after) - before) / 1024
+    assert grew < 64, f"the server grew by {grew:.1f} MiB (before {before} KiB, peak {peak}, after {after})"
+    each = (peak - before) / (SILENT + 600)  # what one connection held before its handshake costs
+    assert each < 8, f"{each:.1f} KiB per connection waiting for its handshake (a few KiB expected)"
+    print(
+        f"server RSS: before {before} KiB, peak {peak} KiB, after {after} KiB; job steps {zero['steps']}; "
+        f"{each:.1f} KiB per pre-handshake connection; "
+        f"store round trips {len(latencies)}, max {max(latencies) * 1000:.0f} ms"
+    )
+
+
+async def _bad_client(port: int, data: bytes, host: str = "127.0.0.1") -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(host, 0))
+    try:
+        if data:
+            writer.write(data)
+        async with asyncio.timeout(5):
+            return await reader.read()
+    except ConnectionError:
+        return b""
+    finally:
+        writer.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_storm_of_bad_clients_leaves_no_server_connection_alive() -> None:
+    """Bombs, refusals by the per-host limit, silent clients dropped at the handshake deadline and
+    clients that authenticate then leave: with the cycle collector off, none stays alive."""
+    server = Server(ServerConfig(token=TOKEN, max_connections_per_host=20, handshake_timeout=0.5, lease=0.5))
+    made: list[weakref.ref[_ServerConnection]] = []
+    track = server._made
+
+    def tracking(conn: _ServerConnection) -> None:
+        made.append(weakref.ref(conn))
+        track(conn)
+
+    server._made = tracking  # type: ignore[method-assign]
+    await server.start()
+    gc.collect()
+    gc.disable()
+    try:
+        bombs = _bombs()
+        for _ in range(5):
+            replies = await asyncio.gather(*(_bad_client(server.port, b) for b in bombs))
+            assert all(b"arendez" in r or r == b"" for r in replies)
+        silent = await asyncio.gather(*(_bad_client(server.port, b"", "127.0.0.2") for _ in range(30)))
+        refused = [r for r in silent if b"LimitError" in r]
+        assert len(refused) >= 9  # past 20 (+1 being counted) per host: told which limit
+        for i in range(5):
+            store = await dist.Store("127.0.0.1", server.port, f"job-{i}", token=TOKEN, timeout=5).connect()
+            await store.set("k", "v")
+            await store.close()
+        async with asyncio.timeout(5):
+            while server._conns:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the transports' last callbacks
+        alive = [r for r in made if r() is not None]
+        assert len(made) >= 5 * len(bombs) + 30 + 5
+        assert not alive, f"{len(alive)} of {len(made)} server connections still alive without a gc pass"
+        assert not server._handshaking and not server._per_host and not server._sessions
+    finally:
+        gc.enable()
+        await server.close(1.0)
