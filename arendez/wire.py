@@ -92,6 +92,7 @@ class Decoder:
         self._sink = sink
 
     def set_limits(self, limits: Limits) -> None:
+        """Enforce ``limits`` from the next frame on (raised ones let the scratch grow back)."""
         self._limits = limits
 
     def set_parser(self, parse: Callable[[Any], Any]) -> None:
@@ -131,7 +132,9 @@ class Decoder:
             if self._discard is None:
                 self._discard = memoryview(bytearray(_DISCARD))
             return self._discard[: min(self._discard_left, _DISCARD)]
-        want = min(HEADER_READ, len(self._scratch) - self._filled)  # the scratch as it is
+        # a whole small frame per read, but no more than the limits allow a frame to be
+        room = max(len(self._scratch), min(_SCRATCH, PREFIX.size + self._limits.max_header))
+        want = min(HEADER_READ, room - self._filled)
         if self._filled >= PREFIX.size:  # _parse already checked this length against the limit
             hlen, _ = PREFIX.unpack_from(self._view, 0)
             want = PREFIX.size + hlen - self._filled

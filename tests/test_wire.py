@@ -73,3 +73,29 @@ def test_limits_and_garbage_raise_protocol_error():
         _feed(wire.Decoder(limits=wire.Limits(max_payload=10)), wire.PREFIX.pack(1, 11) + b"\x90", [])
     with pytest.raises(ProtocolError, match="undecodable"):
         _feed(wire.Decoder(), wire.PREFIX.pack(2, 0) + b"\xc1\xc1", [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(headers, st.binary(max_size=3000)), min_size=1, max_size=8),
+    st.integers(1100, 9000),
+    st.lists(st.integers(0, 10**6)),
+)
+def test_a_hello_sized_decoder_grows_once_its_limits_are_raised(frames, big, cuts):
+    """Before a handshake the scratch is hello-sized; limits raised as the hello is parsed (as the
+    server does, mid-read) let the frames after it, large headers included, decode unchanged."""
+    hello = wire.Limits(max_header=1024, max_payload=0)
+    dec = wire.Decoder(limits=hello)
+    assert len(dec._scratch) <= 1024 + wire.PREFIX.size
+
+    def raise_on_hello(header):
+        if header == {"hello": 1}:
+            dec.set_limits(wire.DEFAULT_LIMITS)
+        return header
+
+    dec.set_parser(raise_on_hello)
+    sent = [({"hello": 1}, b""), ({"big": "x" * big}, b""), *frames]
+    got = _feed(dec, _stream(sent), cuts)
+    assert got == [(h, p or None) for h, p in sent]
+    with pytest.raises(ProtocolError, match="exceeds 1024"):
+        _feed(wire.Decoder(limits=hello), _stream([({"big": "x" * big}, b"")]), cuts)
