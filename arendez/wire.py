@@ -76,8 +76,8 @@ class Decoder:
         self._sink = sink
         self._limits = limits
         self._parse_header: Callable[[Any], Any] = _as_is
-        # no bigger than the largest frame allowed: a connection that may only send a hello
-        # costs a hello's worth of buffer until its limits are raised
+        # no bigger than the largest frame allowed: a connection that may only send a hello costs
+        # a hello's worth of buffer until it sends something (many silent ones cost little)
         self._scratch = bytearray(min(_SCRATCH, max(_MIN_SCRATCH, PREFIX.size + limits.max_header)))
         self._view = memoryview(self._scratch)
         self._filled = 0
@@ -92,7 +92,7 @@ class Decoder:
         self._sink = sink
 
     def set_limits(self, limits: Limits) -> None:
-        """Enforce ``limits`` from the next frame on (raised ones let the scratch grow back)."""
+        """Enforce ``limits`` from the next frame on."""
         self._limits = limits
 
     def set_parser(self, parse: Callable[[Any], Any]) -> None:
@@ -132,9 +132,9 @@ class Decoder:
             if self._discard is None:
                 self._discard = memoryview(bytearray(_DISCARD))
             return self._discard[: min(self._discard_left, _DISCARD)]
-        # a whole small frame per read, but no more than the limits allow a frame to be
-        room = max(len(self._scratch), min(_SCRATCH, PREFIX.size + self._limits.max_header))
-        want = min(HEADER_READ, room - self._filled)
+        # a whole small frame per read (and up to 4 KiB a bad client sent is read before we close,
+        # so the close is no reset); the scratch grows to it only once bytes have come
+        want = HEADER_READ
         if self._filled >= PREFIX.size:  # _parse already checked this length against the limit
             hlen, _ = PREFIX.unpack_from(self._view, 0)
             want = PREFIX.size + hlen - self._filled
