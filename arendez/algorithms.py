@@ -6,7 +6,9 @@ over an in-memory transport in unit tests as over TCP.
 
 Latency-bound sizes use direct exchange (every rank talks to every other in one round) or
 recursive doubling; bandwidth-bound sizes a ring (or, for all_reduce on a power-of-two group,
-recursive halving-doubling: the ring's bytes in fewer steps), cut into *lanes* that run
+recursive halving-doubling: the ring's bytes in fewer steps). Over TCP links (a comm's optional
+``link_kind()``) an all_reduce takes the cheapest of these by the cost model of ``costmodel``: the
+ring where the link is the limit. Bandwidth-bound messages are cut into *lanes* that run
 concurrently so the reduction of one lane overlaps the transfer of the next. Reductions combine contributions
 in a fixed order, so every rank ends with bit-identical results.
 """
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import costmodel
 from .arrays import ReduceOp, ufunc_for
 from .settings import env_int
 
@@ -78,13 +81,20 @@ def forced_algorithm() -> str | None:
     return check_algorithm(os.environ.get("ARENDEZ_ALGORITHM") or None, "ARENDEZ_ALGORITHM")
 
 
-def choose(collective: str, nbytes: int, size: int) -> str:
-    """Pick the algorithm by message size and group size (``ARENDEZ_ALGORITHM`` overrides)."""
+def choose(collective: str, nbytes: int, size: int, link: str | None = None) -> str:
+    """Pick the algorithm (``ARENDEZ_ALGORITHM`` overrides).
+
+    An all_reduce over TCP links (``link == "tcp"``) takes the cheapest by the cost model
+    (``costmodel``); shared-memory links and the other collectives keep the measured size rule.
+    """
     forced = forced_algorithm()
     if forced:
         if forced == "rdb" and size & (size - 1):
             return "direct"
         return forced
+    if collective == "all_reduce" and link == "tcp" and size > 1:
+        lanes = len(_lanes(max(1, nbytes // 4), 4, size))
+        return costmodel.choose_all_reduce(nbytes, size, costmodel.tcp_link(), lanes)
     power_of_two = not size & (size - 1)
     if nbytes <= SMALL_BYTES or (size == 2 and collective == "broadcast"):
         if collective == "all_reduce" and size > 8 and power_of_two:
@@ -111,6 +121,13 @@ def _view(buf: memoryview, dtype: np.dtype[Any]) -> Array:
 def _release(comm: Comm, buffers: list[memoryview]) -> None:
     for buffer in buffers:
         comm.release(buffer)
+
+
+def link_kind(comm: Comm) -> str | None:
+    """``"shm"`` or ``"tcp"``: what links ``comm``'s large payloads take (None: the transport
+    does not say, as the in-memory one of unit tests)."""
+    kind = getattr(comm, "link_kind", None)
+    return str(kind()) if callable(kind) else None
 
 
 def others(comm: Comm) -> list[int]:
@@ -174,7 +191,7 @@ async def all_reduce(comm: Comm, x: Array, op: ReduceOp, algorithm: str | None =
     """Reduce ``x`` across the group in place."""
     ufunc = ufunc_for(op, x.dtype)
     if comm.size > 1 and x.size:
-        algo = algorithm or choose("all_reduce", x.nbytes, comm.size)
+        algo = algorithm or choose("all_reduce", x.nbytes, comm.size, link_kind(comm))
         if algo == "direct":
             await _direct_all_reduce(comm, x, ufunc)
         elif algo == "rdb":

@@ -180,6 +180,11 @@ class Op:
             return _done()
         return futs[0] if len(futs) == 1 else _gather(futs)
 
+    def link_kind(self) -> str:
+        """``"shm"`` if every peer has a shared-memory link (large payloads take it), else ``"tcp"``."""
+        me, shm = self.world.rank, self.world.shm
+        return "shm" if all(shm.carries(g, 1 << 30) for g in self.group.ranks if g != me) else "tcp"
+
     def scratch(self, nbytes: int) -> Array:
         return self.world.pool.take(nbytes)
 
