@@ -118,6 +118,7 @@ def summarize(ranks: list[dict[str, Any]], nbytes: int, world: int, link_bytes_s
     """Per-call time = slowest rank; CPU per all_reduce = mean over ranks and calls."""
     times = [max(per) for per in zip(*(r["times"] for r in ranks), strict=True)]
     cpu = statistics.fmean(c for r in ranks for c in r["cpu"])
+    user = statistics.fmean(c for r in ranks for c in r["user"])
     median = statistics.median(times)
     busbw = bus_bytes("all_reduce", nbytes, world) / median
     return {
@@ -128,6 +129,7 @@ def summarize(ranks: list[dict[str, Any]], nbytes: int, world: int, link_bytes_s
         "busbw_Bps": busbw,
         "link_fraction": busbw / link_bytes_s,
         "cpu_s": cpu,
+        "user_s": user,
     }
 
 
@@ -136,7 +138,8 @@ def table(rows: list[dict[str, Any]], rate_gbit: float, plain: float | None) -> 
         f"R = {rate_gbit:g} Gbit/s per link (tbf both ends)"
         + (f"; plain TCP stream: {plain:.3f} of R" if plain is not None else ""),
         "",
-        "| W | size | backend | time (median, range) | busbw / link | CPU s per all_reduce | CPU vs gloo |",
+        "| W | size | backend | time (median, range) | busbw / link | CPU s per all_reduce (user) "
+        "| CPU vs gloo |",
         "|---|---|---|---|---|---|---|",
     ]
     gloo = {(r["world"], r["size"]): r for r in rows if r["backend"] == "gloo"}
@@ -147,7 +150,7 @@ def table(rows: list[dict[str, Any]], rate_gbit: float, plain: float | None) -> 
         lines.append(
             f"| {r['world']} | {fmt_size(r['size'])} | {r['backend']}{flag} | {r['median_s'] * 1e3:.0f} ms "
             f"({r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f}) | {r['link_fraction']:.3f} "
-            f"| {r['cpu_s']:.3f} | {ratio} |"
+            f"| {r['cpu_s']:.3f} ({r['user_s']:.3f}) | {ratio} |"
         )
     return "\n".join(lines)
 

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 
-def _cpu() -> float:
+def _cpu() -> tuple[float, float]:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime, usage.ru_stime
 
 
 async def _measure(
@@ -38,15 +38,16 @@ async def _measure(
         for _ in range(spec["warmup"]):
             await barrier()
             await reduce(x)
-        times, cpus = [], []
+        times, cpus, users = [], [], []
         for _ in range(spec["iters"]):
             await barrier()
             c0, t0 = _cpu(), time.perf_counter()
             await reduce(x)
             t1, c1 = time.perf_counter(), _cpu()
             times.append(t1 - t0)
-            cpus.append(c1 - c0)
-        out[str(nbytes)] = {"ok": ok, "times": times, "cpu": cpus}
+            cpus.append(c1[0] + c1[1] - c0[0] - c0[1])
+            users.append(c1[0] - c0[0])
+        out[str(nbytes)] = {"ok": ok, "times": times, "cpu": cpus, "user": users}
     return out
 
 
