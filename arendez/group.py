@@ -181,9 +181,13 @@ class Op:
         return futs[0] if len(futs) == 1 else _gather(futs)
 
     def link_kind(self) -> str:
-        """``"shm"`` if every peer has a shared-memory link (large payloads take it), else ``"tcp"``."""
-        me, shm = self.world.rank, self.world.shm
-        return "shm" if all(shm.carries(g, 1 << 30) for g in self.group.ranks if g != me) else "tcp"
+        """``"shm"`` if every peer said hello from this host (shared memory on), else ``"tcp"``.
+
+        The algorithm choice depends on it, so both ends of a pair must agree: host keys are
+        compared the same way on both, and init has every peer's hello before it returns.
+        """
+        me, same = self.world.rank, self.world.shm.same_host
+        return "shm" if all(g == me or g in same for g in self.group.ranks) else "tcp"
 
     def scratch(self, nbytes: int) -> Array:
         return self.world.pool.take(nbytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from arendez import algorithms as algo
 from arendez import costmodel as cm
 from arendez.arrays import ReduceOp
+from tests.harness import run_function
+from tests.jobs import costmodel as jobs
 from tests.test_algorithms import MemComm
 
 KiB, MiB = 1024, 1 << 20
@@ -125,3 +128,15 @@ def test_all_reduce_over_tcp_links_runs_what_the_model_picks(monkeypatch: pytest
         assert np.all(x == 10)
     assert ran == ["_ring_all_reduce"] * size  # the size rule alone would have taken halving-doubling
     assert algo.choose("all_reduce", 4 * MiB, 4) == "rhd"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("shm", "link", "expected"), [("0", "tcp", "ring"), ("1", "shm", "rhd")])
+def test_ranks_agree_on_their_links_and_the_choice(
+    arendez_server: Any, shm: str, link: str, expected: str
+) -> None:
+    """4 real ranks: over TCP only the model picks the ring for 8 MiB at 1 Gbit/s; with shared
+    memory every rank sees shm links and keeps halving-doubling."""
+    env = {"ARENDEZ_SHM": shm, "ARENDEZ_LINK_GBIT": "1"}
+    results = run_function(jobs.algorithm_choice, 4, f"{arendez_server.url}/cm{shm}", 8 * MiB, env=env)
+    assert results == [{"link": link, "algorithm": expected, "exact": True}] * 4
