@@ -186,6 +186,15 @@ class Op:
             return _done()
         return futs[0] if len(futs) == 1 else _gather(futs)
 
+    def link_kind(self) -> str:
+        """``"shm"`` if every peer said hello from this host (shared memory on), else ``"tcp"``.
+
+        The algorithm choice depends on it, so both ends of a pair must agree: host keys are
+        compared the same way on both, and init has every peer's hello before it returns.
+        """
+        me, same = self.world.rank, self.world.shm.same_host
+        return "shm" if all(g == me or g in same for g in self.group.ranks) else "tcp"
+
     def scratch(self, nbytes: int) -> Array:
         return self.world.pool.take(nbytes)
 
