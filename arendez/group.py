@@ -151,6 +151,8 @@ class Op:
         target = key[0]
         if target in self.world.dead:
             self.fail(RankFailedError(target, self.name, self.world.dead[target]))
+        else:
+            self.world.connection(target)  # connect on first use: its loss is seen while we wait
         return fut
 
     def recv_into(self, peer: int, tag: int, out: Array) -> Awaitable[None]:
@@ -340,7 +342,7 @@ class ProcessGroup:
         if tell:
             for peer in self.ranks:
                 if peer != self.world.rank:
-                    self.world.send_control(peer, frames.Mismatch(self.gid, seq, message))
+                    self.world.send_control(peer, frames.Mismatch(self.gid, seq, message), dial=True)
 
     async def drain(self, deadline: float) -> None:
         """Mark closing, let in-flight collectives finish by ``deadline`` (loop time), fail the
