@@ -313,9 +313,9 @@ class ProcessGroup:
     def _expire(self, op: Op, limit: float) -> None:
         async def diagnose() -> None:
             peers = [g for g in self.ranks if g != self.world.rank]
-            progress = await self.world.progress.ask(self.gid, peers, min(DIAGNOSE_SECONDS, limit))
-            missing = [g for g in peers if g in progress and progress[g] <= op.seq]
-            silent = [g for g in peers if g not in progress]
+            progress, asked = await self.world.progress.ask(self.gid, peers, min(DIAGNOSE_SECONDS, limit))
+            missing = [g for g in asked if g in progress and progress[g] <= op.seq]
+            silent = [g for g in asked if g not in progress]
             op.fail(CollectiveTimeoutError(f"{op.name} (seq {op.seq})", limit, missing, silent))
 
         if op.error is None and op.seq in self.active:

@@ -149,6 +149,8 @@ class World:
     ) -> int:
         """Receive one point-to-point message into ``out``; return its sender."""
         fut = self.p2p.post(src, gid, tag, out, self.dead)
+        if src is not None:
+            self.connection(src)  # connect on first use: its loss is seen while we wait
         try:
             async with asyncio.timeout(timeout):
                 return await fut

@@ -69,7 +69,7 @@ class PendingLink:
         if self.conn is not None:
             self.conn.send(header, payload)
         elif self.error is not None:
-            raise ConnectionResetError(f"no connection to rank {self.peer}: {self.error}")
+            raise ConnectionResetError(f"could not connect to rank {self.peer}: {self.error}")
         else:
             self._queued.append((header, payload))
 
@@ -79,7 +79,7 @@ class PendingLink:
             return self.conn.drain_future()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self.error is not None:
-            fut.set_exception(ConnectionResetError(f"no connection to rank {self.peer}: {self.error}"))
+            fut.set_exception(ConnectionResetError(f"could not connect to rank {self.peer}: {self.error}"))
         elif not self._queued:
             return None
         else:
@@ -121,7 +121,7 @@ class PendingLink:
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
             if not fut.done():
-                fut.set_exception(ConnectionResetError(f"no connection to rank {self.peer}: {exc}"))
+                fut.set_exception(ConnectionResetError(f"could not connect to rank {self.peer}: {exc}"))
 
 
 class Mesh:
