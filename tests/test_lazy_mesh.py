@@ -8,9 +8,14 @@ W=16 here (16 real processes fit the suite's time on 2 cores); W=64 is in
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
+from arendez import frames
 from arendez.lifecycle import neighbour_offsets
+from arendez.transports.tcp import Mesh
 from tests.harness import run_ranks
 from tests.jobs import lazy as lazy_jobs
 
@@ -28,6 +33,42 @@ def test_neighbour_offsets_are_plus_minus_powers_of_two():
     assert neighbour_offsets(2) == [-1, 1]
     assert neighbour_offsets(16) == [-8, -4, -2, -1, 1, 2, 4, 8]
     assert len(neighbour_offsets(10_000)) == 28  # +-2^0 .. +-2^13: within the server's 64
+
+
+async def test_simultaneous_dials_leave_one_connection_the_lower_ranks():
+    meshes = [Mesh(token="t"), Mesh(token="t")]
+    ports = [await m.listen("127.0.0.1") for m in meshes]
+    addresses = {r: f"127.0.0.1:{p}" for r, p in enumerate(ports)}
+    got: dict[int, list[int]] = {0: [], 1: []}
+    lost: list[str] = []
+    try:
+        for rank, mesh in enumerate(meshes):
+
+            def route(peer: int, frame: Any, payload: Any, rank: int = rank) -> None:
+                got[rank].append(frame.qid)
+
+            mesh.start(rank, 2, b"n" * 16, addresses, route, lambda *_: None, lambda p, why: lost.append(why))
+        links = [meshes[0].link(1), meshes[1].link(0)]  # both dial in the same loop turn
+        for qid in range(5):  # queued while the dials run, in order
+            for link in links:
+                assert link is not None
+                link.send(frames.encode(frames.Query(0, qid)))
+        async with asyncio.timeout(10):
+            while len(got[0]) < 5 or len(got[1]) < 5:
+                await asyncio.sleep(0.01)
+        for link in links:  # sent on the connection once it is up
+            assert link is not None
+            link.send(frames.encode(frames.Query(0, 5)))
+        async with asyncio.timeout(10):
+            while len(got[0]) < 6 or len(got[1]) < 6:
+                await asyncio.sleep(0.01)
+        assert got == {0: list(range(6)), 1: list(range(6))}
+        assert [m.opened for m in meshes] == [1, 1] and not lost
+        assert meshes[0].conns[1].peer[1] == ports[1]  # rank 0 dialed it: rank 0's dial won
+        assert meshes[1].conns[0].peer[1] != ports[0]
+    finally:
+        for mesh in meshes:
+            await mesh.close(2)
 
 
 @pytest.mark.timeout(120)

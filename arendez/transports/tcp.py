@@ -154,7 +154,8 @@ class Mesh:
         self._on_connected: ConnectHandler | None = None
         self._resolve: Resolver | None = None
         self._closing = False
-        self._dial_errors: dict[int, str] = {}
+        self._dial_errors: dict[int, str] = {}  # the last error dialing each peer
+        self._unreachable: set[int] = set()  # peers a dial found gone (never dialed again)
         self._dial_timeout = 30.0
         self._addresses: dict[int, str] = {}
         self._pending: dict[int, PendingLink] = {}  # peers being dialed (by us, or by them)
@@ -242,7 +243,7 @@ class Mesh:
             return conn
         pending = self._pending.get(peer)
         if pending is None:
-            if self._closing or peer in self._dial_errors or not 0 <= peer < self.world_size:
+            if self._closing or peer in self._unreachable or not 0 <= peer < self.world_size:
                 return None
             pending = self._pending[peer] = PendingLink(peer)
             self._dialing.add(peer)
@@ -259,7 +260,7 @@ class Mesh:
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    failed = [p for p in wanted if p in self._dial_errors]
+                    failed = [p for p in wanted if p in self._unreachable]
                     if failed:
                         raise RendezvousError(self._describe(failed, "could not connect to"))
                     if all(p in self.conns for p in wanted):
@@ -285,13 +286,13 @@ class Mesh:
         """``peer``'s address; unknown ones are fetched from the store in one batch per turn."""
         if peer not in self._addresses:
             if self._resolve is None:
-                raise RendezvousError(f"the address of rank {peer} is unknown")
+                raise ProtocolError(f"the address of rank {peer} is unknown")
             self._wanted.add(peer)
             if self._batch is None:
                 self._batch = asyncio.get_running_loop().create_task(self._fetch_addresses())
             await asyncio.shield(self._batch)
         if peer not in self._addresses:
-            raise RendezvousError(f"the store does not know the address of rank {peer}")
+            raise ProtocolError(f"the store does not know the address of rank {peer}")
         return self._addresses[peer]
 
     async def _fetch_addresses(self) -> None:
@@ -305,56 +306,68 @@ class Mesh:
         try:
             async with asyncio.timeout(self._dial_timeout):
                 address = await self._address(peer)
-                conn = await self._open(peer, address)
-                try:
-                    hello = {"rank": self.rank, "round": self.nonce}
-                    await transport.client_handshake(conn, self._token, hello, self._handshake_timeout)
-                    answer, _ = await conn.recv(self._handshake_timeout)
-                    if not isinstance(answer, dict) or answer.get("rank") != peer:
-                        raise ProtocolError(f"{address} is not rank {peer}: {answer!r:.80}")
-                except BaseException:
-                    conn.abort()
-                    raise
-                if answer.get("duplicate"):  # its own dial to us wins: _admit adopts that one
-                    conn.close()
-                    self._dialing.discard(peer)
-                    return
-                self._dialing.discard(peer)
-                if peer in self.conns:  # (cannot happen with the rule above; keep the first)
-                    conn.close()
-                    return
+                conn = await self._connect(peer, address)
+            self._dialing.discard(peer)
+            if conn is not None:
                 self._adopt(peer, conn)
+            # else: its own dial to us wins, and _admit adopts that one
         except asyncio.CancelledError:
             pending.fail(ConnectionResetError("the mesh is closing"))
             raise
         except Exception as exc:
             self._dialing.discard(peer)
-            if isinstance(exc, TimeoutError):
-                why = f"no connection within {self._dial_timeout:g}s"
-            else:
-                why = f"{type(exc).__name__}: {exc}"
             if peer in self.conns:  # it dialed us meanwhile: that connection serves
                 return
-            self._dial_errors[peer] = why
             self._pending.pop(peer, None)
-            pending.fail(exc)
             self._connected.set()
+            if not isinstance(exc, ConnectionRefusedError | AuthenticationError | ProtocolError):
+                # a busy or stopped peer, or the store unreachable: not proof it is gone (the
+                # server's lease decides that); the next use dials again
+                last = self._dial_errors.get(peer, "no answer")
+                if isinstance(exc, TimeoutError):
+                    exc = TimeoutError(f"no connection within {self._dial_timeout:g}s ({last})")
+                pending.fail(exc)
+                return
+            why = self._dial_errors[peer] = f"{type(exc).__name__}: {exc}"
+            self._unreachable.add(peer)
+            pending.fail(exc)
             if not self._closing and self._on_lost is not None:
                 self._on_lost(peer, f"could not connect to it at {address} ({why})")
 
-    async def _open(self, peer: int, address: str) -> transport.Connection:
-        """Connect to ``address``; a refusal means its listener is gone (the rank too), other
-        errors are retried (a listener may be momentarily saturated) until the dial's deadline."""
+    async def _connect(self, peer: int, address: str) -> transport.Connection | None:
+        """Connect to ``peer`` and shake hands; ``None`` if its own dial to us wins.
+
+        A refusal means its listener is gone (the rank too), and a failed handshake that it
+        is not the rank we want: both raise. Anything else (a saturated listener, a peer whose
+        event loop is busy for a long step) is retried until the caller's deadline.
+        """
         host, port = split_address(address)
         delay = 0.02
         while True:
             try:
-                return await transport.open_connection(
+                conn = await transport.open_connection(
                     host, port, ssl=self._client_ssl, timeout=self._handshake_timeout
                 )
+                try:
+                    hello = {"rank": self.rank, "round": self.nonce}
+                    # Once it answers it has adopted the connection: giving up before that could
+                    # break a connection the peer already counts as up (its own handshake
+                    # deadline guards it), so wait for the answer to the caller's deadline.
+                    await transport.client_handshake(conn, self._token, hello, self._dial_timeout)
+                    answer, _ = await conn.recv(self._dial_timeout)
+                    if not isinstance(answer, dict) or answer.get("rank") != peer:
+                        raise ProtocolError(f"{address} is not rank {peer}: {answer!r:.80}")
+                except BaseException:
+                    conn.abort()
+                    raise
+                if answer.get("duplicate"):
+                    conn.close()
+                    return None
+                return conn
             except ConnectionRefusedError:
                 raise
-            except OSError as exc:
+            except OSError as exc:  # (TimeoutError and ConnectionResetError among them)
+                self._dial_errors[peer] = f"{type(exc).__name__}: {exc}"
                 log.debug("dial to rank %d at %s: %s; retrying", peer, address, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
