@@ -158,7 +158,7 @@ class Mesh:
         self._unreachable: set[int] = set()  # peers a dial found gone (never dialed again)
         self._dial_timeout = 30.0
         self._addresses: dict[int, str] = {}
-        self._pending: dict[int, PendingLink] = {}  # peers being dialed (by us, or by them)
+        self._waiting_links: dict[int, PendingLink] = {}  # peers being dialed (by us, or by them)
         self._dialing: set[int] = set()  # peers our own dial is under way to
         self._wanted: set[int] = set()  # addresses to ask the store for in the next batch
         self._batch: asyncio.Task[None] | None = None
@@ -241,11 +241,11 @@ class Mesh:
         conn = self.conns.get(peer)
         if conn is not None:
             return conn
-        pending = self._pending.get(peer)
+        pending = self._waiting_links.get(peer)
         if pending is None:
             if self._closing or peer in self._unreachable or not 0 <= peer < self.world_size:
                 return None
-            pending = self._pending[peer] = PendingLink(peer)
+            pending = self._waiting_links[peer] = PendingLink(peer)
             self._dialing.add(peer)
             self._spawn(self._dial(peer, pending))
         return pending
@@ -318,7 +318,7 @@ class Mesh:
             self._dialing.discard(peer)
             if peer in self.conns:  # it dialed us meanwhile: that connection serves
                 return
-            self._pending.pop(peer, None)
+            self._waiting_links.pop(peer, None)
             self._connected.set()
             if not isinstance(exc, ConnectionRefusedError | AuthenticationError | ProtocolError):
                 # a busy or stopped peer, or the store unreachable: not proof it is gone (the
@@ -386,7 +386,7 @@ class Mesh:
             parse=frames.decode,
             error_header=_error_header,
         )
-        pending = self._pending.pop(peer, None)
+        pending = self._waiting_links.pop(peer, None)
         if pending is not None:
             pending.attach(conn)  # (queued frames first: they were sent before anything else)
         self._connected.set()
@@ -411,7 +411,7 @@ class Mesh:
             task.cancel()
         if self._batch is not None:
             self._batch.cancel()
-        pending, self._pending = self._pending, {}
+        pending, self._waiting_links = self._waiting_links, {}
         for link in pending.values():
             link.fail(ConnectionResetError("the mesh is closing"))
 
