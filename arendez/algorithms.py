@@ -92,15 +92,13 @@ def choose(collective: str, nbytes: int, size: int, link: str | None = None) -> 
     """
     forced = forced_algorithm()
     if forced:
-        if forced == "rdb" and size & (size - 1):
-            return "direct"
         return forced
     if collective == "all_reduce" and link == "tcp" and size > 1:
         lanes = len(_lanes(max(1, nbytes // 4), 4, size, lane_bytes=TCP_LANE_BYTES))
         return costmodel.choose_all_reduce(nbytes, size, costmodel.tcp_link(), lanes)
     power_of_two = not size & (size - 1)
     if nbytes <= SMALL_BYTES or (size == 2 and collective == "broadcast"):
-        if collective == "all_reduce" and size > 8 and power_of_two:
+        if collective == "all_reduce" and size > 8:  # (direct would connect every pair)
             return "rdb"
         return "direct"
     if collective == "all_reduce" and size > 2 and power_of_two:
@@ -223,16 +221,36 @@ async def _direct_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
     _release(comm, got)
 
 
+#: Tags of the fold into (and the copy back out of) the power-of-two core of recursive doubling.
+_FOLD_IN, _FOLD_OUT = 1 << 20, (1 << 20) + 1
+
+
 async def _recursive_doubling(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
+    """Recursive doubling over the largest power of two ``p`` of ranks; a rank ``r >= p`` first
+    hands its data to ``r - p`` and gets the result back from it (every rank ends bitwise
+    equal, and each talks to O(log n) peers)."""
+    n, r = comm.size, comm.rank
+    p = 1 << (n.bit_length() - 1)
+    if r >= p:
+        result = comm.recv_into(r - p, _FOLD_OUT, x)
+        await wait_all([comm.send(r - p, _FOLD_IN, x)])
+        await result
+        return
+    if r + p < n:
+        got = await comm.recv_any(r + p, _FOLD_IN)
+        ufunc(x, _view(got, x.dtype), out=x)
+        comm.release(got)
     mask, step = 1, 0
-    while mask < comm.size:
-        partner = comm.rank ^ mask
+    while mask < p:
+        partner = r ^ mask
         recv = comm.recv_any(partner, step)
         await wait_all([comm.send(partner, step, x)])
         got = await recv
         ufunc(x, _view(got, x.dtype), out=x)  # IEEE +, *, min, max commute exactly: both agree
         comm.release(got)
         mask, step = mask << 1, step + 1
+    if r + p < n:
+        await wait_all([comm.send(r + p, _FOLD_OUT, x)])
 
 
 def _ring_schedule(comm: Comm) -> tuple[int, int, int, int]:
