@@ -112,7 +112,7 @@ class BlockingStore:
 
     # -- framing ---------------------------------------------------------------------------
     def _frame(self, header: Any) -> bytes:
-        raw = self._packer.pack(header)
+        raw: bytes = self._packer.pack(header)
         return wire.PREFIX.pack(len(raw), 0) + raw
 
     def _sendall(self, data: bytes) -> None:
