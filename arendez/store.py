@@ -3,8 +3,8 @@
 The client keeps one connection to the server and reconnects when it drops. A call made
 while the server is away waits for the reconnection until its own deadline and then raises
 ``StoreError``; a call whose request was in flight when the connection dropped fails at once
-(its outcome is unknown). Concurrent calls are pipelined: a lone request is written at once,
-and the requests of callers woken by one batch of replies go out together in one write.
+(its outcome is unknown). Concurrent calls are pipelined: the requests of the callers woken by
+one batch of replies go out together in one write, in the same loop pass (no extra turn).
 Members of a job keep their lease alive from the process's one lease thread (``lease.py``, so
 a busy event loop is not a dead rank) and re-attach after a reconnect.
 """
@@ -114,6 +114,7 @@ class Store:
         self._out: list[bytes | memoryview] = []  # requests held while corked
         self._corked = False
         self._woken = 0  # replies delivered since the cork was (re)scheduled
+        self._held = False  # the cork already waited once for callers woken after it
 
     # -- connection management -------------------------------------------------------------
     async def connect(self, timeout: float | None = None) -> Store:
@@ -254,8 +255,9 @@ class Store:
             fut.set_exception(transport.remote_error(header, StoreError))
         else:
             fut.set_result(header.get("ok"))
-        self._woken += 1
-        if self._woken == 2 and not self._corked:
+        if self._corked:
+            self._woken += 1
+        else:
             self._cork()
 
     def _on_departed(self, ranks: Any) -> None:
@@ -354,7 +356,6 @@ class Store:
         if self._corked:
             self._out.extend(frame)
             return
-        self._woken = 0
         self._write(frame)
 
     def _write(self, frame: list[bytes | memoryview]) -> None:
@@ -367,17 +368,23 @@ class Store:
             self._fail_pending(StoreError(f"store request failed: {exc}"))
 
     def _cork(self) -> None:
-        """Several callers were woken at once: gather their requests until they have run."""
+        """A reply woke a caller: gather the requests of the callers woken now until they ran
+        (scheduled from the reply handler, so it runs in the same pass as they do)."""
+        self._corked = True
         self._woken = 0
-        if not self._corked:
-            self._corked = True
-            (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
+        self._held = False
+        (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
 
     def _uncork(self) -> None:
+        if self._woken and not self._held:  # more callers were woken after us: wait for them once
+            self._held = True
+            self._woken = 0
+            (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
+            return
         out, self._out = self._out, []
         if out:
             self._write(out)
-        if self._woken:  # callers woken after this was scheduled have not run yet
+        if self._woken:  # still more woken: keep gathering, but never hold written requests back
             self._woken = 0
             (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
         else:
