@@ -104,27 +104,3 @@ def test_token_is_checked(tmp_path):
             BlockingStore("127.0.0.1", srv.port, "t", token="wrong").connect()
         with pytest.raises(AuthenticationError):
             BlockingStore("127.0.0.1", srv.port, "t").connect()
-
-
-@pytest.mark.timeout(30)
-async def test_pipelined_calls_all_answered_in_order(arendez_server):
-    """Many calls in flight on one async client: corked batches lose and reorder nothing."""
-    st = await dist.Store("127.0.0.1", arendez_server.port, "pipe", timeout=10).connect()
-    try:
-
-        async def lane(i: int) -> list[int]:
-            got = []
-            for j in range(50):
-                await st.set(f"k{i}", str(j))
-                assert await st.get(f"k{i}") == str(j).encode()
-                got.append(await st.add("total", 1))
-            return got
-
-        results = await asyncio.gather(*(lane(i) for i in range(32)))
-        totals = sorted(t for r in results for t in r)
-        assert totals == list(range(1, 32 * 50 + 1))  # every add applied exactly once
-        assert all(r == sorted(r) for r in results)
-        with pytest.raises(StoreTimeoutError):
-            await st.get("never", timeout=0.2)  # per-call expiry still works with the shared timer
-    finally:
-        await st.close()
