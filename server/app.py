@@ -39,6 +39,8 @@ log = logging.getLogger("arendez.server")
 MAX_WAIT = 7 * 24 * 3600.0
 #: Reply bytes a client may leave unread before the server drops it.
 MAX_UNREAD_REPLIES = 16 << 20
+#: Reply bytes gathered from one read that are written at once (and the reader checked).
+FLUSH_AT = 64 << 10
 #: Seconds a dropped client's connection stays open to read (and ignore) what it sent.
 DROP_DELAY = 0.2
 #: File descriptors kept free of connections (listener, logs, the interpreter's own).
@@ -99,6 +101,7 @@ class _Session:
         self.lease: Lease | None = None  # set on the lease connection of a client process
         self.tasks: set[asyncio.Task[None]] = set()
         self._out: list[bytes | memoryview] = []
+        self._out_bytes = 0
         self.dropped = False  # no more answers: the connection closes shortly
 
     def reply(self, rid: Any, value: Any) -> None:
@@ -121,6 +124,9 @@ class _Session:
             return
         if conn.corked:
             self._out.extend(buffers)
+            self._out_bytes += sum(len(b) for b in buffers)
+            if self._out_bytes >= FLUSH_AT:  # large replies go out at once, checked as they go
+                self.flush()
             return
         conn.send_encoded(buffers)
         if conn.buffered() > MAX_UNREAD_REPLIES and not self.dropped:  # the client does not read
@@ -134,7 +140,7 @@ class _Session:
 
     def flush(self) -> None:
         """Write the replies gathered while corked (one write for a batch of requests)."""
-        out, self._out = self._out, []
+        out, self._out, self._out_bytes = self._out, [], 0
         if out and not self.dropped and self.conn.is_open:
             self.conn.send_encoded(out)
             if self.conn.buffered() > MAX_UNREAD_REPLIES:
