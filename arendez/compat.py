@@ -19,26 +19,40 @@ import numpy as np
 from . import frames, wire
 from . import lifecycle as _lifecycle
 from .arrays import ReduceOp, as_array, byte_view
-from .collectives import all_reduce, barrier
-from .errors import ArendezError, CollectiveTimeoutError, RankFailedError
+from .collectives import all_gather, all_gather_into_tensor, all_reduce, barrier, reduce_scatter_tensor
+from .errors import ArendezError, CollectiveTimeoutError, RankFailedError, StoreError
 from .group import GroupMember, ProcessGroup
 from .objects import _pack, _unpack
 from .p2p import recv, send
-from .registry import default_group, on_group, resolve, seconds
+from .registry import DEFAULT_TIMEOUT, default_group, on_group, resolve, seconds, world_or_none
 
 __all__ = [
     "Backend",
+    "DistBackendError",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
     "P2POp",
     "Work",
+    "all_gather_coalesced",
+    "all_gather_single",
     "all_reduce_coalesced",
     "batch_isend_irecv",
+    "default_pg_timeout",
     "get_backend",
     "get_global_rank",
     "get_group_rank",
     "get_node_local_rank",
+    "get_pg_count",
     "group",
     "irecv",
     "is_available",
+    "is_backend_available",
+    "is_gloo_available",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_ucc_available",
+    "is_xccl_available",
     "is_torchelastic_launched",
     "isend",
     "monitored_barrier",
@@ -46,9 +60,19 @@ __all__ = [
     "new_subgroups_by_enumeration",
     "recv_object_list",
     "reduce_op",
+    "reduce_scatter_single",
     "send_object_list",
     "split_group",
+    "supports_complex",
 ]
+
+#: torch's error classes, as the arendez errors that play their part
+DistError = ArendezError
+DistBackendError = ArendezError
+DistNetworkError = RankFailedError
+DistStoreError = StoreError
+#: torch's default collective deadline (arendez's too)
+default_pg_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)
 
 
 class Work:
@@ -232,6 +256,7 @@ async def send_object_list(
     group: Any = None,
     device: Any = None,
     group_dst: int | None = None,
+    use_batch: bool = False,
 ) -> None:
     """Send the (msgpack-serialisable) objects of ``object_list`` to ``dst``."""
     g: ProcessGroup = group
@@ -296,6 +321,34 @@ async def all_reduce_coalesced(tensors: Sequence[Any], op: Any = ReduceOp.SUM, g
                 at += a.size
 
 
+@on_group()
+async def all_gather_coalesced(
+    output_tensor_lists: Sequence[Sequence[Any]], input_tensor_list: Sequence[Any], group: Any = None
+) -> None:
+    """``all_gather`` of each input tensor into its list of outputs."""
+    if len(output_tensor_lists) != len(input_tensor_list):
+        raise ValueError("output_tensor_lists needs one list per input tensor")
+    for outputs, tensor in zip(output_tensor_lists, input_tensor_list, strict=True):
+        await all_gather(list(outputs), tensor, group)
+
+
+@on_group()
+async def all_gather_single(output_tensor: Any, input_tensor: Any, group: Any = None) -> None:
+    """torch's other name of ``all_gather_into_tensor``."""
+    await all_gather_into_tensor(output_tensor, input_tensor, group)
+
+
+@on_group()
+async def reduce_scatter_single(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None) -> None:
+    """torch's other name of ``reduce_scatter_tensor``."""
+    await reduce_scatter_tensor(output, input, op, group)
+
+
+def supports_complex(reduceOp: Any) -> bool:
+    """True if ``reduceOp`` is defined for complex tensors (SUM, PRODUCT, AVG)."""
+    return ReduceOp.parse(reduceOp) in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG)
+
+
 # -- subgroups ---------------------------------------------------------------------------------
 async def new_subgroups_by_enumeration(
     ranks_per_subgroup_list: Sequence[Sequence[int]],
@@ -354,6 +407,7 @@ async def split_group(
     timeout: Any = None,
     pg_options: Any = None,
     group_desc: str | None = None,
+    backend: Any = None,
 ) -> Any:
     """torch's ``split_group`` of the default group: this rank's part of ``split_ranks`` (None if
     it is in none). torch needs NCCL for it; here it runs on the default group's peers."""
@@ -404,6 +458,42 @@ def get_backend(group: Any = None) -> Backend:
 def is_available() -> bool:
     """True: arendez needs no optional build."""
     return True
+
+
+def is_backend_available(backend: str) -> bool:
+    """True for the names arendez's tcp transport answers to (gloo, tcp, arendez)."""
+    return str(backend).lower() in ("gloo", "tcp", "arendez")
+
+
+def is_gloo_available() -> bool:
+    """True: ``gloo`` is served by arendez's tcp transport."""
+    return True
+
+
+def is_nccl_available() -> bool:
+    """False: NCCL is a CUDA library; arendez moves CPU data."""
+    return False
+
+
+def is_mpi_available() -> bool:
+    """False: arendez does not use MPI."""
+    return False
+
+
+def is_ucc_available() -> bool:
+    """False: arendez does not use UCC."""
+    return False
+
+
+def is_xccl_available() -> bool:
+    """False: XCCL is an XPU library; arendez moves CPU data."""
+    return False
+
+
+def get_pg_count() -> int:
+    """How many process groups this process has (the default group and its subgroups)."""
+    world = world_or_none()
+    return 0 if world is None else len(world.groups)
 
 
 def get_global_rank(group: Any, group_rank: int) -> int:
@@ -470,3 +560,74 @@ class _DeprecatedReduceOp:
 
 
 reduce_op = _DeprecatedReduceOp()
+
+
+_C10D = (
+    "torch's C++ process-group internals (used by DDP and torch's own backends); where torch "
+    "needs them, use arendez as a torch backend: init_process_group(backend='arendez')"
+)
+_MESH = (
+    "device meshes (DTensor, FSDP2) are torch's own machinery: use arendez as a torch backend "
+    "under torch.distributed for them"
+)
+_MODULE = "a torch.distributed submodule or import, not an API name"
+#: torch.distributed's public names that ``arendez.sync`` deliberately does not provide, and why
+UNSUPPORTED: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "AllToAllOptions",
+            "AllreduceCoalescedOptions",
+            "AllreduceOptions",
+            "BarrierOptions",
+            "BroadcastOptions",
+            "GatherOptions",
+            "ReduceOptions",
+            "ReduceScatterOptions",
+            "ScatterOptions",
+            "ProcessGroupGloo",
+            "BackendConfig",
+            "get_backend_config",
+            "Reducer",
+            "GradBucket",
+            "BuiltinCommHookType",
+            "Logger",
+        ],
+        _C10D,
+    ),
+    **dict.fromkeys(["DeviceMesh", "init_device_mesh", "get_default_backend_for_device"], _MESH),
+    **dict.fromkeys(
+        ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"],
+        "TORCH_DISTRIBUTED_DEBUG levels of c10d; arendez checks collective fingerprints always "
+        "(CollectiveMismatchError) and logs through the 'arendez' logger",
+    ),
+    "QueueEmptyError": "torch's store queues (queue_push/queue_pop) have no arendez counterpart",
+    "record_comm": "a profiler label for c10d collectives; arendez has no torch profiler hook",
+    "rendezvous": "torch's pluggable rendezvous handlers; arendez's init_method URLs are fixed",
+    "register_rendezvous_handler": "torch's pluggable rendezvous handlers; init_method URLs are fixed",
+    "shrink_group": "NCCL-only in torch (it needs ncclCommShrink); arendez has no counterpart",
+    "GroupName": "a typing alias of torch's internals",
+    "RankType": "a typing alias of torch's internals",
+    "timedelta": _MODULE,
+    "log": "torch's module logger; arendez logs to the 'arendez' logger",
+    **dict.fromkeys(
+        [
+            "algorithms",
+            "autograd",
+            "c10d_logger",
+            "config",
+            "constants",
+            "device_mesh",
+            "distributed_c10d",
+            "logging",
+            "logging_handlers",
+            "remote_device",
+            "rpc",
+            "sys",
+            "torch",
+            "traceback",
+            "typing",
+            "utils",
+        ],
+        _MODULE,
+    ),
+}

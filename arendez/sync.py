@@ -121,6 +121,19 @@ recv_object_list = _blocking(compat.recv_object_list)
 new_subgroups = _blocking(compat.new_subgroups)
 new_subgroups_by_enumeration = _blocking(compat.new_subgroups_by_enumeration)
 split_group = _blocking(compat.split_group)
+all_gather_coalesced = _blocking(compat.all_gather_coalesced)
+all_gather_single = _blocking(compat.all_gather_single)
+reduce_scatter_single = _blocking(compat.reduce_scatter_single)
+
+
+def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float = 3600) -> None:
+    """Stop in the debugger on ``rank`` only; the other ranks wait in a barrier (``timeout_s``)."""
+    if get_rank() == rank and skip <= 0:
+        import pdb
+        import sys
+
+        pdb.Pdb().set_trace(sys._getframe(1))
+    barrier(timeout=timeout_s)
 
 
 async def _posted(work: compat.Work | None) -> int | None:
@@ -176,6 +189,19 @@ def batch_isend_irecv(p2p_op_list: Sequence[compat.P2POp]) -> list[Work]:
 
 get_backend = compat.get_backend
 is_available = compat.is_available
+is_backend_available = compat.is_backend_available
+is_gloo_available = compat.is_gloo_available
+is_mpi_available = compat.is_mpi_available
+is_nccl_available = compat.is_nccl_available
+is_ucc_available = compat.is_ucc_available
+is_xccl_available = compat.is_xccl_available
+get_pg_count = compat.get_pg_count
+supports_complex = compat.supports_complex
+default_pg_timeout = compat.default_pg_timeout
+DistError = compat.DistError
+DistBackendError = compat.DistBackendError
+DistNetworkError = compat.DistNetworkError
+DistStoreError = compat.DistStoreError
 get_global_rank = compat.get_global_rank
 get_group_rank = compat.get_group_rank
 get_node_local_rank = compat.get_node_local_rank
@@ -188,6 +214,10 @@ transport_stats = api.transport_stats
 
 __all__ = [
     "Backend",
+    "DistBackendError",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
     "FileStore",
     "Future",
     "GroupMember",
@@ -200,16 +230,20 @@ __all__ = [
     "TCPStore",
     "Work",
     "all_gather",
+    "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
     "all_reduce_coalesced",
     "all_to_all",
     "all_to_all_single",
     "barrier",
     "batch_isend_irecv",
+    "breakpoint",
     "broadcast",
     "broadcast_object_list",
+    "default_pg_timeout",
     "destroy_process_group",
     "gather",
     "gather_object",
@@ -217,6 +251,7 @@ __all__ = [
     "get_global_rank",
     "get_group_rank",
     "get_node_local_rank",
+    "get_pg_count",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
@@ -224,8 +259,14 @@ __all__ = [
     "init_process_group",
     "irecv",
     "is_available",
+    "is_backend_available",
+    "is_gloo_available",
     "is_initialized",
+    "is_mpi_available",
+    "is_nccl_available",
     "is_torchelastic_launched",
+    "is_ucc_available",
+    "is_xccl_available",
     "isend",
     "monitored_barrier",
     "new_group",
@@ -236,11 +277,13 @@ __all__ = [
     "reduce",
     "reduce_op",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",
     "send",
     "send_object_list",
     "split_group",
+    "supports_complex",
     "transport_stats",
 ]

@@ -1,7 +1,8 @@
 """Scripts in the style of PyTorch's "Writing Distributed Applications with PyTorch" tutorial.
 
 ``python -m tests.tutorial_ranks MODULE SCENARIO RANK SIZE`` runs one rank with
-``import MODULE as dist`` (``torch.distributed`` or ``arendez.sync``) and nothing else changed;
+``import MODULE as dist`` (``torch.distributed`` or ``arendez.sync``) and nothing else changed
+(SCENARIO ``everything`` runs every two-rank one in one world);
 MASTER_ADDR/MASTER_PORT come from the environment. Each rank prints what it saw.
 """
 
@@ -131,6 +132,13 @@ def extras(rank: int, size: int) -> None:
     print("global of group rank 0", dist.get_global_rank(mine, 0), dist.get_group_rank(mine, rank))
     dist.monitored_barrier(timeout=__import__("datetime").timedelta(seconds=30))
     print("monitored barrier passed")
+
+
+def everything(rank: int, size: int) -> None:
+    """Every two-rank scenario above, one after the other in one world."""
+    for scenario in (p2p_blocking, p2p_nonblocking, group_all_reduce, ring, training, extras):
+        print("--", scenario.__name__)
+        scenario(rank, size)
 
 
 def main() -> None:
