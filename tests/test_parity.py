@@ -261,3 +261,34 @@ def test_tutorial_script_prints_the_same_under_torch_and_arendez(scenario: str) 
                 proc.wait()
     assert all(outputs["arendez.sync"]), "arendez ranks printed nothing"
     assert outputs["arendez.sync"] == outputs["torch.distributed"]
+
+
+# -- a script that never calls destroy -----------------------------------------------------------
+EXIT_SCRIPT = """
+import sys, time
+import numpy as np
+import arendez.sync as dist
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+x = np.ones(2)
+dist.all_reduce(x)
+print("sum", x.tolist(), flush=True)
+if rank == 0:
+    time.sleep(1.0)  # rank 1 leaves first: rank 0 must not call that a failure
+"""
+
+
+@pytest.mark.timeout(90)
+def test_exit_without_destroy_warns_once_and_peers_raise_no_alarm() -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    start = time.monotonic()
+    results = collect([popen([PY, "-c", EXIT_SCRIPT, str(r)], env) for r in range(2)], 60)
+    took = time.monotonic() - start
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.strip() == "sum [2.0, 2.0]"
+        assert res.stderr.count("destroy_process_group() was not called") == 1, res.stderr
+        for alarm in ("connection lost", "reconnecting", "lost the store", "failed"):
+            assert alarm not in res.stderr, f"rank {res.rank} raised an alarm: {res.stderr}"
+    assert took < 45  # bounded: the exit hook gives destroy at most EXIT_DESTROY_SECONDS
