@@ -9,6 +9,7 @@ import datetime
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -231,22 +232,24 @@ def test_tcp_store_master_and_client() -> None:
 
 
 # -- tutorial scripts under torch/gloo and arendez.sync -------------------------------------------
-SCENARIOS = {"everything": 2, "ring": 3}  # (every two-rank script in one world, to start fewer)
+#: scenario -> world size, and whether it meets through a shared file (file://) instead of env://
+SCENARIOS = {"everything": (2, False), "ring": (3, True)}  # (every two-rank script in one world)
 
 
-def _run_script(module: str, scenario: str, size: int) -> list[Any]:
+def _run_script(module: str, scenario: str, size: int, init: list[str]) -> list[Any]:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     argv = [PY, "-m", "tests.tutorial_ranks", module, scenario]
-    return [popen([*argv, str(r), str(size)], env) for r in range(size)]
+    return [popen([*argv, str(r), str(size), *init], env) for r in range(size)]
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_tutorial_script_prints_the_same_under_torch_and_arendez(scenario: str) -> None:
+def test_tutorial_script_prints_the_same_under_torch_and_arendez(scenario: str, tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    size = SCENARIOS[scenario]
+    size, by_file = SCENARIOS[scenario]
     modules = ("torch.distributed", "arendez.sync")
-    started = {module: _run_script(module, scenario, size) for module in modules}  # side by side
+    inits = {m: [f"file://{tmp_path / m}"] if by_file else [] for m in modules}  # a fresh file each
+    started = {m: _run_script(m, scenario, size, inits[m]) for m in modules}  # side by side
     outputs = {}
     try:
         for module in modules:
@@ -261,6 +264,17 @@ def test_tutorial_script_prints_the_same_under_torch_and_arendez(scenario: str) 
                 proc.wait()
     assert all(outputs["arendez.sync"]), "arendez ranks printed nothing"
     assert outputs["arendez.sync"] == outputs["torch.distributed"]
+    if by_file:  # the rank that wrote the server's address emptied the file when it exited
+        assert (tmp_path / "arendez.sync").read_bytes() == b""
+
+
+def test_file_init_refuses_a_file_that_names_no_server(tmp_path: Path) -> None:
+    path = tmp_path / "rdzv"
+    path.write_text("not an address")
+    with pytest.raises(arendez.RendezvousError, match="not host:port"):
+        sync.init_process_group(init_method=f"file://{path}", world_size=2, rank=1, timeout=5)
+    with pytest.raises(arendez.RendezvousError, match="world_size and rank"):
+        sync.init_process_group(init_method=f"file://{path}", world_size=2)
 
 
 # -- a script that never calls destroy -----------------------------------------------------------

@@ -1,6 +1,6 @@
 """Scripts in the style of PyTorch's "Writing Distributed Applications with PyTorch" tutorial.
 
-``python -m tests.tutorial_ranks MODULE SCENARIO RANK SIZE`` runs one rank with
+``python -m tests.tutorial_ranks MODULE SCENARIO RANK SIZE [INIT_METHOD]`` runs one rank with
 ``import MODULE as dist`` (``torch.distributed`` or ``arendez.sync``) and nothing else changed
 (SCENARIO ``everything`` runs every two-rank one in one world);
 MASTER_ADDR/MASTER_PORT come from the environment. Each rank prints what it saw.
@@ -145,7 +145,10 @@ def main() -> None:
     global dist
     module, scenario, rank, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     dist = importlib.import_module(module)
-    dist.init_process_group("gloo", rank=rank, world_size=size)
+    if len(sys.argv) > 5:  # an init_method such as file:///tmp/x (else MASTER_ADDR/MASTER_PORT)
+        dist.init_process_group("gloo", init_method=sys.argv[5], rank=rank, world_size=size)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=size)
     globals()[scenario](rank, size)
     dist.destroy_process_group()
 
