@@ -12,7 +12,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
-import logging
+import logging as _logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -113,7 +113,7 @@ def _destroy_at_exit() -> None:
     then close it within ``EXIT_DESTROY_SECONDS`` so its peers see a goodbye, not a failure."""
     if not api.is_initialized():
         return
-    logging.getLogger("arendez").warning(
+    _logging.getLogger("arendez").warning(
         "arendez: destroy_process_group() was not called before the program exited; closing the "
         "process group now (at most %gs). Call destroy_process_group() at the end of the program.",
         EXIT_DESTROY_SECONDS,
