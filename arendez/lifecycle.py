@@ -183,10 +183,18 @@ async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
         raise  # an embedded server stays up for the next attempt, as a standalone one would
 
 
+async def _file_world(where: Plan, timeout: float, given: Store | None) -> World:
+    """``file:///path``: the shared file names the server (``arendez.filerdzv``), then as tcp://."""
+    from .filerdzv import resolve as read_file
+
+    return await _tcp_world(await read_file(where, timeout), timeout, given)
+
+
 #: how each transport (``Plan.transport``, from the ``init_method`` scheme) builds a world
 _BUILDERS: dict[str, Callable[[Plan, float, Store | None], Awaitable[World]]] = {
     "tcp": _tcp_world,
     "inproc": _inproc_world,
+    "file": _file_world,
 }
 
 
