@@ -23,7 +23,7 @@ T = TypeVar("T")
 log = logging.getLogger("arendez")
 
 #: How long the exit of a process may spend closing a world it left up (``LoopThread.stop``).
-EXIT_SECONDS = 2.0
+EXIT_SECONDS = 5.0
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
@@ -177,7 +177,11 @@ async def _wind_down(timeout: float) -> None:
     from .lifecycle import destroy_process_group
 
     if registry.world_or_none() is not None:
-        log.warning("the process exits with its process group up: destroy_process_group() was not called")
+        log.warning(
+            "arendez: destroy_process_group() was not called before the program exited; closing the "
+            "process group now (at most %gs). Call destroy_process_group() at the end of the program.",
+            timeout / 2,
+        )
         with contextlib.suppress(Exception):
             await destroy_process_group(timeout=timeout / 2)
     me = asyncio.current_task()

@@ -9,10 +9,8 @@ costs one ``call_soon_threadsafe`` and one lock release (see ``arendez.loop``).
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import functools
-import logging as _logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -94,34 +92,7 @@ def _blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]
     return call
 
 
-#: how long the exit hook gives a world that was never destroyed to close
-EXIT_DESTROY_SECONDS = 10.0
-_exit_hook = False
-
-
-@functools.wraps(api.init_process_group)
-def init_process_group(*args: Any, **kwargs: Any) -> None:
-    global _exit_hook
-    shared.call(api.init_process_group, *args, **kwargs)
-    if not _exit_hook:
-        atexit.register(_destroy_at_exit)
-        _exit_hook = True
-
-
-def _destroy_at_exit() -> None:
-    """A script that ends with its world up (as torch's tutorials do): warn once, as torch does,
-    then close it within ``EXIT_DESTROY_SECONDS`` so its peers see a goodbye, not a failure."""
-    if not api.is_initialized():
-        return
-    _logging.getLogger("arendez").warning(
-        "arendez: destroy_process_group() was not called before the program exited; closing the "
-        "process group now (at most %gs). Call destroy_process_group() at the end of the program.",
-        EXIT_DESTROY_SECONDS,
-    )
-    done = shared.start(api.destroy_process_group, (), {"timeout": EXIT_DESTROY_SECONDS})
-    done.wait(EXIT_DESTROY_SECONDS + 1.0)
-
-
+init_process_group = _blocking(api.init_process_group)  # (a world left up is closed at exit: loop.py)
 destroy_process_group = _blocking(api.destroy_process_group)
 new_group = _blocking(api.new_group)
 barrier = _blocking(api.barrier)
