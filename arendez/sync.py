@@ -55,9 +55,14 @@ class Work:
         self._done = done
 
     def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
-        """Block until the call is done (``TimeoutError`` after ``timeout`` seconds, the call
-        going on); re-raises its error."""
-        self._done.result(None if timeout is None else seconds(timeout, 0.0))
+        """Block until the call is done; re-raises its error. After ``timeout`` seconds the call
+        is cancelled, as an asyncio cancel would (its peers get ``CollectiveCancelledError``,
+        its buffers are not written any more), and this raises ``TimeoutError``."""
+        limit = None if timeout is None else seconds(timeout, 0.0)
+        if not self._done.wait(limit):
+            self._done.cancel()
+            raise TimeoutError(f"the call did not finish within {limit:g}s and was cancelled")
+        self._done.result()
         return True
 
     def is_completed(self) -> bool:
