@@ -6,7 +6,9 @@ over an in-memory transport in unit tests as over TCP.
 
 Latency-bound sizes use direct exchange (every rank talks to every other in one round) or
 recursive doubling; bandwidth-bound sizes a ring (or, for all_reduce on a power-of-two group,
-recursive halving-doubling: the ring's bytes in fewer steps), cut into *lanes* that run
+recursive halving-doubling: the ring's bytes in fewer steps). Over TCP links (a comm's optional
+``link_kind()``) an all_reduce takes the cheapest of these by the cost model of ``costmodel``: the
+ring where the link is the limit. Bandwidth-bound messages are cut into *lanes* that run
 concurrently so the reduction of one lane overlaps the transfer of the next. Reductions combine contributions
 in a fixed order, so every rank ends with bit-identical results.
 """
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import costmodel
 from .arrays import ReduceOp, ufunc_for
 from .settings import env_int
 
@@ -31,6 +34,9 @@ ALGORITHMS = ("direct", "rdb", "ring", "rhd")
 SMALL_BYTES = 64 * 1024
 #: Bytes of one block of one ring lane; lanes of ``size`` blocks pipeline large messages.
 LANE_BYTES = env_int("ARENDEZ_LANE_BYTES", 512 * 1024, minimum=4096)
+#: Lane block over TCP links: the socket, not the reduction, paces a step there, and every
+#: message costs the event loop (a frame, a future, a wake-up), so fewer, larger blocks.
+TCP_LANE_BYTES = env_int("ARENDEZ_TCP_LANE_BYTES", 2 << 20, minimum=4096)
 #: Lanes a bandwidth-bound message is cut into at least (blocks permitting).
 MIN_LANES = env_int("ARENDEZ_MIN_LANES", 1)
 #: Smallest lane block: below it, per-message overhead outweighs the overlap lanes buy.
@@ -78,16 +84,21 @@ def forced_algorithm() -> str | None:
     return check_algorithm(os.environ.get("ARENDEZ_ALGORITHM") or None, "ARENDEZ_ALGORITHM")
 
 
-def choose(collective: str, nbytes: int, size: int) -> str:
-    """Pick the algorithm by message size and group size (``ARENDEZ_ALGORITHM`` overrides)."""
+def choose(collective: str, nbytes: int, size: int, link: str | None = None) -> str:
+    """Pick the algorithm (``ARENDEZ_ALGORITHM`` overrides).
+
+    An all_reduce over TCP links (``link == "tcp"``) takes the cheapest by the cost model
+    (``costmodel``); shared-memory links and the other collectives keep the measured size rule.
+    """
     forced = forced_algorithm()
     if forced:
-        if forced == "rdb" and size & (size - 1):
-            return "direct"
         return forced
+    if collective == "all_reduce" and link == "tcp" and size > 1:
+        lanes = len(_lanes(max(1, nbytes // 4), 4, size, lane_bytes=TCP_LANE_BYTES))
+        return costmodel.choose_all_reduce(nbytes, size, costmodel.tcp_link(), lanes)
     power_of_two = not size & (size - 1)
     if nbytes <= SMALL_BYTES or (size == 2 and collective == "broadcast"):
-        if collective == "all_reduce" and size > 8 and power_of_two:
+        if collective == "all_reduce" and size > 8:  # (direct would connect every pair)
             return "rdb"
         return "direct"
     if collective == "all_reduce" and size > 2 and power_of_two:
@@ -113,17 +124,28 @@ def _release(comm: Comm, buffers: list[memoryview]) -> None:
         comm.release(buffer)
 
 
+def link_kind(comm: Comm) -> str | None:
+    """``"shm"`` or ``"tcp"``: what links ``comm``'s large payloads take (None: the transport
+    does not say, as the in-memory one of unit tests)."""
+    kind = getattr(comm, "link_kind", None)
+    return str(kind()) if callable(kind) else None
+
+
 def others(comm: Comm) -> list[int]:
     """The group ranks other than this one."""
     return [p for p in range(comm.size) if p != comm.rank]
 
 
-def _lanes(size: int, itemsize: int, parts: int, min_lanes: int | None = None) -> list[slice]:
-    """Slices of ``size`` elements for ``parts``-block lanes: blocks of at most ``LANE_BYTES``,
-    and at least ``MIN_LANES`` lanes (of blocks no smaller than ``MIN_LANE_BYTES``) to overlap."""
+def _lanes(
+    size: int, itemsize: int, parts: int, min_lanes: int | None = None, lane_bytes: int | None = None
+) -> list[slice]:
+    """Slices of ``size`` elements for ``parts``-block lanes: blocks of at most ``lane_bytes``
+    (default ``LANE_BYTES``), and at least ``MIN_LANES`` lanes (of blocks no smaller than
+    ``MIN_LANE_BYTES``) to overlap."""
     itemsize = max(1, itemsize)
     cut = MIN_LANES if min_lanes is None else min_lanes
-    block = min(LANE_BYTES, max(MIN_LANE_BYTES, size * itemsize // (parts * cut)))
+    most = LANE_BYTES if lane_bytes is None else lane_bytes
+    block = min(most, max(MIN_LANE_BYTES, size * itemsize // (parts * cut)))
     per_lane = max(1, block // itemsize) * parts
     return [slice(i, min(i + per_lane, size)) for i in range(0, size, per_lane)] or [slice(0, 0)]
 
@@ -174,15 +196,17 @@ async def all_reduce(comm: Comm, x: Array, op: ReduceOp, algorithm: str | None =
     """Reduce ``x`` across the group in place."""
     ufunc = ufunc_for(op, x.dtype)
     if comm.size > 1 and x.size:
-        algo = algorithm or choose("all_reduce", x.nbytes, comm.size)
+        link = link_kind(comm)
+        lane_bytes = TCP_LANE_BYTES if link == "tcp" else LANE_BYTES
+        algo = algorithm or choose("all_reduce", x.nbytes, comm.size, link)
         if algo == "direct":
             await _direct_all_reduce(comm, x, ufunc)
         elif algo == "rdb":
             await _recursive_doubling(comm, x, ufunc)
         elif algo == "rhd" and not comm.size & (comm.size - 1):
-            await _halving_doubling_all_reduce(comm, x, ufunc)
+            await _halving_doubling_all_reduce(comm, x, ufunc, lane_bytes)
         else:
-            await _ring_all_reduce(comm, x, ufunc)
+            await _ring_all_reduce(comm, x, ufunc, lane_bytes)
     if op is ReduceOp.AVG and comm.size > 1:
         np.divide(x, comm.size, out=x)
 
@@ -197,16 +221,36 @@ async def _direct_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
     _release(comm, got)
 
 
+#: Tags of the fold into (and the copy back out of) the power-of-two core of recursive doubling.
+_FOLD_IN, _FOLD_OUT = 1 << 20, (1 << 20) + 1
+
+
 async def _recursive_doubling(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
+    """Recursive doubling over the largest power of two ``p`` of ranks; a rank ``r >= p`` first
+    hands its data to ``r - p`` and gets the result back from it (every rank ends bitwise
+    equal, and each talks to O(log n) peers)."""
+    n, r = comm.size, comm.rank
+    p = 1 << (n.bit_length() - 1)
+    if r >= p:
+        result = comm.recv_into(r - p, _FOLD_OUT, x)
+        await wait_all([comm.send(r - p, _FOLD_IN, x)])
+        await result
+        return
+    if r + p < n:
+        got = await comm.recv_any(r + p, _FOLD_IN)
+        ufunc(x, _view(got, x.dtype), out=x)
+        comm.release(got)
     mask, step = 1, 0
-    while mask < comm.size:
-        partner = comm.rank ^ mask
+    while mask < p:
+        partner = r ^ mask
         recv = comm.recv_any(partner, step)
         await wait_all([comm.send(partner, step, x)])
         got = await recv
         ufunc(x, _view(got, x.dtype), out=x)  # IEEE +, *, min, max commute exactly: both agree
         comm.release(got)
         mask, step = mask << 1, step + 1
+    if r + p < n:
+        await wait_all([comm.send(r + p, _FOLD_OUT, x)])
 
 
 def _ring_schedule(comm: Comm) -> tuple[int, int, int, int]:
@@ -275,9 +319,9 @@ async def _ring_all_gather_lane(
         await wait_all([sending])
 
 
-async def _ring_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
+async def _ring_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc, lane_bytes: int = LANE_BYTES) -> None:
     n = comm.size
-    lanes = [np.array_split(x[part], n) for part in _lanes(x.size, x.itemsize, n)]
+    lanes = [np.array_split(x[part], n) for part in _lanes(x.size, x.itemsize, n, lane_bytes=lane_bytes)]
     # every lane's final blocks land in place, however early they come
     gathering = [_post_all_gather(comm, blocks, 4 * n * i + 2 * n) for i, blocks in enumerate(lanes)]
 
@@ -324,8 +368,10 @@ async def _halving_doubling_lane(comm: Comm, seg: Array, ufunc: np.ufunc, tag: i
         lo, hi = min(lo, give[0]), max(hi, give[1])
 
 
-async def _halving_doubling_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
-    lanes = _lanes(x.size, x.itemsize, comm.size)
+async def _halving_doubling_all_reduce(
+    comm: Comm, x: Array, ufunc: np.ufunc, lane_bytes: int = LANE_BYTES
+) -> None:
+    lanes = _lanes(x.size, x.itemsize, comm.size, lane_bytes=lane_bytes)
     tags = 4 * comm.size.bit_length()
 
     async def lane(i: int) -> None:

@@ -157,6 +157,8 @@ class Op:
         target = key[0]
         if target in self.world.dead:
             self.fail(RankFailedError(target, self.name, self.world.dead[target]))
+        else:
+            self.world.connection(target)  # connect on first use: its loss is seen while we wait
         return fut
 
     def recv_into(self, peer: int, tag: int, out: Array) -> Awaitable[None]:
@@ -185,6 +187,15 @@ class Op:
         if not futs:
             return _done()
         return futs[0] if len(futs) == 1 else _gather(futs)
+
+    def link_kind(self) -> str:
+        """``"shm"`` if every peer said hello from this host (shared memory on), else ``"tcp"``.
+
+        The algorithm choice depends on it, so both ends of a pair must agree: host keys are
+        compared the same way on both, and init has every peer's hello before it returns.
+        """
+        me, same = self.world.rank, self.world.shm.same_host
+        return "shm" if all(g == me or g in same for g in self.group.ranks) else "tcp"
 
     def scratch(self, nbytes: int) -> Array:
         return self.world.pool.take(nbytes)
@@ -323,9 +334,9 @@ class ProcessGroup:
     def _expire(self, op: Op, limit: float) -> None:
         async def diagnose() -> None:
             peers = [g for g in self.ranks if g != self.world.rank]
-            progress = await self.world.progress.ask(self.gid, peers, min(DIAGNOSE_SECONDS, limit))
-            missing = [g for g in peers if g in progress and progress[g] <= op.seq]
-            silent = [g for g in peers if g not in progress]
+            progress, asked = await self.world.progress.ask(self.gid, peers, min(DIAGNOSE_SECONDS, limit))
+            missing = [g for g in asked if g in progress and progress[g] <= op.seq]
+            silent = [g for g in asked if g not in progress]
             op.fail(CollectiveTimeoutError(f"{op.name} (seq {op.seq})", limit, missing, silent))
 
         if op.error is None and op.seq in self.active:
@@ -343,7 +354,7 @@ class ProcessGroup:
         if self.fail_seq(seq, CollectiveMismatchError(message)) and tell:
             for peer in self.ranks:
                 if peer != self.world.rank:
-                    self.world.send_control(peer, frames.Mismatch(self.gid, seq, message))
+                    self.world.send_control(peer, frames.Mismatch(self.gid, seq, message), dial=True)
 
     def fail_seq(self, seq: int, exc: ArendezError) -> bool:
         """Fail collective ``seq`` with ``exc``: now if it runs, when it starts if this rank has

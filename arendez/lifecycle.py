@@ -101,7 +101,8 @@ async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> Wor
 
 
 async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
-    """Join through the store, connect the peer mesh, set up same-host shared memory."""
+    """Join through the store, connect to the algorithms' neighbours (the rest of the mesh
+    connects on first use), set up same-host shared memory."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     secure = tls.from_env()
@@ -142,21 +143,33 @@ async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
         advertise = os.environ.get("ARENDEZ_ADVERTISE_ADDR") or _local_address(store, where.host)
         port = await mesh.listen(os.environ.get("ARENDEZ_LISTEN_ADDR") or advertise, 0)
         address = f"[{advertise}]:{port}" if ":" in advertise else f"{advertise}:{port}"
-        member = await store.join(where.world_size, where.rank, address, deadline - loop.time())
+        offsets = neighbour_offsets(where.world_size)
+        if isinstance(store, Store):  # only the neighbours' addresses; the rest on first use
+            member = await store.join(
+                where.world_size, where.rank, address, deadline - loop.time(), peers=False, neighbours=offsets
+            )
+            known, resolve = dict(member.addresses), store.addresses
+        else:  # (etcd: every address comes with the round)
+            member = await store.join(where.world_size, where.rank, address, deadline - loop.time())
+            known, resolve = dict(enumerate(member.peers)), None
         world = World(member.rank, member.world_size, timeout)
         world.store, world.mesh, world.server, world.address = store, mesh, server, address
         world.shm = shm.Channels(allowed=shm.enabled() and secure is None)  # before peers say hello
         store.on_event = lambda event, w=world: _on_server_event(w, event)
-        await mesh.connect(
+        mesh.start(
             member.rank,
             member.world_size,
             member.nonce,
-            member.peers,
+            known,
             world.route,
             world.sink,
             world.peer_lost,
-            max(0.0, deadline - loop.time()),
+            resolve=resolve,
+            on_connected=world.on_connected,
+            dial_timeout=timeout,
         )
+        neighbours = {(member.rank + k) % member.world_size for k in offsets}
+        await mesh.preconnect(neighbours, max(0.0, deadline - loop.time()))
         await world.open_shm(max(0.0, min(SHM_SETUP_SECONDS, deadline - loop.time())))
         return world
     except BaseException:  # undo what was built, within what is left of init's deadline
@@ -170,10 +183,18 @@ async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
         raise  # an embedded server stays up for the next attempt, as a standalone one would
 
 
+async def _file_world(where: Plan, timeout: float, given: Store | None) -> World:
+    """``file:///path``: the shared file names the server (``arendez.filerdzv``), then as tcp://."""
+    from .filerdzv import resolve as read_file
+
+    return await _tcp_world(await read_file(where, timeout), timeout, given)
+
+
 #: how each transport (``Plan.transport``, from the ``init_method`` scheme) builds a world
 _BUILDERS: dict[str, Callable[[Plan, float, Store | None], Awaitable[World]]] = {
     "tcp": _tcp_world,
     "inproc": _inproc_world,
+    "file": _file_world,
 }
 
 
@@ -187,11 +208,30 @@ def _local_address(store: Store, server_host: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def neighbour_offsets(world_size: int) -> list[int]:
+    """The rank offsets init connects to: +-1 (rings) and +-2^k (recursive doubling and
+    binomial trees), O(log W); every other pair connects on first use."""
+    offsets: set[int] = set()
+    step = 1
+    while step < world_size:
+        offsets.update((step, -step))
+        step *= 2
+    return sorted(offsets)
+
+
 def _on_server_event(world: World, event: dict[str, Any]) -> None:
+    """The server's word on ranks this one may never have connected to."""
     kind = event.get("event")
     rank = event.get("rank")
     if kind == "rank_failed" and isinstance(rank, int):
         world.peer_lost(rank, f"declared failed by the server ({event.get('reason')})")
+    elif kind == "rank_left" and isinstance(rank, int) and rank not in _connected(world):
+        # (a connected rank says goodbye on its connection, after its last frame)
+        world.peer_lost(rank, "it left the job (the server says)", left=True)
+
+
+def _connected(world: World) -> Any:
+    return world.mesh.conns if world.mesh is not None else ()
 
 
 async def destroy_process_group(group: Any = None, timeout: float | datetime.timedelta | None = None) -> None:

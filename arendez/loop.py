@@ -23,7 +23,9 @@ T = TypeVar("T")
 log = logging.getLogger("arendez")
 
 #: How long the exit of a process may spend closing a world it left up (``LoopThread.stop``).
-EXIT_SECONDS = 2.0
+EXIT_SECONDS = 5.0
+#: How long a ``Work.wait`` that timed out waits for the cancelled call to wind down.
+CANCEL_GRACE_SECONDS = 5.0
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
@@ -51,7 +53,7 @@ class Completion:
     thread releases it once the result or error is stored.
     """
 
-    __slots__ = ("_done", "_error", "_lock", "_on_done", "_result")
+    __slots__ = ("_done", "_error", "_lock", "_on_done", "_result", "_task")
 
     def __init__(self, on_done: Callable[[Completion], None] | None = None) -> None:
         self._lock = _thread.allocate_lock()
@@ -60,6 +62,17 @@ class Completion:
         self._result: Any = None
         self._error: BaseException | None = None
         self._on_done = on_done
+        self._task: asyncio.Task[None] | None = None  # set on the loop thread when it starts
+
+    def cancel(self, grace: float = CANCEL_GRACE_SECONDS) -> bool:
+        """Cancel the coroutine on its loop, as ``task.cancel()`` would inside it (a collective
+        tells its peers, its buffers are let go), and wait up to ``grace`` seconds for that to
+        finish; True if it has ended."""
+        task = self._task
+        if not self._done and task is not None:
+            with contextlib.suppress(RuntimeError):  # (a loop already closed)
+                task.get_loop().call_soon_threadsafe(task.cancel)
+        return self.wait(grace)
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
@@ -177,7 +190,11 @@ async def _wind_down(timeout: float) -> None:
     from .lifecycle import destroy_process_group
 
     if registry.world_or_none() is not None:
-        log.warning("the process exits with its process group up: destroy_process_group() was not called")
+        log.warning(
+            "arendez: destroy_process_group() was not called before the program exited; closing the "
+            "process group now (at most %gs). Call destroy_process_group() at the end of the program.",
+            timeout / 2,
+        )
         with contextlib.suppress(Exception):
             await destroy_process_group(timeout=timeout / 2)
     me = asyncio.current_task()
@@ -189,7 +206,7 @@ async def _wind_down(timeout: float) -> None:
 
 
 def _begin(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
-    asyncio.get_running_loop().create_task(_drive(done, coro))
+    done._task = asyncio.get_running_loop().create_task(_drive(done, coro))
 
 
 async def _drive(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:

@@ -65,6 +65,8 @@ class Stats:
     shm_bytes: int = 0
     #: large payloads sent inline because the peer's shared-memory ring was full
     shm_full: int = 0
+    #: peer connections this rank opened or accepted (tcp: on first use, not all pairs)
+    connections: int = 0
 
 
 class Outcome(enum.Enum):

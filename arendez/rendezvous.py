@@ -105,6 +105,10 @@ def plan(
         if world_size < 1:
             raise RendezvousError(f"{init_method} needs world_size (argument or WORLD_SIZE)")
         return Plan(world_size, rank, host, port, job, url_token or token)
+    if url.scheme == "file":  # torch's shared-file rendezvous (arendez.filerdzv)
+        if world_size < 1 or rank < 0 or not url.path:
+            raise RendezvousError(f"{init_method} needs a path (file:///path), world_size and rank")
+        return Plan(world_size, rank, job=urllib.parse.unquote(url.path), token=token, transport="file")
     if url.scheme == "etcd":  # etcd backend (issue 14)
         from .etcd import parse_url
 
@@ -115,7 +119,7 @@ def plan(
     raise RendezvousError(
         f"unsupported init_method {init_method!r}: use None, env://, tcp://host:port, "
         "arendez://[token@]host:port[/job], etcd://[user:password@]host:port[,host:port...]/job "
-        "or inproc://job"
+        "file:///path or inproc://job"
     )
 
 

@@ -259,6 +259,8 @@ class Channels:
         self.size = size
         self.links: dict[int, Link] = {}
         self.settled: set[int] = set()  # peers whose answer about our segment is in (or moot)
+        #: peers that said hello from this host (both ends agree: the same keys, compared)
+        self.same_host: set[int] = set()
         self.host = ""
         if allowed:
             try:
@@ -273,6 +275,8 @@ class Channels:
 
     def on_hello(self, peer: int, key: Any) -> tuple[str, int, bytes] | None:
         """A peer's host key; returns our offer (path, size, cookie) if we can share memory."""
+        if self.allowed and key == self.host:
+            self.same_host.add(peer)
         if not self.allowed or key != self.host or self._link(peer).outbound is not None:
             self.settled.add(peer)
             return None

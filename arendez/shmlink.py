@@ -1,7 +1,9 @@
 """Shared-memory link control: the hello / offer / answer / free exchange with each peer.
 
 ``shm.Channels`` holds the segments; this module speaks the frames that set them up and give
-ranges back. Peers elsewhere (or that cannot map our segment) stay on the socket only.
+ranges back. Each side says hello when a peer connection opens (connections open on first use,
+so links to peers a rank never talks to are never set up). Peers elsewhere (or that cannot map
+our segment) stay on the socket only.
 """
 
 from __future__ import annotations
@@ -30,15 +32,19 @@ class ShmControl:
         self._settled: asyncio.Future[None] | None = None
         self._flush: asyncio.Handle | None = None
 
+    def hello(self, peer: int) -> None:
+        """A connection to ``peer`` just opened: tell it our host key (both sides do)."""
+        if self.channels.allowed:
+            self._send(peer, frames.ShmHello(self.channels.host))
+
     async def open(self, peers: Collection[int], timeout: float) -> None:
-        """Say hello to ``peers`` and wait (at most ``timeout``) until every link is settled."""
+        """Wait (at most ``timeout``) until the links to ``peers`` (already greeted with
+        ``hello``) are settled; offers still unanswered then fall back to TCP."""
         if not self.channels.allowed:
             return
         self._peers = peers
         self._settled = asyncio.get_running_loop().create_future()
         try:
-            for peer in sorted(peers):
-                self._send(peer, frames.ShmHello(self.channels.host))
             self.check_settled()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):

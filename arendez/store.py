@@ -3,9 +3,10 @@
 The client keeps one connection to the server and reconnects when it drops. A call made
 while the server is away waits for the reconnection until its own deadline and then raises
 ``StoreError``; a call whose request was in flight when the connection dropped fails at once
-(its outcome is unknown). Concurrent calls are pipelined: requests made in one loop turn go
-out in one write. Members of a job keep their lease alive from the process's one lease
-thread (``lease.py``, so a busy event loop is not a dead rank) and re-attach after a reconnect.
+(its outcome is unknown). Concurrent calls are pipelined: the requests of the callers woken by
+one batch of replies go out together in one write, in the same loop pass (no extra turn).
+Members of a job keep their lease alive from the process's one lease thread (``lease.py``, so
+a busy event loop is not a dead rank) and re-attach after a reconnect.
 """
 
 from __future__ import annotations
@@ -51,11 +52,6 @@ transport.register_remote_errors(
 
 class _NoAnswer(Exception):
     """The reply did not come before the call's deadline."""
-
-
-def _expire(fut: asyncio.Future[Any]) -> None:
-    if not fut.done():
-        fut.set_exception(_NoAnswer())
 
 
 def _to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
@@ -116,14 +112,20 @@ class Store:
         self._tasks: list[asyncio.Task[None]] = []
         self._lease: _lease.LeaseKeeper | None = None
         self._last_error: BaseException | None = None
-        self._out: list[bytes | memoryview] = []
-        self._flushing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._expiry: dict[int, float] = {}  # loop time at which each pending call gives up
+        self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_at: float | None = None
+        self._out: list[bytes | memoryview] = []  # requests held while corked
+        self._corked = False
+        self._woken = 0  # replies delivered since the cork was (re)scheduled
+        self._held = False  # the cork already waited once for callers woken after it
 
     # -- connection management -------------------------------------------------------------
     async def connect(self, timeout: float | None = None) -> Store:
         """Connect (retrying until ``timeout``) and start keeping the connection alive."""
         timeout = validate.optional_seconds(timeout)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._maintain()))
         try:
             await self._wait_connected(loop.time() + (timeout or self.timeout))
@@ -259,6 +261,10 @@ class Store:
             fut.set_exception(transport.remote_error(header, StoreError))
         else:
             fut.set_result(header.get("ok"))
+        if self._corked:
+            self._woken += 1
+        else:
+            self._cork()
 
     def _on_departed(self, ranks: Any) -> None:
         """One batched event for every rank of our round that left or failed: one call each."""
@@ -288,6 +294,9 @@ class Store:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = self._sweep_at = None
         if self._conn is not None:
             await self._conn.wait_closed(1.0)  # asynchronous: the loop keeps running meanwhile
             self._conn = None
@@ -301,7 +310,7 @@ class Store:
 
     # -- requests --------------------------------------------------------------------------
     async def _call(self, op: str, timeout: float | None = None, wait: bool = False, **fields: Any) -> Any:
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         budget = self.timeout if timeout is None else float(timeout)
         deadline = loop.time() + (budget if wait else min(budget, _CALL_TIMEOUT))
         conn = self._conn
@@ -314,33 +323,78 @@ class Store:
         fields["id"] = rid
         if wait:
             fields["timeout"] = max(0.0, deadline - loop.time())
-        self._queue(wire.encode(fields))
-        timer = loop.call_at(deadline + (_REPLY_SLACK if wait else 0.0), _expire, fut)
+        expiry = self._expiry[rid] = deadline + (_REPLY_SLACK if wait else 0.0)
+        if self._sweep_at is None or expiry < self._sweep_at:
+            self._arm_sweep(loop, expiry)
+        self._send(wire.encode(fields))
         try:
             return await fut
         except _NoAnswer:
             raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
         finally:
-            timer.cancel()
             self._pending.pop(rid, None)
+            self._expiry.pop(rid, None)
 
-    def _queue(self, frame: list[bytes | memoryview]) -> None:
-        """Queue a request; every request of this loop turn goes out in one write."""
-        self._out.extend(frame)
-        if not self._flushing:
-            self._flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+    def _arm_sweep(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        """One timer for all calls: it fires at the earliest deadline (no timer per call)."""
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._sweep_at = at
+        self._sweep = loop.call_at(at, self._expire_calls, loop)
 
-    def _flush(self) -> None:
-        self._flushing = False
-        out, self._out = self._out, []
+    def _expire_calls(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._sweep = self._sweep_at = None
+        now = loop.time()
+        soonest: float | None = None
+        for rid, at in list(self._expiry.items()):
+            if at <= now:
+                fut = self._pending.get(rid)
+                if fut is not None and not fut.done():
+                    fut.set_exception(_NoAnswer())
+            elif soonest is None or at < soonest:
+                soonest = at
+        if soonest is not None:
+            self._arm_sweep(loop, soonest)
+
+    def _send(self, frame: list[bytes | memoryview]) -> None:
+        """Send a request at once, or, while the callers woken by one batch of replies are
+        still running, with the other requests they make, in one write."""
+        if self._corked:
+            self._out.extend(frame)
+            return
+        self._write(frame)
+
+    def _write(self, frame: list[bytes | memoryview]) -> None:
         conn = self._conn
         try:
             if conn is None:
                 raise ConnectionResetError("not connected")
-            conn.send_encoded(out)
+            conn.send_encoded(frame)
         except ConnectionError as exc:  # the requests cannot have reached the server
             self._fail_pending(StoreError(f"store request failed: {exc}"))
+
+    def _cork(self) -> None:
+        """A reply woke a caller: gather the requests of the callers woken now until they ran
+        (scheduled from the reply handler, so it runs in the same pass as they do)."""
+        self._corked = True
+        self._woken = 0
+        self._held = False
+        (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
+
+    def _uncork(self) -> None:
+        if self._woken and not self._held:  # more callers were woken after us: wait for them once
+            self._held = True
+            self._woken = 0
+            (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
+            return
+        out, self._out = self._out, []
+        if out:
+            self._write(out)
+        if self._woken:  # still more woken: keep gathering, but never hold written requests back
+            self._woken = 0
+            (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
+        else:
+            self._corked = False
 
     async def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``."""

@@ -9,33 +9,79 @@ costs one ``call_soon_threadsafe`` and one lock release (see ``arendez.loop``).
 
 from __future__ import annotations
 
+import datetime
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import arendez as api  # the public async API only
 
+from . import compat
 from .errors import *  # noqa: F403 - the same error names as the async API
 from .loop import Completion, shared
+from .registry import seconds
+from .syncstore import FileStore, HashStore, PrefixStore, Store, TCPStore
 
+Backend = compat.Backend
 GroupMember = api.GroupMember
+P2POp = compat.P2POp
 ProcessGroup = api.ProcessGroup
 ReduceOp = api.ReduceOp
+group = compat.group
+reduce_op = compat.reduce_op
 
 
-class Work:
-    """Handle of a collective started with ``async_op=True``."""
+class Future:
+    """The value of a ``Work`` (torch's ``Future`` shape): ``wait()``/``value()`` block."""
 
     def __init__(self, done: Completion) -> None:
         self._done = done
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the collective is done; re-raises its error."""
-        self._done.result(timeout)
+    def done(self) -> bool:
+        return self._done.done()
+
+    def wait(self) -> Any:
+        """Block until done; return the value or re-raise the error."""
+        return self._done.result()
+
+    def value(self) -> Any:
+        return self._done.result()
+
+
+class Work:
+    """Handle of a call started with ``async_op=True``, ``isend`` or ``irecv``."""
+
+    def __init__(self, done: Completion) -> None:
+        self._done = done
+
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
+        """Block until the call is done; re-raises its error. After ``timeout`` seconds the call
+        is cancelled, as an asyncio cancel would (its peers get ``CollectiveCancelledError``,
+        its buffers are not written any more), and this raises ``TimeoutError``."""
+        limit = None if timeout is None else seconds(timeout, 0.0)
+        if not self._done.wait(limit):
+            self._done.cancel()
+            raise TimeoutError(f"the call did not finish within {limit:g}s and was cancelled")
+        self._done.result()
         return True
 
     def is_completed(self) -> bool:
         return self._done.done()
+
+    def is_success(self) -> bool:
+        return self._done.done() and self._done.error is None
+
+    def exception(self) -> BaseException | None:
+        return self._done.error
+
+    def get_future(self) -> Future:
+        return Future(self._done)
+
+    def source_rank(self) -> int:
+        """The rank a finished ``irecv`` received from."""
+        if not self._done.done():
+            raise ArendezError("source_rank() of an irecv that has not finished")  # noqa: F405
+        return int(self._done.result())
 
     def result(self) -> Any:
         return self._done.result()
@@ -51,7 +97,7 @@ def _blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]
     return call
 
 
-init_process_group = _blocking(api.init_process_group)
+init_process_group = _blocking(api.init_process_group)  # (a world left up is closed at exit: loop.py)
 destroy_process_group = _blocking(api.destroy_process_group)
 new_group = _blocking(api.new_group)
 barrier = _blocking(api.barrier)
@@ -73,6 +119,98 @@ broadcast_object_list = _blocking(api.broadcast_object_list)
 gather_object = _blocking(api.gather_object)
 scatter_object_list = _blocking(api.scatter_object_list)
 
+monitored_barrier = _blocking(compat.monitored_barrier)
+all_reduce_coalesced = _blocking(compat.all_reduce_coalesced)
+send_object_list = _blocking(compat.send_object_list)
+recv_object_list = _blocking(compat.recv_object_list)
+new_subgroups = _blocking(compat.new_subgroups)
+new_subgroups_by_enumeration = _blocking(compat.new_subgroups_by_enumeration)
+split_group = _blocking(compat.split_group)
+all_gather_coalesced = _blocking(compat.all_gather_coalesced)
+all_gather_single = _blocking(compat.all_gather_single)
+reduce_scatter_single = _blocking(compat.reduce_scatter_single)
+
+
+def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float = 3600) -> None:
+    """Stop in the debugger on ``rank`` only; the other ranks wait in a barrier (``timeout_s``)."""
+    if get_rank() == rank and skip <= 0:
+        import pdb
+        import sys
+
+        pdb.Pdb().set_trace(sys._getframe(1))
+    barrier(timeout=timeout_s)
+
+
+async def _posted(work: compat.Work | None) -> int | None:
+    if work is None:
+        return None
+    await work.wait()
+    result = work.get_future().result()
+    return None if result is None else int(result)
+
+
+def isend(
+    tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None
+) -> Work | None:
+    """Start sending ``tensor`` to ``dst``; ``wait()`` on the ``Work`` (None outside ``group``)."""
+
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return None
+
+    async def start() -> int | None:
+        return await _posted(compat.isend(tensor, dst, group, tag, group_dst))
+
+    return Work(shared.start(start))
+
+
+def irecv(
+    tensor: Any, src: int | None = None, group: Any = None, tag: int = 0, group_src: int | None = None
+) -> Work | None:
+    """Post a receive into ``tensor`` from ``src`` (any rank if None); ``wait()`` on the ``Work``."""
+
+    if group is GroupMember.NON_GROUP_MEMBER:
+        return None
+
+    async def start() -> int | None:
+        return await _posted(compat.irecv(tensor, src, group, tag, group_src))
+
+    return Work(shared.start(start))
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[compat.P2POp]) -> list[Work]:
+    """Start every op of the list, in order; one ``Work`` per op."""
+    compat.check_batch(p2p_op_list)
+    works = []
+    for p in p2p_op_list:
+        start = isend if p.kind == "isend" else irecv
+        if p.group_peer is not None:
+            work = start(p.tensor, None, p.group, p.tag, p.group_peer)
+        else:
+            work = start(p.tensor, p.peer, p.group, p.tag)
+        if work is not None:
+            works.append(work)
+    return works
+
+
+get_backend = compat.get_backend
+is_available = compat.is_available
+is_backend_available = compat.is_backend_available
+is_gloo_available = compat.is_gloo_available
+is_mpi_available = compat.is_mpi_available
+is_nccl_available = compat.is_nccl_available
+is_ucc_available = compat.is_ucc_available
+is_xccl_available = compat.is_xccl_available
+get_pg_count = compat.get_pg_count
+supports_complex = compat.supports_complex
+default_pg_timeout = compat.default_pg_timeout
+DistError = compat.DistError
+DistBackendError = compat.DistBackendError
+DistNetworkError = compat.DistNetworkError
+DistStoreError = compat.DistStoreError
+get_global_rank = compat.get_global_rank
+get_group_rank = compat.get_group_rank
+get_node_local_rank = compat.get_node_local_rank
+is_torchelastic_launched = compat.is_torchelastic_launched
 is_initialized = api.is_initialized
 get_rank = api.get_rank
 get_world_size = api.get_world_size
@@ -80,34 +218,77 @@ get_process_group_ranks = api.get_process_group_ranks
 transport_stats = api.transport_stats
 
 __all__ = [
+    "Backend",
+    "DistBackendError",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
+    "FileStore",
+    "Future",
     "GroupMember",
+    "HashStore",
+    "P2POp",
+    "PrefixStore",
     "ProcessGroup",
     "ReduceOp",
+    "Store",
+    "TCPStore",
     "Work",
     "all_gather",
+    "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
+    "all_reduce_coalesced",
     "all_to_all",
     "all_to_all_single",
     "barrier",
+    "batch_isend_irecv",
+    "breakpoint",
     "broadcast",
     "broadcast_object_list",
+    "default_pg_timeout",
     "destroy_process_group",
     "gather",
     "gather_object",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_node_local_rank",
+    "get_pg_count",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
+    "group",
     "init_process_group",
+    "irecv",
+    "is_available",
+    "is_backend_available",
+    "is_gloo_available",
     "is_initialized",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_torchelastic_launched",
+    "is_ucc_available",
+    "is_xccl_available",
+    "isend",
+    "monitored_barrier",
     "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
     "recv",
+    "recv_object_list",
     "reduce",
+    "reduce_op",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",
     "send",
+    "send_object_list",
+    "split_group",
+    "supports_complex",
     "transport_stats",
 ]

@@ -148,8 +148,9 @@ class Work(_TorchWork):  # type: ignore[misc]
         """Block until done (without the GIL); re-raise the arendez error (e.g. ``RankFailedError``)."""
         assert self._done is not None
         limit = _seconds(timeout)
-        if not self._done.wait(limit):
-            raise CollectiveTimeoutError("Work.wait", limit or 0.0)
+        if not self._done.wait(limit):  # cancelled on every rank, as an asyncio cancel would
+            self._done.cancel()
+            raise CollectiveTimeoutError("Work.wait (cancelled)", limit or 0.0)
         if self._done.error is not None:
             raise self._done.error
         return True

@@ -106,21 +106,37 @@ class World:
 
     # -- sending ---------------------------------------------------------------------------
     def connection(self, peer: int) -> Any:
-        """The open connection to ``peer``; None if it is gone."""
-        conn = self.mesh.conns.get(peer) if self.mesh is not None else None
-        if conn is None or not conn.is_open or peer in self.dead:
+        """The open link to ``peer``, dialing it on first use; None if it is gone."""
+        if self.mesh is None or peer in self.dead:
+            return None
+        conn = self.mesh.link(peer)
+        if conn is None or not conn.is_open:
             return None
         return conn
 
-    def send_control(self, peer: int, frame: frames.Frame) -> bool:
-        """Send a control frame to ``peer`` if it is still connected; True if it went out."""
-        if self.mesh is None or peer not in self.mesh.conns:
+    def send_control(self, peer: int, frame: frames.Frame, *, dial: bool = False) -> bool:
+        """Send a control frame to ``peer`` if it is connected (or, with ``dial``, after
+        connecting to it); True if it went out (or is queued to)."""
+        if self.mesh is None:
             return False
         try:
-            self.mesh.send(peer, frame)
+            if dial:
+                link = self.connection(peer)
+                if link is None:
+                    return False
+                link.send(frames.encode(frame))
+            elif peer in self.mesh.conns:
+                self.mesh.send(peer, frame)
+            else:
+                return False
         except ConnectionError:
             return False
         return True
+
+    def on_connected(self, peer: int) -> None:
+        """A connection to ``peer`` is up (dialed or accepted): offer it shared memory."""
+        self.stats.connections += 1
+        self.shm_control.hello(peer)
 
     async def send_p2p(self, dst: int, gid: int, tag: int, fp: str, raw: memoryview, timeout: float) -> None:
         """Send one point-to-point message and wait until its bytes are in the kernel."""
@@ -141,6 +157,8 @@ class World:
     ) -> int:
         """Receive one point-to-point message into ``out``; return its sender."""
         fut = self.p2p.post(src, gid, tag, out, self.dead)
+        if src is not None:
+            self.connection(src)  # connect on first use: its loss is seen while we wait
         try:
             async with asyncio.timeout(timeout):
                 return await fut
@@ -178,7 +196,8 @@ class World:
                 self.send_control(peer, frames.Bye(dict(self.failed)))
 
     async def open_shm(self, timeout: float) -> None:
-        """Set up shared memory with the peers on this host, waiting at most ``timeout``."""
+        """Wait (at most ``timeout``) until the shared-memory links with the peers connected
+        now are settled; later connections set theirs up as they open."""
         if self.mesh is not None:
             await self.shm_control.open(list(self.mesh.conns), timeout)
 

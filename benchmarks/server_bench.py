@@ -3,8 +3,9 @@
 Two measurements, each run against both servers in turn:
 
 - store ops/s with 1, 8 and 32 clients: each client loops over ``set`` of its own key, ``get``
-  of it and ``add`` on a shared counter, with one op in flight, or (arendez) ``--depth`` ops in
-  flight; TCPStore's Python client has one op in flight per client;
+  of it and ``add`` on a shared counter, with one op in flight, or (arendez's async ``Store``)
+  ``--depth`` ops in flight; TCPStore's Python client (blocking, one thread per client) has one
+  op in flight, and so has arendez's ``BlockingStore`` (the like-for-like comparison);
 - rendezvous with address exchange at N simulated ranks (asyncio tasks for arendez, threads
   for TCPStore, spread over ``--procs`` processes): from a common start, every rank connects,
   joins, and learns the addresses of its two ring neighbours. arendez: ``Store.connect``,
@@ -135,9 +136,39 @@ def _arendez_ops(port: int, job: str, clients: int, depth: int, seconds: float, 
     async def main() -> dict[str, Any]:
         stop = go + seconds
         counts = await asyncio.gather(*(client(c, stop) for c in range(clients)))
-        return {"ops": sum(counts), "seconds": seconds}
+        loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
+        return {"ops": sum(counts), "seconds": seconds, "loop": loop_kind}
 
     return loop.run(main())
+
+
+def _blocking_ops(port: int, job: str, clients: int, depth: int, seconds: float, base: int) -> dict[str, Any]:
+    """arendez's blocking client, one thread per client, like TCPStore's."""
+    from arendez.blocking_store import BlockingStore
+
+    go = _wait_go()
+    counts: list[int] = []
+
+    def client(c: int) -> None:
+        s = BlockingStore("127.0.0.1", port, job, timeout=60).connect()
+        key = f"k{base + c}"
+        time.sleep(max(0.0, go - time.time()))
+        stop = go + seconds
+        n = 0
+        while time.time() < stop:
+            s.set(key, b"v" * 32)
+            s.get(key)
+            s.add("shared", 1)
+            n += 3
+        s.close()
+        counts.append(n)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"ops": sum(counts), "seconds": seconds}
 
 
 def _tcpstore_ops(port: int, job: str, clients: int, depth: int, seconds: float, base: int) -> dict[str, Any]:
@@ -171,6 +202,7 @@ WORKERS = {
     "arendez-ranks": _arendez_ranks,
     "tcpstore-ranks": _tcpstore_ranks,
     "arendez-ops": _arendez_ops,
+    "blocking-ops": _blocking_ops,
     "tcpstore-ops": _tcpstore_ops,
 }
 
@@ -208,7 +240,7 @@ class Servers:
         self.tcpstore_port = int(self.tcpstore.stdout.readline().split()[1])
 
     def port(self, backend: str) -> int:
-        return self.arendez_port if backend == "arendez" else self.tcpstore_port
+        return self.tcpstore_port if backend == "tcpstore" else self.arendez_port
 
     def stop(self) -> None:
         self.arendez.terminate()
@@ -288,6 +320,7 @@ def ops(
         "clients": clients,
         "depth": depth,
         "ops_per_s": sum(r["ops"] for r in results) / seconds,
+        "loops": sorted({r["loop"] for r in results if "loop" in r}),
     }
 
 
@@ -325,13 +358,13 @@ def main() -> int:
     try:
         for clients in args.clients:
             for depth in (1, args.depth):
-                for backend in ("arendez", "tcpstore"):
-                    if backend == "tcpstore" and depth != 1:
+                for backend in ("arendez", "blocking", "tcpstore"):
+                    if backend != "arendez" and depth != 1:
                         continue
                     r = ops(servers, backend, clients, depth, args.seconds, args.ops_procs)
                     rows["ops"].append(r)
                     print(
-                        f"ops {backend} clients={clients} depth={depth}: {r['ops_per_s']:.0f}/s",
+                        f"ops {backend} clients={clients} depth={depth}: {r['ops_per_s']:.0f}/s {r['loops']}",
                         file=sys.stderr,
                     )
         for world in args.worlds:
@@ -350,14 +383,19 @@ def main() -> int:
 
 
 def table(rows: dict[str, Any]) -> str:
-    out = ["| clients | TCPStore ops/s | arendez ops/s (1 in flight) | ratio | arendez (pipelined) | ratio |"]
-    out.append("|---|---|---|---|---|---|")
+    out = [
+        "| clients | TCPStore ops/s | arendez async (1 in flight) | ratio | arendez async (pipelined) "
+        "| ratio | arendez BlockingStore | ratio |"
+    ]
+    out.append("|---|---|---|---|---|---|---|---|")
     by = {(r["backend"], r["clients"], r["depth"]): r["ops_per_s"] for r in rows["ops"]}
     for clients in sorted({r["clients"] for r in rows["ops"]}):
         t = by.get(("tcpstore", clients, 1))
         a1 = by.get(("arendez", clients, 1))
         ap = next((v for (b, c, d), v in by.items() if b == "arendez" and c == clients and d > 1), None)
+        b1 = by.get(("blocking", clients, 1))
         cells = [f"{t or 0:,.0f}", f"{a1 or 0:,.0f}", _ratio(a1, t), f"{ap or 0:,.0f}", _ratio(ap, t)]
+        cells += [f"{b1 or 0:,.0f}", _ratio(b1, t)]
         out.append(f"| {clients} | " + " | ".join(cells) + " |")
     out.append("")
     out.append("| N | TCPStore | arendez | TCPStore/arendez | arendez ranks declared failed |")

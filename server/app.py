@@ -2,7 +2,7 @@
 
 Everything a rank costs the server is O(1): one connection (its process's lease connection is
 shared by all ranks of the process), a join that wakes only its own round's waiters, store
-waits that wake only on their own keys, replies written once per loop turn per connection,
+waits that wake only on their own keys, replies to the requests of one read written at once,
 and failure news sent as one batched event per round per flush, encoded once.
 """
 
@@ -40,7 +40,7 @@ log = logging.getLogger("arendez.server")
 MAX_WAIT = 7 * 24 * 3600.0
 #: Reply bytes a client may leave unread before the server drops it.
 MAX_UNREAD_REPLIES = 16 << 20
-#: Queued reply bytes written at once rather than at the end of the loop turn.
+#: Reply bytes gathered from one read that are written at once (and the reader checked).
 FLUSH_AT = 64 << 10
 #: Seconds a dropped client's connection stays open to read (and ignore) what it sent.
 DROP_DELAY = 0.2
@@ -96,9 +96,9 @@ def fd_limit() -> int:
 
 
 class _Session:
-    """One client connection after its handshake; replies go out once per loop turn."""
+    """One client connection after its handshake; the replies to one read go out in one write."""
 
-    def __init__(self, server: Server, conn: transport.Connection, job: str) -> None:
+    def __init__(self, server: Server, conn: _ServerConnection, job: str) -> None:
         self.server = server
         self.conn = conn
         self.job = job
@@ -108,7 +108,6 @@ class _Session:
         self.tasks: set[asyncio.Task[None]] = set()
         self._out: list[bytes | memoryview] = []
         self._out_bytes = 0
-        self._flushing = False
         self.dropped = False  # no more answers: the connection closes shortly
 
     def reply(self, rid: Any, value: Any) -> None:
@@ -124,19 +123,20 @@ class _Session:
         self.send_encoded(wire.encode(frame))
 
     def send_encoded(self, buffers: list[bytes | memoryview]) -> None:
-        """Queue encoded frames; they are written together at the end of this loop turn."""
+        """Send encoded frames: at once, or, while the connection is handing us a batch of
+        requests, together with the other replies of that batch in one write."""
         conn = self.conn
-        if not conn.is_open or self.dropped:
+        if self.dropped or not conn.is_open:
             return
-        self._out.extend(buffers)
-        self._out_bytes += sum(len(b) for b in buffers)
-        if self._out_bytes >= FLUSH_AT:  # large replies go out at once, checked as they go
-            self._flush()
-            if conn.buffered() > MAX_UNREAD_REPLIES and not self.dropped:  # the client does not read
-                self.drop(ProtocolError("client does not read its replies"))
-        elif not self._flushing:
-            self._flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        if conn.corked:
+            self._out.extend(buffers)
+            self._out_bytes += sum(len(b) for b in buffers)
+            if self._out_bytes >= FLUSH_AT:  # large replies go out at once, checked as they go
+                self.flush()
+            return
+        conn.send_encoded(buffers)
+        if conn.buffered() > MAX_UNREAD_REPLIES and not self.dropped:  # the client does not read
+            self.drop(ProtocolError("client does not read its replies"))
 
     def drop(self, exc: ArendezError) -> None:
         """Stop answering; close soon, once what the client already sent has been read
@@ -144,11 +144,13 @@ class _Session:
         self.dropped = True
         asyncio.get_running_loop().call_later(DROP_DELAY, self.conn.fail, exc)
 
-    def _flush(self) -> None:
-        self._flushing = False
+    def flush(self) -> None:
+        """Write the replies gathered while corked (one write for a batch of requests)."""
         out, self._out, self._out_bytes = self._out, [], 0
-        if out and self.conn.is_open:
+        if out and not self.dropped and self.conn.is_open:
             self.conn.send_encoded(out)
+            if self.conn.buffered() > MAX_UNREAD_REPLIES:
+                self.drop(ProtocolError("client does not read its replies"))
 
 
 class _ServerConnection(transport.Connection):
@@ -161,10 +163,24 @@ class _ServerConnection(transport.Connection):
         self.nonce = b""
         self.deadline = 0.0
         self.session: _Session | None = None
+        #: True while the frames of one read are being answered: replies wait for one write.
+        self.corked = False
 
     def connection_made(self, transport_: asyncio.BaseTransport) -> None:
         super().connection_made(transport_)
         self.server._made(self)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        session = self.session
+        if session is None:
+            super().buffer_updated(nbytes)
+            return
+        self.corked = True
+        try:
+            super().buffer_updated(nbytes)
+        finally:
+            self.corked = False
+            session.flush()
 
 
 class Server:

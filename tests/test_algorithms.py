@@ -64,7 +64,7 @@ async def _run(size: int, body) -> list[Any]:
         (s, a)
         for s in (2, 3, 5, 8)
         for a in ("direct", "ring", "rdb", "rhd")
-        if a in ("direct", "ring") or not s & (s - 1)
+        if a in ("direct", "ring", "rdb") or not s & (s - 1)
     ],
 )
 @pytest.mark.parametrize("n", [0, 1, 4, 1000, 300_001])
@@ -117,6 +117,7 @@ async def test_broadcast_reduce_scatter_allgather(size, algorithm, monkeypatch):
 def test_choice_depends_on_size_and_group():
     assert algo.choose("all_reduce", 8, 4) == "direct"
     assert algo.choose("all_reduce", 8, 16) == "rdb"
+    assert algo.choose("all_reduce", 8, 12) == "rdb"  # (folded: direct would connect all pairs)
     assert algo.choose("all_reduce", 8 << 20, 4) == "rhd"
     assert algo.choose("all_reduce", 8 << 20, 3) == "ring"
     assert algo.choose("all_reduce", 8 << 20, 2) == "ring"

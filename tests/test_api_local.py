@@ -124,6 +124,8 @@ def test_init_method_urls_are_validated():
     with pytest.raises(dist.RendezvousError, match="explicit rank"):
         plan("tcp://h:1", 2, -1, {})
     with pytest.raises(dist.RendezvousError, match="unsupported init_method"):
-        plan("file:///tmp/x", 2, 0, {})
+        plan("udp://h:1", 2, 0, {})
+    p = plan("file:///tmp/x", 2, 0, {})  # (issue 17: the shared-file rendezvous)
+    assert (p.transport, p.job, p.rank, p.world_size) == ("file", "/tmp/x", 0, 2)
     with pytest.raises(dist.RendezvousError, match="RANK"):
         plan("env://", -1, -1, {"MASTER_ADDR": "h", "MASTER_PORT": "1", "RANK": "x", "WORLD_SIZE": "2"})

@@ -35,3 +35,23 @@ def test_exit_without_destroy_is_quiet_and_bounded(ending: str) -> None:
         assert res.stderr.count(NOT_DESTROYED) == 1, res.stderr[-2000:]
         alarms = [line for line in res.stderr.splitlines() if any(a in line for a in ALARMS)]
         assert not alarms, f"rank {res.rank}: {alarms}"
+
+
+@pytest.mark.timeout(60)
+def test_work_wait_timeout_cancels_on_every_rank() -> None:
+    """A blocking script's ``Work.wait(timeout)`` is a cancellation: the peer that comes later gets
+    ``CollectiveCancelledError`` naming the rank at once, and the next collective is exact."""
+    import json
+
+    script = str(ROOT / "tests" / "scripts" / "wait_timeout.py")
+    port = str(_free_port())
+    results = collect([popen([sys.executable, script, str(r), port]) for r in range(2)], 40)
+    outcomes = []
+    for res in results:
+        assert res.returncode == 0, res.stderr[-2000:]
+        outcomes.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    zero, one = outcomes
+    assert zero["first"].startswith("TimeoutError") and "cancelled" in zero["first"], zero
+    assert one["first"].startswith("CollectiveCancelledError") and "rank 0" in one["first"], one
+    assert one["seconds"] < 3.0, one  # at once, not at the group's timeout (20 s)
+    assert zero["next"] == one["next"] == [3.0, 3.0]

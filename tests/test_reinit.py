@@ -2,7 +2,7 @@
 (``tcp://`` and ``env://``), real processes over loopback, no failure and no warning.
 
 The 2-rank ``tcp://`` run does the full 1,000 cycles; the ``env://`` run does
-``ARENDEZ_REINIT_CYCLES`` (default 200) and the 4-rank run half that, to keep the suite's time in
+``ARENDEZ_REINIT_CYCLES`` (default 100) and the 4-rank run half that, to keep the suite's time in
 bounds on 2 shared cores (4 ranks on 2 cores cost about 4x a 2-rank cycle).
 ``benchmarks/reinit_soak.py`` runs any count for both server kinds side by side.
 """
@@ -18,7 +18,7 @@ import pytest
 
 from tests.harness import PY, collect, popen
 
-SHORT = int(os.environ.get("ARENDEZ_REINIT_CYCLES", "200"))
+SHORT = int(os.environ.get("ARENDEZ_REINIT_CYCLES", "100"))
 
 
 def _free_port() -> int:

@@ -1,6 +1,7 @@
 """Peer transports, one per URL scheme: what a ``World`` needs to exchange frames with its peers.
 
-- ``tcp``: one authenticated asyncio connection per pair of ranks (``tcp``), with
+- ``tcp``: one authenticated asyncio connection per pair of ranks that talk, opened on first
+  use (``tcp``), with
   same-host payloads through shared memory (``arendez.shm``) when both ranks allow it;
 - ``inproc``: ranks that are tasks of one event loop, linked in memory (``inproc``).
 
@@ -43,6 +44,10 @@ class Links(Protocol):
 
     @property
     def nonce(self) -> bytes: ...
+
+    def link(self, peer: int) -> Link | None:
+        """The link to ``peer`` (the tcp mesh dials it on first use); None if there is none."""
+        ...
 
     def send(self, peer: int, frame: frames.Frame, payload: memoryview | None = None) -> Any: ...
 

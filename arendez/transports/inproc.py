@@ -119,6 +119,10 @@ class InprocLinks:
         if not self._closing and self._lost is not None:
             self._lost(peer, reason)
 
+    def link(self, peer: int) -> InprocLink | None:
+        """The link to ``peer`` (all are made when the job forms)."""
+        return self.conns.get(peer)
+
     def send(self, peer: int, frame: frames.Frame, payload: memoryview | None = None) -> InprocLink:
         """Send ``frame`` to ``peer``; ``KeyError`` if there is no link to it."""
         link = self.conns[peer]

@@ -1,9 +1,15 @@
-"""The peer mesh: one authenticated connection between every pair of ranks of a world.
+"""The peer mesh: authenticated connections between ranks of a world, opened on first use.
 
-Rank ``i`` connects to every lower rank and accepts from every higher one. The listener is
-opened before the rendezvous (its address is what the rank advertises); connections that
-arrive before our own rendezvous answer wait for it, then must present the round's nonce,
-so a stranger or a rank of another round cannot join.
+The listener is opened before the rendezvous (its address is what the rank advertises);
+connections that arrive before our own rendezvous answer wait for it, then must present the
+round's nonce, so a stranger or a rank of another round cannot join. Nothing connects all
+pairs: ``link(peer)`` hands out the connection to ``peer``, dialing it (address fetched from
+the store, batched) on first use, and frames sent meanwhile queue in a ``PendingLink``. Init
+pre-connects only the algorithms' neighbours (``preconnect``).
+
+Either side may dial. When both do at once, the connection dialed by the lower rank wins: the
+lower rank refuses a higher rank's dial as a duplicate while its own dial to it is under way,
+and the higher rank then waits for that one.
 
 Until its handshake is done, an accepted connection may send one hello-sized frame (no
 payload), must finish within the handshake time, and counts against the listener's limits on
@@ -16,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import ssl as _ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +39,8 @@ log = logging.getLogger("arendez.tcp")
 FrameRouter = Callable[[int, frames.Frame, memoryview | None], None]
 SinkRouter = Callable[[int, frames.Frame, int], memoryview | None]
 LossHandler = Callable[[int, str], None]
+Resolver = Callable[[list[int]], Awaitable[dict[int, str]]]
+ConnectHandler = Callable[[int], None]
 
 
 def _error_header(exc: BaseException) -> Any:
@@ -71,8 +80,95 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _resolve(fut: asyncio.Future[None], _: object) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class PendingLink:
+    """The link to a peer being dialed: frames queue (in order) until the connection is up."""
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.conn: transport.Connection | None = None
+        self.error: BaseException | None = None
+        self._queued: list[tuple[Any, memoryview | bytes | None]] = []
+        self._waiters: list[asyncio.Future[None]] = []
+
+    @property
+    def is_open(self) -> bool:
+        if self.conn is not None:
+            return self.conn.is_open
+        return self.error is None
+
+    def send(self, header: Any, payload: memoryview | bytes | None = None) -> None:
+        """Send now if connected, else queue (the payload is referenced until it went out)."""
+        if self.conn is not None:
+            self.conn.send(header, payload)
+        elif self.error is not None:
+            raise ConnectionResetError(f"could not connect to rank {self.peer}: {self.error}")
+        else:
+            self._queued.append((header, payload))
+
+    def drain_future(self) -> asyncio.Future[None] | None:
+        """Resolves once every queued frame is in the kernel; ``None`` if nothing waits."""
+        if self.conn is not None:
+            return self.conn.drain_future()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.error is not None:
+            fut.set_exception(ConnectionResetError(f"could not connect to rank {self.peer}: {self.error}"))
+        elif not self._queued:
+            return None
+        else:
+            self._waiters.append(fut)
+        return fut
+
+    async def drain(self) -> None:
+        fut = self.drain_future()
+        if fut is not None:
+            await fut
+
+    def divert(self, should: Callable[[Any, memoryview], bool], *, keep: bool = False) -> memoryview | None:
+        """As ``Connection.divert``; nothing arrives on a link not yet connected."""
+        if self.conn is not None:
+            return self.conn.divert(should, keep=keep)
+        return None
+
+    def attach(self, conn: transport.Connection) -> None:
+        """The connection is up: send what queued, in order, and hand the waiters to it."""
+        self.conn = conn
+        queued, self._queued = self._queued, []
+        waiters, self._waiters = self._waiters, []
+        try:
+            for header, payload in queued:
+                conn.send(header, payload)
+        except ConnectionError as exc:
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(ConnectionResetError(str(exc)))
+            return
+        drained = conn.drain_future()
+        for fut in waiters:
+            if drained is None:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                drained.add_done_callback(functools.partial(_resolve, fut))
+
+    def fail(self, exc: BaseException) -> None:
+        """The dial failed: drop what queued and wake the waiters with a ``ConnectionError``."""
+        if self.conn is not None or self.error is not None:
+            return
+        self.error = exc
+        self._queued.clear()
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(ConnectionResetError(f"could not connect to rank {self.peer}: {exc}"))
+
+
 class Mesh:
-    """Connections to every other rank, keyed by rank."""
+    """Connections to the other ranks that this one talks to, keyed by rank."""
 
     def __init__(
         self,
@@ -87,6 +183,8 @@ class Mesh:
         self.world_size = 0
         self.nonce = b""
         self.conns: dict[int, transport.Connection] = {}
+        #: connections opened so far (dialed or accepted), for ``transport_stats``
+        self.opened = 0
         self._token = token
         self._server_ssl = server_ssl
         self._client_ssl = client_ssl
@@ -95,13 +193,22 @@ class Mesh:
         self._pending: collections.Counter[str] = collections.Counter()  # by remote host
         self._listener: asyncio.Server | None = None
         self._round: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._all_connected = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._route: FrameRouter | None = None
         self._sink: SinkRouter | None = None
         self._on_lost: LossHandler | None = None
+        self._on_connected: ConnectHandler | None = None
+        self._resolve: Resolver | None = None
         self._closing = False
-        self._dial_errors: dict[int, str] = {}
+        self._dial_errors: dict[int, str] = {}  # the last error dialing each peer
+        self._unreachable: set[int] = set()  # peers a dial found gone (never dialed again)
+        self._dial_timeout = 30.0
+        self._addresses: dict[int, str] = {}
+        self._waiting_links: dict[int, PendingLink] = {}  # peers being dialed (by us, or by them)
+        self._dialing: set[int] = set()  # peers our own dial is under way to
+        self._wanted: set[int] = set()  # addresses to ask the store for in the next batch
+        self._batch: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()  # set whenever a connection is adopted
 
     async def listen(self, host: str, port: int = 0) -> int:
         """Open the listener; return its port."""
@@ -115,10 +222,13 @@ class Mesh:
         port_: int = self._listener.sockets[0].getsockname()[1]
         return port_
 
-    def _accepted(self, conn: transport.Connection) -> transport.Connection:
-        task = asyncio.get_running_loop().create_task(self._admit(conn))
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _accepted(self, conn: transport.Connection) -> transport.Connection:
+        self._spawn(self._admit(conn))
         return conn
 
     def _refusal(self, host: str) -> LimitError | None:
@@ -153,10 +263,13 @@ class Mesh:
                 peer = hello.get("rank")
                 if hello.get("round") != nonce:
                     raise AuthenticationError("peer belongs to another job or round")
-                if not isinstance(peer, int) or not self.rank < peer < self.world_size:
+                if not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
                     raise ProtocolError(f"unexpected peer rank {peer!r}")
-                if peer in self.conns:
-                    raise ProtocolError(f"rank {peer} is already connected")
+                if peer in self.conns or (peer in self._dialing and self.rank < peer):
+                    # both dialed at once: the lower rank's dial wins; the dialer waits for it
+                    conn.send({"rank": self.rank, "duplicate": True})
+                    conn.close()
+                    return
                 conn.send({"rank": self.rank})
             self._adopt(peer, conn)
         except (ProtocolError, AuthenticationError) as exc:
@@ -173,75 +286,179 @@ class Mesh:
                 if not self._pending[host]:
                     del self._pending[host]
 
-    async def connect(
+    def start(
         self,
         rank: int,
         world_size: int,
         nonce: bytes,
-        peers: list[str],
+        addresses: dict[int, str],
         route: FrameRouter,
         sink: SinkRouter,
         on_lost: LossHandler,
-        timeout: float,
+        *,
+        resolve: Resolver | None = None,
+        on_connected: ConnectHandler | None = None,
+        dial_timeout: float = 30.0,
     ) -> None:
-        """Connect to the lower ranks, wait for the higher ones, all within ``timeout``."""
+        """Enter the round: admit peers' dials, and dial on ``link``. ``addresses`` are the
+        peer addresses known now; ``resolve`` fetches others (batched) on first use."""
         self.rank, self.world_size, self.nonce = rank, world_size, nonce
         self._route, self._sink, self._on_lost = route, sink, on_lost
-        self._check_complete()
+        self._on_connected, self._resolve = on_connected, resolve
+        self._addresses.update(addresses)
+        self._dial_timeout = dial_timeout
         self._round.set_result(nonce)
+
+    def link(self, peer: int) -> transport.Connection | PendingLink | None:
+        """The link to ``peer``: its connection, or one being dialed (started here if needed);
+        ``None`` if a dial to it already failed or the mesh is closing."""
+        conn = self.conns.get(peer)
+        if conn is not None:
+            return conn
+        pending = self._waiting_links.get(peer)
+        if pending is None:
+            if self._closing or peer in self._unreachable or not 0 <= peer < self.world_size:
+                return None
+            pending = self._waiting_links[peer] = PendingLink(peer)
+            self._dialing.add(peer)
+            self._spawn(self._dial(peer, pending))
+        return pending
+
+    async def preconnect(self, peers: Iterable[int], timeout: float) -> None:
+        """Open the connections to ``peers`` (the lower rank of each pair dials), within
+        ``timeout``; a peer that cannot be reached fails init with ``RendezvousError``."""
+        wanted = sorted(set(peers) - {self.rank})
+        for peer in wanted:
+            if self.rank < peer:
+                self.link(peer)
         try:
             async with asyncio.timeout(timeout):
-                async with asyncio.TaskGroup() as dials:  # one failed dial cancels the others
-                    for r in range(rank):
-                        dials.create_task(self._dial(r, peers[r], nonce, timeout))
-                await self._all_connected.wait()
-        except BaseExceptionGroup as failed:
-            raise failed.exceptions[0] from None
+                while True:
+                    failed = [p for p in wanted if p in self._unreachable]
+                    if failed:
+                        raise RendezvousError(self._describe(failed, "could not connect to"))
+                    if all(p in self.conns for p in wanted):
+                        return
+                    self._connected.clear()
+                    await self._connected.wait()
         except TimeoutError:
-            missing = sorted(set(range(world_size)) - set(self.conns) - {rank})
-            detail = "; ".join(
-                f"rank {r} at {peers[r]}" + (f" ({self._dial_errors[r]})" if r in self._dial_errors else "")
-                for r in missing
-            )
+            missing = [p for p in wanted if p not in self.conns]
             raise RendezvousError(
-                f"peer connections not made in {timeout:g}s: {detail} (check that the advertised "
-                "addresses are reachable, or set ARENDEZ_ADVERTISE_ADDR)"
+                self._describe(missing, f"peer connections not made in {timeout:g}s:")
+                + " (check that the advertised addresses are reachable, or set ARENDEZ_ADVERTISE_ADDR)"
             ) from None
 
-    async def _dial(self, peer: int, address: str, nonce: bytes, timeout: float) -> None:
+    def _describe(self, ranks: list[int], what: str) -> str:
+        detail = "; ".join(
+            f"rank {r} at {self._addresses.get(r, '(address not fetched)')}"
+            + (f" ({self._dial_errors[r]})" if r in self._dial_errors else "")
+            for r in ranks
+        )
+        return f"{what} {detail}"
+
+    async def _address(self, peer: int) -> str:
+        """``peer``'s address; unknown ones are fetched from the store in one batch per turn."""
+        if peer not in self._addresses:
+            if self._resolve is None:
+                raise ProtocolError(f"the address of rank {peer} is unknown")
+            self._wanted.add(peer)
+            if self._batch is None:
+                self._batch = asyncio.get_running_loop().create_task(self._fetch_addresses())
+            await asyncio.shield(self._batch)
+        if peer not in self._addresses:
+            raise ProtocolError(f"the store does not know the address of rank {peer}")
+        return self._addresses[peer]
+
+    async def _fetch_addresses(self) -> None:
+        await asyncio.sleep(0)  # dials started in this loop turn join the batch
+        wanted, self._wanted, self._batch = sorted(self._wanted), set(), None
+        assert self._resolve is not None
+        self._addresses.update(await self._resolve(wanted))
+
+    async def _dial(self, peer: int, pending: PendingLink) -> None:
+        address = "(address not fetched)"
+        try:
+            async with asyncio.timeout(self._dial_timeout):
+                address = await self._address(peer)
+                conn = await self._connect(peer, address)
+            self._dialing.discard(peer)
+            if conn is not None:
+                self._adopt(peer, conn)
+            # else: its own dial to us wins, and _admit adopts that one
+        except asyncio.CancelledError:
+            pending.fail(ConnectionResetError("the mesh is closing"))
+            raise
+        except Exception as exc:
+            self._dialing.discard(peer)
+            if peer in self.conns:  # it dialed us meanwhile: that connection serves
+                return
+            self._waiting_links.pop(peer, None)
+            self._connected.set()
+            if not isinstance(exc, ConnectionRefusedError | AuthenticationError | ProtocolError):
+                # a busy or stopped peer, or the store unreachable: not proof it is gone (the
+                # server's lease decides that); the next use dials again
+                last = self._dial_errors.get(peer, "no answer")
+                if isinstance(exc, TimeoutError):
+                    exc = TimeoutError(f"no connection within {self._dial_timeout:g}s ({last})")
+                pending.fail(exc)
+                return
+            why = self._dial_errors[peer] = f"{type(exc).__name__}: {exc}"
+            self._unreachable.add(peer)
+            pending.fail(exc)
+            if not self._closing and self._on_lost is not None:
+                self._on_lost(peer, f"could not connect to it at {address} ({why})")
+
+    async def _connect(self, peer: int, address: str) -> transport.Connection | None:
+        """Connect to ``peer`` and shake hands; ``None`` if its own dial to us wins.
+
+        A refusal means its listener is gone (the rank too), and a failed handshake that it
+        is not the rank we want: both raise. Anything else (a saturated listener, a peer whose
+        event loop is busy for a long step) is retried until the caller's deadline.
+        """
         host, port = split_address(address)
         delay = 0.02
         while True:  # (bounded by connect's deadline)
             try:
-                conn = await transport.open_connection(host, port, ssl=self._client_ssl, timeout=timeout)
-            except OSError as exc:  # the peer's listener may be momentarily saturated
-                self._dial_errors[peer] = f"{type(exc).__name__}: {exc}"
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
-                continue
-            try:
-                hello = {"rank": self.rank, "round": nonce}
-                await transport.client_handshake(conn, self._token, hello, self._handshake_timeout)
-                answer, _ = await conn.recv(self._handshake_timeout)
-                if not isinstance(answer, dict) or answer.get("rank") != peer:
-                    raise ProtocolError(f"{address} is not rank {peer}: {answer!r:.80}")
+                conn = await transport.open_connection(
+                    host, port, ssl=self._client_ssl, timeout=self._handshake_timeout
+                )
+                try:
+                    hello = {"rank": self.rank, "round": self.nonce}
+                    # Once it answers it has adopted the connection: giving up before that could
+                    # break a connection the peer already counts as up (its own handshake
+                    # deadline guards it), so wait for the answer to the caller's deadline.
+                    await transport.client_handshake(conn, self._token, hello, self._dial_timeout)
+                    answer, _ = await conn.recv(self._dial_timeout)
+                    if not isinstance(answer, dict) or answer.get("rank") != peer:
+                        raise ProtocolError(f"{address} is not rank {peer}: {answer!r:.80}")
+                except BaseException:
+                    conn.abort()
+                    raise
+                if answer.get("duplicate"):
+                    conn.close()
+                    return None
+                return conn
             except LimitError as exc:  # the peer is busy with other (maybe hostile) connections
-                conn.abort()
                 self._dial_errors[peer] = str(exc)
+                log.debug("dial to rank %d at %s: %s; retrying", peer, address, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
                 continue
-            except BaseException:
-                conn.abort()
+            except ConnectionRefusedError:
                 raise
-            self._adopt(peer, conn)
-            return
+            except OSError as exc:  # (TimeoutError and ConnectionResetError among them)
+                self._dial_errors[peer] = f"{type(exc).__name__}: {exc}"
+                log.debug("dial to rank %d at %s: %s; retrying", peer, address, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     def _adopt(self, peer: int, conn: transport.Connection) -> None:
         assert self._route is not None and self._sink is not None
         route, sink = self._route, self._sink
         conn.set_limits(wire.Limits())
         self.conns[peer] = conn
+        self.opened += 1
+        self._dialing.discard(peer)
         conn.set_handlers(
             lambda header, payload: route(peer, header, payload),
             lambda exc: self._lost(peer, exc),
@@ -249,11 +466,12 @@ class Mesh:
             parse=frames.decode,
             error_header=_error_header,
         )
-        self._check_complete()
-
-    def _check_complete(self) -> None:
-        if self.world_size and len(self.conns) == self.world_size - 1:
-            self._all_connected.set()
+        pending = self._waiting_links.pop(peer, None)
+        if pending is not None:
+            pending.attach(conn)  # (queued frames first: they were sent before anything else)
+        self._connected.set()
+        if self._on_connected is not None and conn.is_open:
+            self._on_connected(peer)
 
     def _lost(self, peer: int, exc: BaseException | None) -> None:
         if self.conns.get(peer) is not None and not self._closing and self._on_lost is not None:
@@ -278,22 +496,28 @@ class Mesh:
                 reached.append(peer)
         return reached
 
-    def abort(self) -> None:
-        """Drop every connection without a goodbye, as a crash would (tests use it)."""
+    def _stop(self) -> None:
         self._closing = True
         if self._listener is not None:
             self._listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._batch is not None:
+            self._batch.cancel()
+        pending, self._waiting_links = self._waiting_links, {}
+        for link in pending.values():
+            link.fail(ConnectionResetError("the mesh is closing"))
+
+    def abort(self) -> None:
+        """Drop every connection without a goodbye, as a crash would (tests use it)."""
+        self._stop()
         for conn in self.conns.values():
             conn.abort()
         self.conns.clear()
 
     async def close(self, timeout: float) -> None:
         """Close the listener and every connection (flushing first) within ``timeout``."""
-        self._closing = True
-        if self._listener is not None:
-            self._listener.close()
-        for task in list(self._tasks):
-            task.cancel()
+        self._stop()
         conns = list(self.conns.values())
         self.conns.clear()
         if not self._round.done():

@@ -1,0 +1,633 @@
+"""The rest of torch.distributed's names, async: non-blocking p2p, object p2p, group helpers.
+
+``isend``/``irecv`` are plain functions, as in torch: the send is handed to the connection and
+the receive posted before they return (so calls match in the order they were made, as torch's
+do), and the returned ``Work``'s ``wait`` is awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import frames, wire
+from . import lifecycle as _lifecycle
+from .arrays import ReduceOp, as_array, byte_view
+from .collectives import all_gather, all_gather_into_tensor, all_reduce, barrier, reduce_scatter_tensor
+from .errors import ArendezError, CollectiveTimeoutError, RankFailedError, StoreError
+from .group import GroupMember, ProcessGroup
+from .objects import _pack, _unpack
+from .p2p import recv, send
+from .registry import DEFAULT_TIMEOUT, default_group, on_group, resolve, seconds, world_or_none
+
+__all__ = [
+    "Backend",
+    "DistBackendError",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
+    "P2POp",
+    "Work",
+    "all_gather_coalesced",
+    "all_gather_single",
+    "all_reduce_coalesced",
+    "batch_isend_irecv",
+    "default_pg_timeout",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_node_local_rank",
+    "get_pg_count",
+    "group",
+    "irecv",
+    "is_available",
+    "is_backend_available",
+    "is_gloo_available",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_ucc_available",
+    "is_xccl_available",
+    "is_torchelastic_launched",
+    "isend",
+    "monitored_barrier",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "recv_object_list",
+    "reduce_op",
+    "reduce_scatter_single",
+    "send_object_list",
+    "split_group",
+    "supports_complex",
+]
+
+#: torch's error classes, as the arendez errors that play their part
+DistError = ArendezError
+DistBackendError = ArendezError
+DistNetworkError = RankFailedError
+DistStoreError = StoreError
+#: torch's default collective deadline (arendez's too)
+default_pg_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)
+
+
+class Work:
+    """Handle of a non-blocking call: ``await work.wait()`` re-raises its error."""
+
+    def __init__(self, task: asyncio.Future[Any]) -> None:
+        self._task = task
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Wait until done (``TimeoutError`` after ``timeout`` seconds; the call goes on)."""
+        await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._task.done()
+
+    def is_success(self) -> bool:
+        return self._task.done() and not self._task.cancelled() and self._task.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return self._task.exception() if self._task.done() else None
+
+    def get_future(self) -> asyncio.Future[Any]:
+        """The asyncio future of the call (its result: the sender's rank for ``irecv``)."""
+        return self._task
+
+    def source_rank(self) -> int:
+        """The rank a finished ``irecv`` received from."""
+        if not self._task.done():
+            raise ArendezError("source_rank() of an irecv that has not finished")
+        return int(self._task.result())
+
+
+def peer_rank(g: ProcessGroup, rank: int | None, group_rank: int | None, what: str) -> int | None:
+    """The global rank named by ``rank`` (global) or ``group_rank`` (in ``g``); not both."""
+    if rank is not None and group_rank is not None:
+        raise ValueError(f"give {what} or group_{what}, not both")
+    if group_rank is not None:
+        if not 0 <= group_rank < g.size:
+            raise ValueError(f"group_{what} {group_rank} is not in 0..{g.size - 1}")
+        return g.ranks[group_rank]
+    return rank
+
+
+def _task(coro: Any) -> asyncio.Future[Any]:
+    task = asyncio.get_running_loop().create_task(coro)
+    task.add_done_callback(_consume)  # an unawaited failed Work is no "never retrieved" warning
+    return task
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def isend(
+    tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None
+) -> Work | None:
+    """Start sending ``tensor`` to ``dst``; None on a rank outside ``group`` (as torch)."""
+    g = resolve(group)
+    if g is None:
+        return None
+    target = peer_rank(g, dst, group_dst, "dst")
+    if target is None:
+        raise ValueError("isend needs dst (or group_dst)")
+    g.check_usable("isend")
+    x = as_array(tensor, writable=False)
+    g.group_rank(target, "dst")
+    if target == g.world.rank:
+        raise ValueError("cannot send to this rank itself")
+    raw = byte_view(x)
+    if raw.nbytes > wire.MAX_SEGMENT:
+        raise ValueError(
+            f"isend carries at most {wire.MAX_SEGMENT} bytes; split the tensor (got {raw.nbytes})"
+        )
+    world = g.world
+    conn = world.connection(target)
+    if conn is None:
+        raise RankFailedError(target, "isend", world.dead.get(target, "no connection"))
+    fp = f"send|{x.dtype.str}|{x.size}"  # as arendez.p2p.send, so send and isend interoperate
+    conn.send(frames.encode(frames.P2P(g.gid, int(tag), fp)), raw if raw.nbytes else None)
+
+    async def drained() -> None:
+        try:
+            async with asyncio.timeout(g.timeout):
+                await conn.drain()
+        except ConnectionError as exc:
+            raise RankFailedError(target, "isend", f"connection lost ({exc})") from None
+        except TimeoutError:
+            raise CollectiveTimeoutError("isend", g.timeout, [target]) from None
+
+    return Work(_task(drained()))
+
+
+def irecv(
+    tensor: Any, src: int | None = None, group: Any = None, tag: int = 0, group_src: int | None = None
+) -> Work | None:
+    """Post a receive into ``tensor`` from ``src`` (any rank if None); None outside ``group``."""
+    g = resolve(group)
+    if g is None:
+        return None
+    source = peer_rank(g, src, group_src, "src")
+    g.check_usable("irecv")
+    out = as_array(tensor)
+    if source is not None:
+        g.group_rank(source, "src")
+    others = [r for r in g.ranks if r != g.world.rank] if source is None else [source]
+    world = g.world
+    fut = world.p2p.post(source, g.gid, int(tag), byte_view(out), world.dead)
+
+    async def received() -> int:
+        try:
+            async with asyncio.timeout(g.timeout):
+                return await fut
+        except TimeoutError:
+            raise CollectiveTimeoutError("irecv", g.timeout, others) from None
+        finally:
+            world.p2p.cancel(fut)
+
+    return Work(_task(received()))
+
+
+class P2POp:
+    """One operation of ``batch_isend_irecv``: ``op`` is ``isend`` or ``irecv`` (of any arendez
+    module), ``peer`` a global rank (or ``group_peer`` a rank in ``group``)."""
+
+    def __init__(
+        self,
+        op: Callable[..., Any],
+        tensor: Any,
+        peer: int | None = None,
+        group: Any = None,
+        tag: int = 0,
+        group_peer: int | None = None,
+    ) -> None:
+        kind = getattr(op, "__name__", "")
+        if kind not in ("isend", "irecv"):
+            raise ValueError(f"P2POp's op must be isend or irecv, got {op!r}")
+        if peer is None and group_peer is None:
+            raise ValueError("P2POp needs peer (or group_peer)")
+        self.op, self.kind, self.tensor = op, kind, tensor
+        self.peer, self.group, self.tag, self.group_peer = peer, group, tag, group_peer
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.kind}, peer={self.peer}, group_peer={self.group_peer}, tag={self.tag})"
+
+
+def check_batch(p2p_op_list: Sequence[P2POp]) -> None:
+    """torch's rules for a batch: a non-empty list of ``P2POp`` on one group."""
+    if not p2p_op_list or not all(isinstance(p, P2POp) for p in p2p_op_list):
+        raise ValueError("batch_isend_irecv expects a non-empty list of P2POp")
+    if len({id(p.group) for p in p2p_op_list}) > 1:
+        raise ValueError("all ops of batch_isend_irecv must use the same group")
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
+    """Start every op of the list, in order; one ``Work`` per op."""
+    check_batch(p2p_op_list)
+    works: list[Work] = []
+    for p in p2p_op_list:
+        start = isend if p.kind == "isend" else irecv
+        if p.group_peer is not None:
+            work = start(p.tensor, None, p.group, p.tag, p.group_peer)
+        else:
+            work = start(p.tensor, p.peer, p.group, p.tag)
+        if work is not None:
+            works.append(work)
+    return works
+
+
+# -- object point-to-point (msgpack, never pickle) --------------------------------------------
+def _no_device(device: Any) -> None:
+    if device is not None and str(device) != "cpu":
+        raise ArendezError(f"device={device!r}: arendez moves CPU data only (objects are msgpack bytes)")
+
+
+@on_group()
+async def send_object_list(
+    object_list: list[Any],
+    dst: int | None = None,
+    group: Any = None,
+    device: Any = None,
+    group_dst: int | None = None,
+    use_batch: bool = False,
+) -> None:
+    """Send the (msgpack-serialisable) objects of ``object_list`` to ``dst``."""
+    g: ProcessGroup = group
+    _no_device(device)
+    target = peer_rank(g, dst, group_dst, "dst")
+    if target is None:
+        raise ValueError("send_object_list needs dst (or group_dst)")
+    packed = [_pack(o) for o in object_list]
+    await send(np.array([len(p) for p in packed], np.int64), target, g)
+    await send(np.frombuffer(b"".join(packed), np.uint8), target, g)
+
+
+@on_group(missing=-1)
+async def recv_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: Any = None,
+    device: Any = None,
+    group_src: int | None = None,
+) -> int:
+    """Fill ``object_list`` with the objects ``src`` (any rank if None) sent; return the sender."""
+    g: ProcessGroup = group
+    _no_device(device)
+    source = peer_rank(g, src, group_src, "src")
+    sizes = np.zeros(len(object_list), np.int64)
+    sender = await recv(sizes, source, g)
+    data = np.zeros(int(sizes.sum()), np.uint8)
+    await recv(data, sender, g)
+    raw, at = data.tobytes(), 0
+    for i, n in enumerate(sizes.tolist()):
+        object_list[i] = _unpack(raw[at : at + n])
+        at += n
+    return sender
+
+
+# -- collectives torch has under other names --------------------------------------------------
+@on_group()
+async def monitored_barrier(
+    group: Any = None, timeout: float | datetime.timedelta | None = None, wait_all_ranks: bool = False
+) -> None:
+    """A barrier that, on timeout, raises ``CollectiveTimeoutError`` naming the ranks that did
+    not arrive (all of them: ``wait_all_ranks`` is accepted and always true here)."""
+    g: ProcessGroup = group
+    await barrier(g, None if timeout is None else seconds(timeout, g.timeout))
+
+
+@on_group()
+async def all_reduce_coalesced(tensors: Sequence[Any], op: Any = ReduceOp.SUM, group: Any = None) -> None:
+    """Reduce every tensor of ``tensors`` in place: one collective per dtype, not one per tensor."""
+    g: ProcessGroup = group
+    arrays = [as_array(t, what="tensors") for t in tensors]
+    by_dtype: dict[str, list[np.ndarray[Any, Any]]] = {}
+    for a in arrays:
+        by_dtype.setdefault(a.dtype.str, []).append(a)
+    for same in by_dtype.values():
+        flat = np.concatenate([a.reshape(-1) for a in same]) if len(same) > 1 else same[0]
+        await all_reduce(flat, op, g)
+        if len(same) > 1:
+            at = 0
+            for a in same:
+                a.reshape(-1)[:] = flat[at : at + a.size]
+                at += a.size
+
+
+@on_group()
+async def all_gather_coalesced(
+    output_tensor_lists: Sequence[Sequence[Any]], input_tensor_list: Sequence[Any], group: Any = None
+) -> None:
+    """``all_gather`` of each input tensor into its list of outputs."""
+    if len(output_tensor_lists) != len(input_tensor_list):
+        raise ValueError("output_tensor_lists needs one list per input tensor")
+    for outputs, tensor in zip(output_tensor_lists, input_tensor_list, strict=True):
+        await all_gather(list(outputs), tensor, group)
+
+
+@on_group()
+async def all_gather_single(output_tensor: Any, input_tensor: Any, group: Any = None) -> None:
+    """torch's other name of ``all_gather_into_tensor``."""
+    await all_gather_into_tensor(output_tensor, input_tensor, group)
+
+
+@on_group()
+async def reduce_scatter_single(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None) -> None:
+    """torch's other name of ``reduce_scatter_tensor``."""
+    await reduce_scatter_tensor(output, input, op, group)
+
+
+def supports_complex(reduceOp: Any) -> bool:
+    """True if ``reduceOp`` is defined for complex tensors (SUM, PRODUCT, AVG)."""
+    return ReduceOp.parse(reduceOp) in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG)
+
+
+# -- subgroups ---------------------------------------------------------------------------------
+async def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: Sequence[Sequence[int]],
+    timeout: Any = None,
+    backend: Any = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[Any, list[Any]]:
+    """One subgroup per list of ranks (disjoint); returns (this rank's subgroup or None, all)."""
+    if not ranks_per_subgroup_list:
+        raise ValueError("ranks_per_subgroup_list must not be empty")
+    seen: set[int] = set()
+    for ranks in ranks_per_subgroup_list:
+        if seen & set(ranks):
+            raise ValueError(f"rank(s) {sorted(seen & set(ranks))} are in more than one subgroup")
+        seen |= set(ranks)
+    _no_options(pg_options)
+    mine: Any = None
+    subgroups = []
+    for ranks in ranks_per_subgroup_list:
+        sub = await _lifecycle.new_group(list(ranks), timeout, backend)
+        subgroups.append(sub)
+        if isinstance(sub, ProcessGroup):
+            mine = sub
+    return mine, subgroups
+
+
+async def new_subgroups(
+    group_size: int | None = None,
+    group: Any = None,
+    timeout: Any = None,
+    backend: Any = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[Any, list[Any]]:
+    """Split the world into consecutive subgroups of ``group_size`` ranks."""
+    if group_size is None:
+        raise ValueError(
+            "new_subgroups needs group_size: torch's default (one subgroup per machine's CUDA "
+            "devices) does not apply to CPU ranks"
+        )
+    if group is not None and resolve(group) is not default_group():
+        raise ArendezError("new_subgroups of a subgroup is not supported: split the default group")
+    world_size = resolve(None).size  # type: ignore[union-attr]
+    if group_size <= 0 or world_size % group_size:
+        raise ValueError(
+            f"group_size must be positive and divide the world size {world_size}, got {group_size}"
+        )
+    chunks = [list(range(s, s + group_size)) for s in range(0, world_size, group_size)]
+    return await new_subgroups_by_enumeration(chunks, timeout, backend, pg_options, group_desc)
+
+
+async def split_group(
+    parent_pg: Any = None,
+    split_ranks: Sequence[Sequence[int]] | None = None,
+    timeout: Any = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+    backend: Any = None,
+) -> Any:
+    """torch's ``split_group`` of the default group: this rank's part of ``split_ranks`` (None if
+    it is in none). torch needs NCCL for it; here it runs on the default group's peers."""
+    if parent_pg is not None and resolve(parent_pg) is not default_group():
+        raise ArendezError("split_group of a subgroup is not supported: split the default group")
+    if not split_ranks:
+        raise ValueError("split_group needs split_ranks (a list of lists of global ranks)")
+    mine, _ = await new_subgroups_by_enumeration(split_ranks, timeout, None, pg_options, group_desc)
+    return mine
+
+
+def _no_options(pg_options: Any) -> None:
+    if pg_options is not None:
+        raise ArendezError("pg_options are backend options of NCCL/gloo; arendez takes none")
+
+
+# -- queries -----------------------------------------------------------------------------------
+class Backend(str):
+    """Backend names: ``GLOO`` is arendez's ``tcp`` transport; the device backends cannot apply."""
+
+    UNDEFINED = "undefined"
+    GLOO = "tcp"
+    TCP = "tcp"
+    NCCL = "nccl"
+    UCC = "ucc"
+    MPI = "mpi"
+    XCCL = "xccl"
+
+    def __new__(cls, name: str) -> Backend:
+        value = str(name).lower()
+        if value in ("gloo", "tcp", "arendez"):
+            return super().__new__(cls, "tcp")
+        if value == "undefined":
+            return super().__new__(cls, value)
+        raise ValueError(
+            f"backend {name!r} cannot apply: arendez runs CPU collectives over its tcp transport "
+            "(use 'gloo' or 'tcp'); NCCL/UCC/MPI/XCCL are device or external-library backends"
+        )
+
+
+def get_backend(group: Any = None) -> Backend:
+    """The backend of ``group``: always ``Backend.GLOO`` (arendez's ``tcp``)."""
+    if resolve(group) is None:
+        raise ValueError("this rank is not a member of the group")
+    return Backend("tcp")
+
+
+def is_available() -> bool:
+    """True: arendez needs no optional build."""
+    return True
+
+
+def is_backend_available(backend: str) -> bool:
+    """True for the names arendez's tcp transport answers to (gloo, tcp, arendez)."""
+    return str(backend).lower() in ("gloo", "tcp", "arendez")
+
+
+def is_gloo_available() -> bool:
+    """True: ``gloo`` is served by arendez's tcp transport."""
+    return True
+
+
+def is_nccl_available() -> bool:
+    """False: NCCL is a CUDA library; arendez moves CPU data."""
+    return False
+
+
+def is_mpi_available() -> bool:
+    """False: arendez does not use MPI."""
+    return False
+
+
+def is_ucc_available() -> bool:
+    """False: arendez does not use UCC."""
+    return False
+
+
+def is_xccl_available() -> bool:
+    """False: XCCL is an XPU library; arendez moves CPU data."""
+    return False
+
+
+def get_pg_count() -> int:
+    """How many process groups this process has (the default group and its subgroups)."""
+    world = world_or_none()
+    return 0 if world is None else len(world.groups)
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group``'s rank ``group_rank``."""
+    g = _member(group)
+    if not 0 <= group_rank < g.size:
+        raise ValueError(f"group rank {group_rank} is not in 0..{g.size - 1}")
+    return g.ranks[group_rank]
+
+
+def get_group_rank(group: Any, global_rank: int) -> int:
+    """The rank in ``group`` of global rank ``global_rank``."""
+    return _member(group).group_rank(global_rank, "global rank")
+
+
+def _member(group: Any) -> ProcessGroup:
+    g = resolve(group)
+    if g is None:
+        raise ValueError("this rank is not a member of the group")
+    return g
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """``LOCAL_RANK`` from the environment (set by launchers), else ``fallback_rank``."""
+    raw = os.environ.get("LOCAL_RANK")
+    if raw is not None:
+        return int(raw)
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise ArendezError(
+        "LOCAL_RANK is not in the environment: start under a launcher (arendez launch, torchrun) "
+        "or pass fallback_rank"
+    )
+
+
+def is_torchelastic_launched() -> bool:
+    """True when started by torchrun (``TORCHELASTIC_RUN_ID`` is set)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+class _GroupMeta(type):
+    @property
+    def WORLD(cls) -> ProcessGroup | None:
+        return default_group()
+
+
+class group(metaclass=_GroupMeta):
+    """``group.WORLD``: the default process group (None before init)."""
+
+    NON_GROUP_MEMBER = GroupMember.NON_GROUP_MEMBER
+
+
+class _DeprecatedReduceOp:
+    """torch's ``reduce_op``: ``ReduceOp``'s members, with a deprecation warning."""
+
+    def __getattr__(self, name: str) -> ReduceOp:
+        warnings.warn(
+            "reduce_op is deprecated (as in torch.distributed): use ReduceOp", FutureWarning, stacklevel=2
+        )
+        try:
+            return ReduceOp[name]
+        except KeyError:
+            raise AttributeError(f"ReduceOp has no member {name!r}") from None
+
+
+reduce_op = _DeprecatedReduceOp()
+
+
+_C10D = (
+    "torch's C++ process-group internals (used by DDP and torch's own backends); where torch "
+    "needs them, use arendez as a torch backend: init_process_group(backend='arendez')"
+)
+_MESH = (
+    "device meshes (DTensor, FSDP2) are torch's own machinery: use arendez as a torch backend "
+    "under torch.distributed for them"
+)
+_MODULE = "a torch.distributed submodule or import, not an API name"
+#: torch.distributed's public names that ``arendez.sync`` deliberately does not provide, and why
+UNSUPPORTED: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "AllToAllOptions",
+            "AllreduceCoalescedOptions",
+            "AllreduceOptions",
+            "BarrierOptions",
+            "BroadcastOptions",
+            "GatherOptions",
+            "ReduceOptions",
+            "ReduceScatterOptions",
+            "ScatterOptions",
+            "ProcessGroupGloo",
+            "BackendConfig",
+            "get_backend_config",
+            "Reducer",
+            "GradBucket",
+            "BuiltinCommHookType",
+            "Logger",
+        ],
+        _C10D,
+    ),
+    **dict.fromkeys(["DeviceMesh", "init_device_mesh", "get_default_backend_for_device"], _MESH),
+    **dict.fromkeys(
+        ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"],
+        "TORCH_DISTRIBUTED_DEBUG levels of c10d; arendez checks collective fingerprints always "
+        "(CollectiveMismatchError) and logs through the 'arendez' logger",
+    ),
+    "QueueEmptyError": "torch's store queues (queue_push/queue_pop) have no arendez counterpart",
+    "record_comm": "a profiler label for c10d collectives; arendez has no torch profiler hook",
+    "rendezvous": "torch's pluggable rendezvous handlers; arendez's init_method URLs are fixed",
+    "register_rendezvous_handler": "torch's pluggable rendezvous handlers; init_method URLs are fixed",
+    "shrink_group": "NCCL-only in torch (it needs ncclCommShrink); arendez has no counterpart",
+    "GroupName": "a typing alias of torch's internals",
+    "RankType": "a typing alias of torch's internals",
+    "timedelta": _MODULE,
+    "log": "torch's module logger; arendez logs to the 'arendez' logger",
+    **dict.fromkeys(
+        [
+            "algorithms",
+            "autograd",
+            "c10d_logger",
+            "config",
+            "constants",
+            "device_mesh",
+            "distributed_c10d",
+            "logging",
+            "logging_handlers",
+            "remote_device",
+            "rpc",
+            "sys",
+            "torch",
+            "traceback",
+            "typing",
+            "utils",
+        ],
+        _MODULE,
+    ),
+}

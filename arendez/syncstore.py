@@ -1,0 +1,234 @@
+"""torch's store classes, blocking: ``TCPStore``, ``HashStore``, ``PrefixStore`` (and ``FileStore``,
+which arendez does not provide).
+
+``TCPStore`` is a client of an arendez store server (``is_master=True`` hosts an embedded one in
+this process, as torch's master does); its calls hop into the shared loop thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Iterable
+
+from . import embedded
+from . import store as _store
+from .errors import ArendezError, StoreTimeoutError
+from .loop import shared
+from .registry import seconds
+
+__all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+_WORKERS = "__arendez_tcpstore/workers"
+_READY = "__arendez_tcpstore/ready"
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class Store:
+    """Base of the blocking stores (torch's ``Store``): every method is a store operation."""
+
+    timeout = DEFAULT_TIMEOUT
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """The deadline of ``get`` and ``wait`` without an explicit timeout."""
+        self.timeout = timeout
+
+    def set(self, key: str, value: str | bytes) -> None:
+        raise NotImplementedError
+
+    def get(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    def add(self, key: str, amount: int) -> int:
+        raise NotImplementedError
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        raise NotImplementedError
+
+    def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
+        raise NotImplementedError
+
+    def check(self, keys: Iterable[str]) -> bool:
+        raise NotImplementedError
+
+    def delete_key(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def num_keys(self) -> int:
+        raise NotImplementedError
+
+
+class TCPStore(Store):
+    """torch's ``TCPStore``: ``is_master`` hosts the server at ``host_name:port`` in this process."""
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        master_listen_fd: int | None = None,
+        use_libuv: bool = True,
+    ) -> None:
+        if master_listen_fd is not None:
+            raise ArendezError(
+                "TCPStore(master_listen_fd=...) is not supported: arendez's server binds its own port"
+            )
+        self.host, self.port, self.world_size, self.timeout = host_name, port, world_size, timeout
+        limit = seconds(timeout, 300.0)
+        if is_master:
+            shared.call(embedded.acquire, host_name, port, None, None)
+        self._store = _store.Store(host_name, port, "tcpstore", timeout=limit)
+        shared.call(self._store.connect, limit)
+        if world_size is not None and wait_for_workers:  # torch: the store returns once all joined
+            if shared.call(self._store.add, _WORKERS, 1) >= world_size:
+                shared.call(self._store.set, _READY, b"1")
+            shared.call(self._store.wait, [_READY], limit)
+
+    def _limit(self, timeout: datetime.timedelta | None = None) -> float:
+        return seconds(timeout if timeout is not None else self.timeout, 300.0)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        shared.call(self._store.set, key, value)
+
+    def get(self, key: str) -> bytes:
+        value: bytes = shared.call(self._store.get, key, self._limit())
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        total: int = shared.call(self._store.add, key, amount)
+        return total
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        value: bytes = shared.call(self._store.compare_set, key, expected_value, desired_value)
+        return value
+
+    def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
+        shared.call(self._store.wait, list(keys), self._limit(timeout))
+
+    def check(self, keys: Iterable[str]) -> bool:
+        found: bool = shared.call(self._store.check, list(keys))
+        return found
+
+    def delete_key(self, key: str) -> bool:
+        existed: bool = shared.call(self._store.delete, key)
+        return existed
+
+    def num_keys(self) -> int:
+        count: int = shared.call(self._store.num_keys)
+        return count
+
+    def close(self) -> None:
+        """Close the connection to the server (a hosted server stays up while the process lives)."""
+        shared.call(self._store.close)
+
+
+class HashStore(Store):
+    """torch's ``HashStore``: a store inside this process, shared by its threads."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._changed = threading.Condition()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self._changed:
+            self._data[key] = _bytes(value)
+            self._changed.notify_all()
+
+    def _wait_for(self, keys: list[str], timeout: datetime.timedelta | None) -> None:
+        limit = seconds(timeout if timeout is not None else self.timeout, 300.0)
+        end = time.monotonic() + limit
+        while not all(k in self._data for k in keys):
+            left = end - time.monotonic()
+            if left <= 0:
+                missing = [k for k in keys if k not in self._data]
+                raise StoreTimeoutError(f"keys {missing} were not set within {limit:.3g}s")
+            self._changed.wait(left)
+
+    def get(self, key: str) -> bytes:
+        with self._changed:
+            self._wait_for([key], None)
+            return self._data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        with self._changed:
+            total = int(self._data.get(key, b"0")) + int(amount)
+            self._data[key] = str(total).encode()
+            self._changed.notify_all()
+            return total
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        with self._changed:
+            current = self._data.get(key)
+            if (current is None and not _bytes(expected_value)) or current == _bytes(expected_value):
+                self._data[key] = current = _bytes(desired_value)
+                self._changed.notify_all()
+            return current if current is not None else _bytes(expected_value)
+
+    def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
+        with self._changed:
+            self._wait_for(list(keys), timeout)
+
+    def check(self, keys: Iterable[str]) -> bool:
+        with self._changed:
+            return all(k in self._data for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        with self._changed:
+            return self._data.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        with self._changed:
+            return len(self._data)
+
+
+class PrefixStore(Store):
+    """torch's ``PrefixStore``: a view of ``store`` whose keys all start with ``prefix/``."""
+
+    def __init__(self, prefix: str, store: Store) -> None:
+        self.prefix, self.underlying_store = prefix, store
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.underlying_store.set(self._k(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self.underlying_store.get(self._k(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return self.underlying_store.add(self._k(key), amount)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        return self.underlying_store.compare_set(self._k(key), expected_value, desired_value)
+
+    def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
+        self.underlying_store.wait([self._k(k) for k in keys], timeout)
+
+    def check(self, keys: Iterable[str]) -> bool:
+        return self.underlying_store.check([self._k(k) for k in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self.underlying_store.delete_key(self._k(key))
+
+    def num_keys(self) -> int:
+        return self.underlying_store.num_keys()
+
+
+class FileStore(Store):
+    """torch's ``FileStore`` is not provided: use ``HashStore`` (one process) or ``TCPStore``."""
+
+    def __init__(self, file_name: str, world_size: int = -1) -> None:
+        raise ArendezError(
+            "FileStore is not supported by arendez (a store over a shared file): use HashStore "
+            "within one process or TCPStore (an arendez store server) across processes"
+        )

@@ -1,0 +1,106 @@
+"""The blocking store client against a real arendez-server process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import arendez as dist
+from arendez.blocking_store import BlockingStore
+from arendez.errors import AuthenticationError, StoreError, StoreTimeoutError
+from tests.harness import server, start_server
+
+
+@pytest.mark.timeout(30)
+def test_ops_and_errors(arendez_server):
+    with BlockingStore("127.0.0.1", arendez_server.port, "bjob", timeout=10) as st:
+        st.set("a", "1")
+        assert st.get("a") == b"1"
+        assert st.add("n", 5) == 5
+        assert st.add("n", -2) == 3
+        assert st.compare_set("c", "", "x") == b"x"
+        assert st.compare_set("c", "nope", "y") == b"x"
+        assert st.check(["a", "c"]) is True
+        assert st.num_keys() == 3
+        assert st.delete("a") is True
+        assert st.check(["a"]) is False
+        with pytest.raises(StoreError, match="does not hold an integer"):
+            st.add("c", 1)  # the server's error reaches the caller
+        assert st.get("c") == b"x"  # and the connection is still usable
+
+
+@pytest.mark.timeout(30)
+def test_get_and_wait_time_out_then_succeed_across_clients(arendez_server):
+    with BlockingStore("127.0.0.1", arendez_server.port, "bjob2") as st:
+        t0 = time.monotonic()
+        with pytest.raises(StoreTimeoutError):
+            st.get("late", timeout=0.3)
+        with pytest.raises(StoreTimeoutError):
+            st.wait(["late"], timeout=0.3)
+        assert time.monotonic() - t0 < 3.0
+
+        def later() -> None:
+            time.sleep(0.2)
+            with BlockingStore("127.0.0.1", arendez_server.port, "bjob2") as other:
+                other.set("late", "here")
+
+        t = threading.Thread(target=later)
+        t.start()
+        assert st.get("late", timeout=10) == b"here"  # blocks until another client sets it
+        t.join()
+
+
+@pytest.mark.timeout(30)
+async def test_shares_keys_with_the_async_client(arendez_server):
+    a = await dist.Store("127.0.0.1", arendez_server.port, "mixed", timeout=10).connect()
+    try:
+        b = BlockingStore("127.0.0.1", arendez_server.port, "mixed", timeout=10)
+        await asyncio.to_thread(b.set, "k", b"v")
+        assert await a.get("k") == b"v"
+        assert await a.add("ctr", 2) == 2
+        assert await asyncio.to_thread(b.add, "ctr", 1) == 3
+        b.close()
+    finally:
+        await a.close()
+
+
+@pytest.mark.timeout(30)
+def test_server_loss_fails_the_call_and_the_next_call_reconnects():
+    srv = start_server()
+    port = srv.port
+    st = BlockingStore("127.0.0.1", port, "lost", timeout=10).connect()
+    try:
+        st.set("x", "1")
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(5)
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match=r"lost the connection|unreachable"):
+            st.get("x", timeout=5)
+        assert time.monotonic() - t0 < 3.0
+        with pytest.raises(StoreError, match="unreachable"):
+            st.set("x", "2")
+        srv = start_server(port=port)
+        st.set("x", "3")  # reopened on the next call
+        assert st.get("x") == b"3"
+    finally:
+        st.close()
+        srv.stop()
+
+
+@pytest.mark.timeout(30)
+def test_token_is_checked(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("tok-1\n")
+    with server("--token-file", str(token_file)) as srv:
+        with BlockingStore("127.0.0.1", srv.port, "t", token="tok-1") as st:
+            st.set("a", "b")
+            assert st.get("a") == b"b"
+        with pytest.raises(AuthenticationError):
+            BlockingStore("127.0.0.1", srv.port, "t", token="wrong").connect()
+        with pytest.raises(AuthenticationError):
+            BlockingStore("127.0.0.1", srv.port, "t").connect()

@@ -1,0 +1,120 @@
+"""Peer connections opened on first use (issue 11): init connects each rank to its O(log W)
+neighbours only, collectives and point-to-point open what else they need, a simultaneous dial
+yields one connection, and the death of a rank nobody connected to is still seen.
+
+W=16 here (16 real processes fit the suite's time on 2 cores); W=64 is in
+``benchmarks/lazy_mesh.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from arendez import frames
+from arendez.lifecycle import neighbour_offsets
+from arendez.transports.tcp import Mesh
+from tests.harness import run_ranks
+from tests.jobs import lazy as lazy_jobs
+
+
+def _neighbours(rank: int, ws: int) -> list[int]:
+    return sorted({(rank + k) % ws for k in neighbour_offsets(ws)} - {rank})
+
+
+def _pairs(peers: list[list[int]]) -> set[tuple[int, int]]:
+    return {(min(r, p), max(r, p)) for r, mine in enumerate(peers) for p in mine}
+
+
+def test_neighbour_offsets_are_plus_minus_powers_of_two():
+    assert neighbour_offsets(1) == []
+    assert neighbour_offsets(2) == [-1, 1]
+    assert neighbour_offsets(16) == [-8, -4, -2, -1, 1, 2, 4, 8]
+    assert len(neighbour_offsets(10_000)) == 28  # +-2^0 .. +-2^13: within the server's 64
+
+
+async def test_simultaneous_dials_leave_one_connection_the_lower_ranks():
+    meshes = [Mesh(token="t"), Mesh(token="t")]
+    ports = [await m.listen("127.0.0.1") for m in meshes]
+    addresses = {r: f"127.0.0.1:{p}" for r, p in enumerate(ports)}
+    got: dict[int, list[int]] = {0: [], 1: []}
+    lost: list[str] = []
+    try:
+        for rank, mesh in enumerate(meshes):
+
+            def route(peer: int, frame: Any, payload: Any, rank: int = rank) -> None:
+                got[rank].append(frame.qid)
+
+            mesh.start(rank, 2, b"n" * 16, addresses, route, lambda *_: None, lambda p, why: lost.append(why))
+        links = [meshes[0].link(1), meshes[1].link(0)]  # both dial in the same loop turn
+        for qid in range(5):  # queued while the dials run, in order
+            for link in links:
+                assert link is not None
+                link.send(frames.encode(frames.Query(0, qid)))
+        async with asyncio.timeout(10):
+            while len(got[0]) < 5 or len(got[1]) < 5:
+                await asyncio.sleep(0.01)
+        for link in links:  # sent on the connection once it is up
+            assert link is not None
+            link.send(frames.encode(frames.Query(0, 5)))
+        async with asyncio.timeout(10):
+            while len(got[0]) < 6 or len(got[1]) < 6:
+                await asyncio.sleep(0.01)
+        assert got == {0: list(range(6)), 1: list(range(6))}
+        assert [m.opened for m in meshes] == [1, 1] and not lost
+        assert meshes[0].conns[1].peer[1] == ports[1]  # rank 0 dialed it: rank 0's dial won
+        assert meshes[1].conns[0].peer[1] != ports[0]
+    finally:
+        for mesh in meshes:
+            await mesh.close(2)
+
+
+@pytest.mark.timeout(120)
+def test_init_connects_neighbours_only_and_first_use_dials_once(arendez_server, tmp_path):
+    ws, a, b = 16, 0, 5  # 5 is no +-2^k from 0 (mod 16): not connected at init
+    url = f"{arendez_server.url}/lazy-{tmp_path.name}"
+    out = run_ranks(lazy_jobs.connection_counts, ws, url, a, b, timeout=100)
+    for rank, res in enumerate(out):
+        assert res["init"] == _neighbours(rank, ws), (rank, res["init"])
+    init = _pairs([res["init"] for res in out])
+    assert len(init) < ws * (ws - 1) // 2
+    assert (a, b) not in init
+    after = _pairs([res["all_reduce"] for res in out])
+    assert init <= after < _pairs([list(range(ws))] * ws), sorted(after - init)
+    # both sent to each other at once: each has one connection to the other, and counted one
+    final = [res["p2p"] for res in out]
+    assert b in final[a] and a in final[b]
+    assert _pairs(final) == after | {(a, b)}
+    for rank, res in enumerate(out):
+        assert res["opened"] == len(res["p2p"]), (rank, res)
+
+
+@pytest.mark.timeout(90)
+def test_death_of_a_rank_never_connected_to_is_seen(arendez_server, tmp_path):
+    ws, victim = 8, 3  # rank 0's neighbours (8): 1, 2, 4, 6, 7 - not 3
+    url = f"{arendez_server.url}/lazy-dead-{tmp_path.name}"
+    from tests.harness import collect, spawn_rank
+
+    procs = [spawn_rank(lazy_jobs.unconnected_failure, r, ws, url, victim, str(tmp_path)) for r in range(ws)]
+    results = collect(procs, 80)
+    for res in results:
+        if res.rank != victim:
+            assert res.returncode == 0, res.stderr[-3000:]
+    survivors = {res.rank: res.value for res in results if res.rank != victim}
+    # rank 0 dials the dead rank on first use: the refused dial names it at once
+    zero = survivors.pop(0)
+    assert not zero["connected"]
+    assert zero["error"].startswith(f"{victim}: "), zero
+    assert "could not connect to rank 3" in zero["error"], zero
+    assert zero["seconds"] < 2.0, zero
+    unconnected = [r for r, s in survivors.items() if not s["connected"]]
+    assert unconnected, survivors  # (the scenario needs some)
+    for rank, seen in survivors.items():
+        assert seen["error"] != "never seen", (rank, seen)
+        if seen["connected"]:  # its connection broke
+            assert "connection lost" in seen["error"], (rank, seen)
+        else:  # the server's declaration: within the lease (2.5 s) and its sweep
+            assert "declared failed by the server" in seen["error"], (rank, seen)
+        assert seen["seconds"] < 5.0, (rank, seen)

@@ -1,0 +1,306 @@
+"""torch.distributed parity (issue 17): every public name is provided or deliberately refused,
+and tutorial scripts print the same under torch/gloo and ``arendez.sync`` with only the import
+changed."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import arendez
+import arendez.sync as sync
+from arendez import compat
+from arendez.errors import ArendezError, CollectiveTimeoutError, StoreTimeoutError
+from arendez.testing import run_ranks
+from tests.harness import PY, collect, popen
+
+#: names only the blocking module has (they block by nature, or are torch's blocking shapes)
+SYNC_ONLY = {"breakpoint", "FileStore", "Future", "HashStore", "TCPStore"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- names ------------------------------------------------------------------------------------
+def test_every_torch_distributed_name_is_provided_or_refused_with_a_reason() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    public = sorted(n for n in dir(dist) if not n.startswith("_"))
+    missing = [n for n in public if not hasattr(sync, n) and n not in compat.UNSUPPORTED]
+    assert not missing, f"torch.distributed names arendez.sync neither provides nor refuses: {missing}"
+    both = [n for n in compat.UNSUPPORTED if hasattr(sync, n)]
+    assert not both, f"listed as unsupported but provided: {both}"
+    stale = [n for n in compat.UNSUPPORTED if n not in public]
+    assert not stale, f"listed as unsupported but torch.distributed has no such name: {stale}"
+    assert all(len(reason) > 20 for reason in compat.UNSUPPORTED.values())
+
+
+def test_async_api_has_the_blocking_names() -> None:
+    absent = [n for n in sync.__all__ if n not in SYNC_ONLY and not hasattr(arendez, n)]
+    assert not absent, f"in arendez.sync but not in arendez: {absent}"
+    assert all(hasattr(sync, n) for n in sync.__all__)
+
+
+def test_what_cannot_apply_says_so() -> None:
+    with pytest.raises(ValueError, match="NCCL"):
+        sync.Backend("nccl")
+    assert sync.Backend("gloo") == sync.Backend.GLOO == "tcp"
+    assert not sync.is_nccl_available() and sync.is_gloo_available()
+    with pytest.raises(ArendezError, match="FileStore is not supported"):
+        sync.FileStore("/tmp/x", 2)
+    with pytest.raises(ArendezError, match="master_listen_fd"):
+        sync.TCPStore("127.0.0.1", 1, master_listen_fd=3)
+    with pytest.raises(ValueError, match="group_size"):
+        sync.init_process_group()
+        try:
+            sync.new_subgroups()
+        finally:
+            sync.destroy_process_group()
+    with pytest.warns(FutureWarning, match="reduce_op is deprecated"):
+        assert sync.reduce_op.SUM is sync.ReduceOp.SUM
+    assert sync.supports_complex(sync.ReduceOp.SUM) and not sync.supports_complex(sync.ReduceOp.MAX)
+
+
+def test_env_queries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(ArendezError, match="LOCAL_RANK"):
+        sync.get_node_local_rank()
+    assert sync.get_node_local_rank(fallback_rank=3) == 3
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert sync.get_node_local_rank() == 1
+    assert not sync.is_torchelastic_launched()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert sync.is_torchelastic_launched()
+
+
+# -- blocking p2p handles ----------------------------------------------------------------------
+def test_irecv_wait_that_times_out_cancels_the_receive() -> None:
+    sync.init_process_group()  # a world of one rank: an irecv from any rank never completes
+    try:
+        assert sync.group.WORLD is not None and sync.get_pg_count() == 1
+        work = sync.irecv(np.zeros(2))
+        assert work is not None
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="cancelled"):
+            work.wait(timeout=0.2)
+        assert time.monotonic() - start < 3
+        assert work.is_completed() and not work.is_success()  # withdrawn, as an asyncio cancel
+    finally:
+        sync.destroy_process_group()
+    assert sync.group.WORLD is None
+
+
+# -- async API ---------------------------------------------------------------------------------
+async def test_async_isend_irecv_batch_and_objects() -> None:
+    async def rank(r: int) -> Any:
+        peer = 1 - r
+        out = np.zeros(3, np.float32)
+        # isend then a blocking send to the same peer: matched in call order
+        first = arendez.isend(np.full(3, r + 1.0, np.float32), peer)
+        second = arendez.irecv(out, peer)
+        assert first is not None and second is not None
+        late = np.zeros(3, np.float32)
+        done = asyncio.ensure_future(arendez.recv(late, peer))
+        await arendez.send(np.full(3, 10.0 * (r + 1), np.float32), peer)
+        await first.wait()
+        await second.wait(timeout=10)
+        await done
+        ops = [arendez.P2POp(arendez.irecv, np.zeros(1), group_peer=peer)]
+        ops.insert(0, arendez.P2POp(arendez.isend, np.array([7.0 + r]), peer))
+        works = arendez.batch_isend_irecv(ops)
+        for w in works:
+            await w.wait()
+        got = works[1].get_future().result()
+        objs: list[Any] = [None]
+        if r == 0:
+            await arendez.send_object_list([{"a": [1, "b"]}], dst=1)
+        else:
+            assert await arendez.recv_object_list(objs) == 0
+        return out.tolist(), late.tolist(), float(ops[1].tensor[0]), got, objs
+
+    a, b = await run_ranks(2, rank)
+    assert a == ([2.0] * 3, [20.0] * 3, 8.0, 1, [None])
+    assert b == ([1.0] * 3, [10.0] * 3, 7.0, 0, [{"a": [1, "b"]}])
+
+
+async def test_async_object_p2p_refuses_what_msgpack_cannot_carry() -> None:
+    async def rank(r: int) -> None:
+        if r == 0:
+            with pytest.raises(TypeError, match="msgpack"):
+                await arendez.send_object_list([object()], dst=1)
+            with pytest.raises(ArendezError, match="CPU"):
+                await arendez.send_object_list([1], dst=1, device="cuda:0")
+
+    await run_ranks(2, rank)
+
+
+async def test_async_subgroups_and_rank_maps() -> None:
+    async def rank(r: int) -> Any:
+        mine, subgroups = await arendez.new_subgroups(group_size=2)
+        split = await arendez.split_group(split_ranks=[[0, 3], [1, 2]])
+        x = np.full(2, float(r))
+        await arendez.all_reduce_coalesced([x, np.array([r], np.int64)], group=split)
+        return (
+            len(subgroups),
+            arendez.get_process_group_ranks(mine),
+            arendez.get_global_rank(split, 1),
+            arendez.get_group_rank(split, r),
+            x.tolist(),
+        )
+
+    got = await run_ranks(4, rank)
+    assert got[0] == (2, [0, 1], 3, 0, [3.0, 3.0])
+    assert got[1] == (2, [0, 1], 2, 0, [3.0, 3.0])
+    assert got[3] == (2, [2, 3], 3, 1, [3.0, 3.0])
+
+
+async def test_monitored_barrier_names_the_rank_that_did_not_arrive() -> None:
+    async def rank(r: int) -> Any:
+        if r == 1:
+            await asyncio.sleep(2.5)  # never enters the barrier
+            return None
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            await arendez.monitored_barrier(timeout=datetime.timedelta(seconds=0.5))
+        return info.value.missing + info.value.unresponsive, time.monotonic() - start, str(info.value)
+
+    ranks, took, text = (await run_ranks(3, rank, timeout=20))[0]
+    assert ranks == [1] and "never arrived: [1]" in text and took < 5
+
+
+# -- stores --------------------------------------------------------------------------------------
+def test_hash_store_across_threads() -> None:
+    store = sync.HashStore()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(store.get("k")))
+    reader.start()
+    store.set("k", "v")
+    reader.join(5)
+    assert got == [b"v"]
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert store.compare_set("c", "", "x") == b"x" and store.compare_set("c", "y", "z") == b"x"
+    prefixed = sync.PrefixStore("p", store)
+    prefixed.set("a", b"1")
+    assert store.get("p/a") == b"1" and prefixed.check(["a"]) and not prefixed.check(["b"])
+    assert prefixed.delete_key("a") and not store.check(["p/a"])
+    store.set_timeout(datetime.timedelta(seconds=0.2))
+    with pytest.raises(StoreTimeoutError):
+        store.wait(["never"])
+
+
+def test_tcp_store_master_and_client() -> None:
+    port = _free_port()
+    out: dict[str, Any] = {}
+
+    def client() -> None:
+        store = sync.TCPStore("127.0.0.1", port, 2, False, datetime.timedelta(seconds=20))
+        out["value"] = store.get("from-master")
+        store.set("from-client", b"hi")
+        store.close()
+
+    master_done: list[sync.TCPStore] = []
+
+    def master() -> None:
+        master_done.append(sync.TCPStore("127.0.0.1", port, 2, True, datetime.timedelta(seconds=20)))
+
+    threads = [threading.Thread(target=master), threading.Thread(target=client)]
+    threads[0].start()
+    time.sleep(0.2)  # (the client retries until the master's server is up either way)
+    threads[1].start()
+    threads[0].join(20)
+    assert master_done, "the master TCPStore did not come up"
+    store = master_done[0]
+    store.set("from-master", "x")
+    threads[1].join(20)
+    assert out["value"] == b"x"
+    store.wait(["from-client"], datetime.timedelta(seconds=5))
+    assert store.get("from-client") == b"hi" and store.add("cnt", 4) == 4
+    store.close()
+
+
+# -- tutorial scripts under torch/gloo and arendez.sync -------------------------------------------
+#: scenario -> world size, and whether it meets through a shared file (file://) instead of env://
+SCENARIOS = {"everything": (2, False), "ring": (3, True)}  # (every two-rank script in one world)
+
+
+def _run_script(module: str, scenario: str, size: int, init: list[str]) -> list[Any]:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    argv = [PY, "-m", "tests.tutorial_ranks", module, scenario]
+    return [popen([*argv, str(r), str(size), *init], env) for r in range(size)]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_tutorial_script_prints_the_same_under_torch_and_arendez(scenario: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    size, by_file = SCENARIOS[scenario]
+    modules = ("torch.distributed", "arendez.sync")
+    inits = {m: [f"file://{tmp_path / m}"] if by_file else [] for m in modules}  # a fresh file each
+    started = {m: _run_script(m, scenario, size, inits[m]) for m in modules}  # side by side
+    outputs = {}
+    try:
+        for module in modules:
+            results = collect(started[module], 120)
+            for res in results:
+                assert res.returncode == 0, f"{module} rank {res.rank} exited:\n{res.stderr[-3000:]}"
+            outputs[module] = [res.stdout for res in results]
+    finally:  # (collect kills its own ranks on a timeout; these are the other module's)
+        for proc in (p for procs in started.values() for p in procs):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert all(outputs["arendez.sync"]), "arendez ranks printed nothing"
+    assert outputs["arendez.sync"] == outputs["torch.distributed"]
+    if by_file:  # the rank that wrote the server's address emptied the file when it exited
+        assert (tmp_path / "arendez.sync").read_bytes() == b""
+
+
+def test_file_init_refuses_a_file_that_names_no_server(tmp_path: Path) -> None:
+    path = tmp_path / "rdzv"
+    path.write_text("not an address")
+    with pytest.raises(arendez.RendezvousError, match="not host:port"):
+        sync.init_process_group(init_method=f"file://{path}", world_size=2, rank=1, timeout=5)
+    with pytest.raises(arendez.RendezvousError, match="world_size and rank"):
+        sync.init_process_group(init_method=f"file://{path}", world_size=2)
+
+
+# -- a script that never calls destroy -----------------------------------------------------------
+EXIT_SCRIPT = """
+import sys, time
+import numpy as np
+import arendez.sync as dist
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+x = np.ones(2)
+dist.all_reduce(x)
+print("sum", x.tolist(), flush=True)
+if rank == 0:
+    time.sleep(1.0)  # rank 1 leaves first: rank 0 must not call that a failure
+"""
+
+
+@pytest.mark.timeout(90)
+def test_exit_without_destroy_warns_once_and_peers_raise_no_alarm() -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    start = time.monotonic()
+    results = collect([popen([PY, "-c", EXIT_SCRIPT, str(r)], env) for r in range(2)], 60)
+    took = time.monotonic() - start
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.strip() == "sum [2.0, 2.0]"
+        assert res.stderr.count("destroy_process_group() was not called") == 1, res.stderr
+        for alarm in ("connection lost", "reconnecting", "lost the store", "failed"):
+            assert alarm not in res.stderr, f"rank {res.rank} raised an alarm: {res.stderr}"
+    assert took < 45  # bounded: the exit hook gives destroy at most EXIT_DESTROY_SECONDS
