@@ -18,7 +18,7 @@ from typing import Any
 
 import msgpack
 
-from . import transport, wire
+from . import transport, validate, wire
 from .errors import (
     AuthenticationError,
     LimitError,
@@ -59,6 +59,11 @@ class BlockingStore:
         timeout: float = 300.0,
         connect_timeout: float = 20.0,
     ) -> None:
+        validate.text(host, "host", empty=False)
+        port = validate.port(validate.index(port, "port"), lowest=1)
+        validate.text(job, "job")
+        timeout = validate.seconds(timeout, "timeout")
+        connect_timeout = validate.seconds(connect_timeout, "connect_timeout")
         self.host, self.port, self.job = host, port, job
         self.timeout = timeout
         self._connect_timeout = connect_timeout
