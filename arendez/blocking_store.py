@@ -59,9 +59,7 @@ class BlockingStore:
         timeout: float = 300.0,
         connect_timeout: float = 20.0,
     ) -> None:
-        validate.text(host, "host", empty=False)
-        port = validate.port(validate.index(port, "port"), lowest=1)
-        validate.text(job, "job")
+        port = validate.store_address(host, port, job)
         timeout = validate.seconds(timeout, "timeout")
         connect_timeout = validate.seconds(connect_timeout, "connect_timeout")
         self.host, self.port, self.job = host, port, job

@@ -12,7 +12,7 @@ import datetime
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -73,6 +73,8 @@ DistNetworkError = RankFailedError
 DistStoreError = StoreError
 #: torch's default collective deadline (arendez's too)
 default_pg_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)
+
+W = TypeVar("W")  # a Work of the async API or of the blocking facade
 
 
 class Work:
@@ -230,8 +232,15 @@ def check_batch(p2p_op_list: Sequence[P2POp]) -> None:
 
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     """Start every op of the list, in order; one ``Work`` per op."""
+    return start_batch(p2p_op_list, isend, irecv)
+
+
+def start_batch(
+    p2p_op_list: Sequence[P2POp], isend: Callable[..., W | None], irecv: Callable[..., W | None]
+) -> list[W]:
+    """``batch_isend_irecv`` over the given ``isend``/``irecv`` (async or blocking flavour)."""
     check_batch(p2p_op_list)
-    works: list[Work] = []
+    works: list[W] = []
     for p in p2p_op_list:
         start = isend if p.kind == "isend" else irecv
         if p.group_peer is not None:

@@ -88,9 +88,7 @@ class Store:
         timeout: float = 300.0,
         heartbeat_interval: float = 0.5,
     ) -> None:
-        validate.text(host, "host", empty=False)
-        port = validate.port(validate.index(port, "port"), lowest=1)
-        validate.text(job, "job")
+        port = validate.store_address(host, port, job)
         timeout = validate.seconds(timeout, "timeout")
         heartbeat_interval = validate.seconds(heartbeat_interval, "heartbeat_interval")
         self.host, self.port, self.job = host, port, job

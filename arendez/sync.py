@@ -179,17 +179,7 @@ def irecv(
 
 def batch_isend_irecv(p2p_op_list: Sequence[compat.P2POp]) -> list[Work]:
     """Start every op of the list, in order; one ``Work`` per op."""
-    compat.check_batch(p2p_op_list)
-    works = []
-    for p in p2p_op_list:
-        start = isend if p.kind == "isend" else irecv
-        if p.group_peer is not None:
-            work = start(p.tensor, None, p.group, p.tag, p.group_peer)
-        else:
-            work = start(p.tensor, p.peer, p.group, p.tag)
-        if work is not None:
-            works.append(work)
-    return works
+    return compat.start_batch(p2p_op_list, isend, irecv)
 
 
 get_backend = compat.get_backend

@@ -206,3 +206,11 @@ def argtype(check: Callable[..., T], *args: Any, **kwargs: Any) -> Callable[[str
 
     parse.__name__ = getattr(check, "__name__", "value")
     return parse
+
+
+def store_address(host: object, number: object, job: object) -> int:
+    """A store client's ``host`` (non-empty), port ``number`` (1-65535) and ``job`` (text);
+    returns the port."""
+    text(host, "host", empty=False)
+    text(job, "job")
+    return port(index(number, "port"), lowest=1)
