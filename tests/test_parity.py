@@ -17,7 +17,7 @@ import pytest
 
 import arendez
 import arendez.sync as sync
-from arendez import compat
+from arendez import queries
 from arendez.errors import ArendezError, CollectiveTimeoutError, StoreTimeoutError
 from arendez.testing import run_ranks
 from tests.harness import PY, collect, popen
@@ -36,13 +36,13 @@ def _free_port() -> int:
 def test_every_torch_distributed_name_is_provided_or_refused_with_a_reason() -> None:
     dist = pytest.importorskip("torch.distributed")
     public = sorted(n for n in dir(dist) if not n.startswith("_"))
-    missing = [n for n in public if not hasattr(sync, n) and n not in compat.UNSUPPORTED]
+    missing = [n for n in public if not hasattr(sync, n) and n not in queries.UNSUPPORTED]
     assert not missing, f"torch.distributed names arendez.sync neither provides nor refuses: {missing}"
-    both = [n for n in compat.UNSUPPORTED if hasattr(sync, n)]
+    both = [n for n in queries.UNSUPPORTED if hasattr(sync, n)]
     assert not both, f"listed as unsupported but provided: {both}"
-    stale = [n for n in compat.UNSUPPORTED if n not in public]
+    stale = [n for n in queries.UNSUPPORTED if n not in public]
     assert not stale, f"listed as unsupported but torch.distributed has no such name: {stale}"
-    assert all(len(reason) > 20 for reason in compat.UNSUPPORTED.values())
+    assert all(len(reason) > 20 for reason in queries.UNSUPPORTED.values())
 
 
 def test_async_api_has_the_blocking_names() -> None:
