@@ -49,7 +49,7 @@ async def acquire(host: str, port: int, token: str | None, ssl: _ssl.SSLContext 
     """The process's embedded server on ``port``: the running one, or a new one if there is none
     (or it was started by another event loop or with another host/token/TLS setting)."""
     loop = asyncio.get_running_loop()
-    current = _hosted.get(port)
+    current = _hosted.get(port) if port else None  # port 0: always a new server, on a free port
     if current is not None:
         alive = current.holder is not None and not current.holder.done()
         same = (current.host, current.token, current.tls) == (host, token, ssl is not None)
@@ -57,6 +57,7 @@ async def acquire(host: str, port: int, token: str | None, ssl: _ssl.SSLContext 
             return current.server
         await _retire(current, loop)
     server = await _start(host, port, token, ssl)
+    port = server.port
     entry = _hosted[port] = _Hosted(server, loop, host, token, ssl is not None)
     entry.holder = loop.create_task(_hold(port, entry), name=f"arendez-embedded-server-{port}")
     return server

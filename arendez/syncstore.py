@@ -7,6 +7,7 @@ this process, as torch's master does); its calls hop into the shared loop thread
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import threading
 import time
@@ -23,6 +24,8 @@ __all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 _WORKERS = "__arendez_tcpstore/workers"
 _READY = "__arendez_tcpstore/ready"
+#: the server job every TCPStore client uses (one server, one key space, as torch's)
+_JOB = "tcpstore"
 
 
 def _bytes(value: str | bytes) -> bytes:
@@ -64,7 +67,12 @@ class Store:
 
 
 class TCPStore(Store):
-    """torch's ``TCPStore``: ``is_master`` hosts the server at ``host_name:port`` in this process."""
+    """torch's ``TCPStore``: a client of an arendez store server at ``host_name:port``;
+    ``is_master`` hosts that server in this process (``port=0`` picks a free one: read ``.port``).
+
+    As in torch, ``world_size`` counts every store user (the master included); each one adds
+    itself on creation, and only the master (with ``wait_for_workers``) waits for all of them.
+    """
 
     def __init__(
         self,
@@ -82,16 +90,33 @@ class TCPStore(Store):
             raise ArendezError(
                 "TCPStore(master_listen_fd=...) is not supported: arendez's server binds its own port"
             )
-        self.host, self.port, self.world_size, self.timeout = host_name, port, world_size, timeout
+        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+            raise ValueError(
+                f"TCPStore world_size must be a positive integer or None, got {world_size!r:.80}"
+            )
         limit = seconds(timeout, 300.0)
         if is_master:
-            shared.call(embedded.acquire, host_name, port, None, None)
-        self._store = _store.Store(host_name, port, "tcpstore", timeout=limit)
+            server = shared.call(embedded.acquire, host_name, port, None, None)
+            port = int(server.port)
+        self.host, self.port, self.world_size, self.timeout = host_name, port, world_size, timeout
+        self._store = _store.Store(host_name, port, _JOB, timeout=limit)
         shared.call(self._store.connect, limit)
-        if world_size is not None and wait_for_workers:  # torch: the store returns once all joined
+        if world_size is not None:
             if shared.call(self._store.add, _WORKERS, 1) >= world_size:
                 shared.call(self._store.set, _READY, b"1")
+            if is_master and wait_for_workers:
+                self._wait_for_workers(world_size, limit)
+
+    def _wait_for_workers(self, world_size: int, limit: float) -> None:
+        try:
             shared.call(self._store.wait, [_READY], limit)
+        except StoreTimeoutError:
+            joined = shared.call(self._store.add, _WORKERS, 0)
+            shared.call(self._store.close)
+            raise StoreTimeoutError(
+                f"TCPStore master timed out after {limit:g}s waiting for clients: "
+                f"{joined}/{world_size} store users joined (world_size counts the master too)"
+            ) from None
 
     def _limit(self, timeout: datetime.timedelta | None = None) -> float:
         return seconds(timeout if timeout is not None else self.timeout, 300.0)
@@ -111,6 +136,23 @@ class TCPStore(Store):
         value: bytes = shared.call(self._store.compare_set, key, expected_value, desired_value)
         return value
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys``, waiting (up to the store's timeout) for any not yet set."""
+        values: list[bytes] = shared.call(self._multi_get, list(keys), self._limit())
+        return values
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        """Set each of ``keys`` to the value at the same position of ``values``."""
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
+        shared.call(self._multi_set, list(keys), list(values))
+
+    async def _multi_get(self, keys: list[str], limit: float) -> list[bytes]:
+        return list(await asyncio.gather(*(self._store.get(k, limit) for k in keys)))
+
+    async def _multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        await asyncio.gather(*(self._store.set(k, v) for k, v in zip(keys, values, strict=True)))
+
     def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
         shared.call(self._store.wait, list(keys), self._limit(timeout))
 
@@ -125,6 +167,10 @@ class TCPStore(Store):
     def num_keys(self) -> int:
         count: int = shared.call(self._store.num_keys)
         return count
+
+    def clone(self) -> TCPStore:
+        """Another client of the same server (its own connection), as torch's ``clone``."""
+        return TCPStore(self.host, self.port, None, False, self.timeout)
 
     def close(self) -> None:
         """Close the connection to the server (a hosted server stays up while the process lives)."""

@@ -1,0 +1,75 @@
+"""``arendez.sync.TCPStore`` behaves as torch's: who waits for whom, ``port=0``, the multi-key
+calls, and a thousand clients (as threads of one process) against a real server process."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import arendez.sync as sync
+from arendez.errors import StoreTimeoutError
+from tests.harness import server
+
+SHORT = datetime.timedelta(seconds=20)
+
+
+def test_clients_do_not_wait_for_the_other_store_users() -> None:
+    # torch: each store user adds itself; only the master waits for world_size of them
+    master = sync.TCPStore("127.0.0.1", 0, 3, True, SHORT, wait_for_workers=False)
+    assert master.port > 0
+    started = time.monotonic()
+    first = sync.TCPStore("127.0.0.1", master.port, 3, False, SHORT)
+    second = sync.TCPStore("127.0.0.1", master.port, 3, False, SHORT)
+    assert time.monotonic() - started < 10  # neither waited for the other (no deadlock)
+    second.set("k", b"v")
+    assert first.get("k") == b"v"
+    for store in (first, second, master):
+        store.close()
+
+
+def test_master_times_out_naming_how_many_joined() -> None:
+    with pytest.raises(StoreTimeoutError, match=r"1/2 store users joined"):
+        sync.TCPStore("127.0.0.1", 0, 2, True, datetime.timedelta(seconds=0.5))
+
+
+def test_multi_get_multi_set_and_clone() -> None:
+    master = sync.TCPStore("127.0.0.1", 0, None, True, SHORT)
+    master.multi_set(["a", "b", "c"], [b"1", "2", b"3"])
+    other = master.clone()
+    assert other.multi_get(["c", "a", "b"]) == [b"3", b"1", b"2"]
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        master.multi_set(["x", "y"], [b"1"])
+    master.set_timeout(datetime.timedelta(seconds=0.3))
+    with pytest.raises(StoreTimeoutError):
+        master.multi_get(["a", "never-set"])
+    other.close()
+    master.close()
+
+
+def _address(i: int) -> str:
+    return f"10.0.{i // 256}.{i % 256}:29500"
+
+
+@pytest.mark.timeout(120)
+def test_a_thousand_clients_against_one_server() -> None:
+    n = 1000
+    with server() as srv:
+
+        def user(i: int) -> sync.TCPStore:
+            store = sync.TCPStore("127.0.0.1", srv.port, n, False, SHORT)
+            store.set(f"addr/{i}", _address(i))
+            return store
+
+        with ThreadPoolExecutor(32) as pool:
+            stores = list(pool.map(user, range(n)))
+        try:
+            keys = [f"addr/{i}" for i in range(n)]
+            assert stores[-1].multi_get(keys) == [_address(i).encode() for i in range(n)]
+            assert stores[0].add("__arendez_tcpstore/workers", 0) == n
+            assert stores[0].check(["__arendez_tcpstore/ready"])  # the n-th user marked the store full
+        finally:
+            for store in stores:
+                store.close()
