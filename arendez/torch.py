@@ -657,7 +657,8 @@ def register() -> None:
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
     rendezvous: Any = importlib.import_module("torch.distributed.rendezvous")
-    rendezvous.register_rendezvous_handler("arendez", _arendez_rendezvous)
+    if BACKEND not in getattr(rendezvous, "_rendezvous_handlers", {}):  # (torch_plugin may have)
+        rendezvous.register_rendezvous_handler(BACKEND, _arendez_rendezvous)
 
 
 register()
