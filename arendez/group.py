@@ -285,7 +285,7 @@ class ProcessGroup:
         try:
             self.check_usable(name)
         except RankFailedError as exc:
-            flight.incident(exc)
+            flight.refused(self, name, fp, exc)
             raise
         seq = self.next_seq
         self.next_seq += 1

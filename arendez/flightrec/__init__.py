@@ -42,7 +42,7 @@ from ..errors import CollectiveCancelledError, CollectiveTimeoutError, RankFaile
 from ..settings import env_int
 
 if TYPE_CHECKING:
-    from ..group import Op
+    from ..group import Op, ProcessGroup
     from ..mailbox import Key, Mailbox
     from ..world import World
 
@@ -94,16 +94,16 @@ class Entry:
         "why",
     )
 
-    def __init__(self, record_id: int, op: Op, now: int) -> None:
+    def __init__(self, record_id: int, gid: int, seq: int, name: str, fp: str, now: int) -> None:
         self.id = record_id
-        self.gid = op.group.gid
-        self.seq = op.seq
-        self.name = op.name
-        self.fp = op.fp
+        self.gid = gid
+        self.seq = seq
+        self.name = name
+        self.fp = fp
         self.enqueued = now
         self.started = 0
         self.ended = 0
-        self.op: Op | None = op  # while it runs (its live state is read from it)
+        self.op: Op | None = None  # while it runs (its live state is read from it)
         self.state = SCHEDULED
         self.algorithm = ""
         self.keys: list[Key] = []
@@ -190,9 +190,23 @@ class Recorder:
         if not self.capacity:
             return None
         self._count += 1
-        entry = Entry(self._count, op, time.time_ns())
+        entry = Entry(self._count, op.group.gid, op.seq, op.name, op.fp, time.time_ns())
+        entry.op = op
         self._ring.append(entry)
         return entry
+
+    def refused(self, group: ProcessGroup, name: str, fp: str, exc: RankFailedError) -> None:
+        """Collective ``name`` could not start (a member had failed): record it under the
+        sequence number it would have had, and dump."""
+        if self.capacity:
+            self._count += 1
+            now = time.time_ns()
+            entry = Entry(self._count, group.gid, group.next_seq, name, fp, now)
+            entry.ended, entry.state = now, FAILED
+            entry.error = f"{type(exc).__name__}: {exc} (it never started)"
+            entry.pending = [exc.rank]
+            self._ring.append(entry)
+        self.incident(exc)
 
     def end(self, entry: Entry, op: Op) -> None:
         """``op`` is over: keep what its entry needs, let go of the op. Call before its
