@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -132,6 +133,7 @@ def _waiting(mail: Mailbox, keys: Iterable[Key]) -> set[int]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def _describe(fp: str) -> dict[str, Any]:
     """dtype, element count and bytes, read back from a collective's fingerprint
     (``name|dtype|count|...``; ``all_to_all`` carries the group size instead of a count)."""
@@ -148,6 +150,13 @@ def _describe(fp: str) -> dict[str, Any]:
         out["count"] = int(parts[2])
         out["bytes"] = out["count"] * dtype.itemsize
     return out
+
+
+def _to_json(data: dict[str, Any]) -> str:
+    """The dump as JSON, one entry a line (readable, and quick to write)."""
+    head = {k: v for k, v in data.items() if k != "entries"}
+    lines = ",\n".join(json.dumps(e, separators=(", ", ": ")) for e in data["entries"])
+    return json.dumps(head, indent=1)[:-2] + ',\n "entries": [\n' + lines + "\n ]\n}\n"
 
 
 def _ms(ns: int) -> float:
@@ -334,7 +343,7 @@ class Recorder:
         fd, tmp = tempfile.mkstemp(prefix=".flightrec-", dir=folder)
         try:
             with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
+                f.write(_to_json(data))
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
