@@ -150,7 +150,8 @@ def test_kill_9_survivors_dump_the_failed_collective(arendez_server, tmp_path):
         failed = [e for e in dump["entries"] if e["state"] == "failed"]
         assert failed and failed[-1]["op"] == "all_reduce", dump["entries"][-3:]
         assert "RankFailedError: rank 2 failed during all_reduce" in failed[-1]["error"]
-        assert failed[-1]["time_ended_ns"] >= failed[-1]["time_started_ns"]
+        assert failed[-1]["time_ended_ns"] >= failed[-1]["time_enqueued_ns"]
+        assert 2 in failed[-1]["peers_pending"], failed[-1]
     report = _analyzer(dumps_dir)
     assert "rank 2 is gone" in report and "waiting on rank 2 (rank 2 gone" in report, report
 
@@ -198,6 +199,28 @@ async def test_a_rank_that_never_calls_gets_named_in_the_timeout_dump(monkeypatc
     expected = "group 0 seq 1 barrier: ranks 0,1 waiting on rank 2 (rank 2 last completed seq 0)"
     assert expected in report, report
     assert "timed out on ranks 0,1" in report, report
+
+
+async def test_a_collective_refused_after_a_failure_is_recorded_and_dumped(monkeypatch, tmp_path):
+    monkeypatch.setenv("ARENDEZ_FLIGHT_RECORDER_DIR", str(tmp_path))
+
+    async def rank(r: int) -> Any:
+        await dist.all_reduce(np.ones(2))
+        if r == 1:
+            return None
+        dist.current_world().peer_lost(1, "declared failed by this test")
+        with pytest.raises(dist.RankFailedError):
+            await dist.all_reduce(np.ones(5, np.int64))
+        return dist.flight_recorder()
+
+    dump = (await run_ranks(2, rank))[0]
+    refused = dump["entries"][-1]
+    assert refused["seq"] == 1 and refused["state"] == "failed" and refused["peers_pending"] == [1]
+    assert refused["dtype"] == "int64" and refused["count"] == 5 and refused["time_started_ns"] is None
+    assert "it never started" in refused["error"]
+    assert dump["dead_ranks"] == {"1": "declared failed by this test"}
+    files = list(tmp_path.glob("arendez-flightrec-*-rank0-*.json"))
+    assert len(files) == 1 and "RankFailedError" in json.loads(files[0].read_text())["reason"]
 
 
 async def test_off_with_zero_records_nothing_and_writes_nothing(monkeypatch, tmp_path):
