@@ -234,11 +234,13 @@ class Recorder:
     # -- failures --------------------------------------------------------------------------
     def _failed(self, entry: Entry, op: Op, exc: BaseException) -> None:
         entry.state = _state_of(exc)
-        entry.error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, CollectiveTimeoutError):
-            entry.why = {"missing": exc.missing, "unresponsive": exc.unresponsive}
-        with contextlib.suppress(Exception):
+        try:  # (whatever goes wrong here, the collective's own error is what propagates)
+            entry.error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, CollectiveTimeoutError):
+                entry.why = {"missing": exc.missing, "unresponsive": exc.unresponsive}
             entry.pending = sorted(_waiting(op.world.mail, op.keys))
+        except Exception as err:
+            log.warning("rank %d: flight recorder could not record a failure: %r", self.rank, err)
         if isinstance(exc, CollectiveTimeoutError | RankFailedError):
             self.incident(exc)
 
@@ -372,8 +374,14 @@ _installed = False
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    """SIGUSR1: each world dumps from its own event loop (never from inside the handler)."""
-    for rec in list(_live):
+    """SIGUSR1: each world dumps from its own event loop (never from inside the handler, and
+    nothing raised here reaches the code the signal interrupted)."""
+    recorders: list[Recorder] = []
+    for _ in range(3):  # (another thread adding a recorder changes the set under us: retry)
+        with contextlib.suppress(RuntimeError):
+            recorders = list(_live)
+            break
+    for rec in recorders:
         world = rec._world()
         if world is None or world.closed or rec.loop is None:
             continue
