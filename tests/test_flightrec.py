@@ -176,6 +176,24 @@ async def test_the_ring_keeps_exactly_the_last_n(monkeypatch):
         assert dump["groups"]["0"]["last_completed_seq"] == 12
 
 
+async def test_peers_and_algorithm_of_a_ring_all_reduce(monkeypatch):
+    """A ring rank hears only from its left neighbour; an ended collective with many messages
+    keeps only their senders (``KEEP_KEYS``), which says the same."""
+    from arendez import flightrec
+
+    monkeypatch.setattr(flightrec, "KEEP_KEYS", 1)
+
+    async def rank(r: int) -> dict[str, Any]:
+        await dist.all_reduce(np.ones(300_000, np.float32), algorithm="ring")
+        assert len(dist.current_world().flight._ring[-1].keys) == 1
+        return dist.flight_recorder()["entries"][-1]
+
+    entries = await run_ranks(3, rank)
+    for r, e in enumerate(entries):
+        assert e["algorithm"] == "ring" and e["bytes"] == 1_200_000 and e["state"] == "completed"
+        assert e["peers_done"] == [(r - 1) % 3] and e["peers_pending"] == [], e
+
+
 async def test_a_rank_that_never_calls_gets_named_in_the_timeout_dump(monkeypatch, tmp_path):
     monkeypatch.setenv("ARENDEZ_FLIGHT_RECORDER_DIR", str(tmp_path))
 

@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,8 @@ DEFAULT_SIZE = 1000
 MAX_SIZE = 1_000_000
 #: Version of the dump's layout (bump the major on a change of meaning).
 VERSION = "1.0"
+#: An ended collective keeps the keys of its messages up to this many (else only their senders).
+KEEP_KEYS = 16
 #: Automatic dumps of one rank at most this often; a later one within it is written once after.
 AUTO_DUMP_GAP = 1.0
 
@@ -107,7 +109,7 @@ class Entry:
         self.op: Op | None = None  # while it runs (its live state is read from it)
         self.state = SCHEDULED
         self.algorithm = ""
-        self.keys: list[Key] = []
+        self.keys: Sequence[tuple[int, ...]] = ()  # its messages' keys (or just their senders)
         self.pending: list[int] = []
         self.error: str | None = None
         self.why: dict[str, list[int]] = {}  # a timeout's diagnosis: missing / unresponsive
@@ -222,7 +224,8 @@ class Recorder:
         receives are closed (a failed op's missing peers are read from them)."""
         entry.ended = time.time_ns()
         entry.algorithm = op.algorithm
-        entry.keys = op.keys
+        keys = op.keys  # (a large collective's thousands of keys are not kept: their senders)
+        entry.keys = keys if len(keys) <= KEEP_KEYS else [(peer,) for peer in {k[0] for k in keys}]
         entry.op = None
         exc = op.error
         if exc is None:
@@ -277,7 +280,7 @@ class Recorder:
             if op.error is not None:
                 state, error = _state_of(op.error), f"{type(op.error).__name__}: {op.error}"
             pending = sorted(_waiting(mail, op.keys)) if mail is not None else []
-            keys: list[Key] = op.keys
+            keys: Sequence[tuple[int, ...]] = op.keys
         else:
             keys = e.keys
         heard = sorted({k[0] for k in keys}.difference(pending))
