@@ -77,42 +77,45 @@ __all__ = [
 
 
 class Entry:
-    """One collective of one rank: filled at its start and end, read when a dump is taken."""
+    """One collective of one rank. The hot path sets five fields; the rest are copied from the
+    op when it ends (until then they are read from it), the failure fields only on failure."""
 
     __slots__ = (
         "algorithm",
         "ended",
         "enqueued",
-        "error",
+        "failure",
         "fp",
         "gid",
         "id",
         "keys",
         "name",
         "op",
-        "pending",
         "seq",
         "started",
         "state",
-        "why",
     )
 
-    def __init__(self, record_id: int, gid: int, seq: int, name: str, fp: str, now: int) -> None:
+    def __init__(self, record_id: int, op: Op | None, now: int) -> None:
         self.id = record_id
-        self.gid = gid
-        self.seq = seq
-        self.name = name
-        self.fp = fp
+        self.op = op  # while it runs (its live state is read from it)
         self.enqueued = now
         self.started = 0
         self.ended = 0
-        self.op: Op | None = None  # while it runs (its live state is read from it)
-        self.state = SCHEDULED
-        self.algorithm = ""
-        self.keys: Sequence[tuple[int, ...]] = ()  # its messages' keys (or just their senders)
-        self.pending: list[int] = []
-        self.error: str | None = None
-        self.why: dict[str, list[int]] = {}  # a timeout's diagnosis: missing / unresponsive
+        # set when it ends: gid, seq, name, fp, state, algorithm, keys; failure: (error,
+        # peers not heard from, a timeout's diagnosis) only when it failed
+        self.gid: int
+        self.seq: int
+        self.name: str
+        self.fp: str
+        self.state: str
+        self.algorithm: str
+        self.keys: Sequence[tuple[int, ...]]  # its messages' keys (or just their senders)
+        self.failure: tuple[str, list[int], dict[str, list[int]]]
+
+    def close(self, gid: int, seq: int, name: str, fp: str, state: str, now: int) -> None:
+        self.gid, self.seq, self.name, self.fp, self.state, self.ended = gid, seq, name, fp, state, now
+        self.op = None
 
 
 def _state_of(exc: BaseException) -> str:
@@ -201,8 +204,7 @@ class Recorder:
         if not self.capacity:
             return None
         self._count += 1
-        entry = Entry(self._count, op.group.gid, op.seq, op.name, op.fp, time.time_ns())
-        entry.op = op
+        entry = Entry(self._count, op, time.time_ns())
         self._ring.append(entry)
         return entry
 
@@ -212,24 +214,22 @@ class Recorder:
         if self.capacity:
             self._count += 1
             now = time.time_ns()
-            entry = Entry(self._count, group.gid, group.next_seq, name, fp, now)
-            entry.ended, entry.state = now, FAILED
-            entry.error = f"{type(exc).__name__}: {exc} (it never started)"
-            entry.pending = [exc.rank]
+            entry = Entry(self._count, None, now)
+            entry.close(group.gid, group.next_seq, name, fp, FAILED, now)
+            entry.algorithm, entry.keys = "", ()
+            entry.failure = (f"{type(exc).__name__}: {exc} (it never started)", [exc.rank], {})
             self._ring.append(entry)
         self.incident(exc)
 
     def end(self, entry: Entry, op: Op) -> None:
         """``op`` is over: keep what its entry needs, let go of the op. Call before its
         receives are closed (a failed op's missing peers are read from them)."""
-        entry.ended = time.time_ns()
+        exc = op.error
+        entry.close(op.group.gid, op.seq, op.name, op.fp, COMPLETED, time.time_ns())
         entry.algorithm = op.algorithm
         keys = op.keys  # (a large collective's thousands of keys are not kept: their senders)
         entry.keys = keys if len(keys) <= KEEP_KEYS else [(peer,) for peer in {k[0] for k in keys}]
-        entry.op = None
-        exc = op.error
         if exc is None:
-            entry.state = COMPLETED
             self.completed[entry.gid] = entry.seq
             return
         self._failed(entry, op, exc)
@@ -238,10 +238,12 @@ class Recorder:
     def _failed(self, entry: Entry, op: Op, exc: BaseException) -> None:
         entry.state = _state_of(exc)
         try:  # (whatever goes wrong here, the collective's own error is what propagates)
-            entry.error = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, CollectiveTimeoutError):
-                entry.why = {"missing": exc.missing, "unresponsive": exc.unresponsive}
-            entry.pending = sorted(_waiting(op.world.mail, op.keys))
+            why = (
+                {"missing": exc.missing, "unresponsive": exc.unresponsive}
+                if isinstance(exc, CollectiveTimeoutError)
+                else {}
+            )
+            entry.failure = (f"{type(exc).__name__}: {exc}", sorted(_waiting(op.world.mail, op.keys)), why)
         except Exception as err:
             log.warning("rank %d: flight recorder could not record a failure: %r", self.rank, err)
         if isinstance(exc, CollectiveTimeoutError | RankFailedError):
@@ -274,25 +276,35 @@ class Recorder:
 
     # -- reading ---------------------------------------------------------------------------
     def _entry(self, e: Entry, mail: Mailbox | None, now: int) -> dict[str, Any]:
-        op, state, pending, error, why = e.op, e.state, e.pending, e.error, e.why
+        op = e.op
         if op is not None:  # still running: its live state
-            state = STARTED if e.started else SCHEDULED
+            gid, seq, name, fp, algorithm = op.group.gid, op.seq, op.name, op.fp, op.algorithm
+            state, error, why = (STARTED if e.started else SCHEDULED), None, {}
             if op.error is not None:
                 state, error = _state_of(op.error), f"{type(op.error).__name__}: {op.error}"
             pending = sorted(_waiting(mail, op.keys)) if mail is not None else []
             keys: Sequence[tuple[int, ...]] = op.keys
         else:
-            keys = e.keys
+            gid, seq, name, fp, algorithm, state, keys = (
+                e.gid,
+                e.seq,
+                e.name,
+                e.fp,
+                e.algorithm,
+                e.state,
+                e.keys,
+            )
+            error, pending, why = getattr(e, "failure", (None, [], {}))
         heard = sorted({k[0] for k in keys}.difference(pending))
         start = e.started or e.enqueued
         out: dict[str, Any] = {
             "id": e.id,
-            "group": e.gid,
-            "seq": e.seq,
-            "op": e.name,
-            "fingerprint": e.fp,
-            **_describe(e.fp),
-            "algorithm": (op.algorithm if op is not None else e.algorithm) or None,
+            "group": gid,
+            "seq": seq,
+            "op": name,
+            "fingerprint": fp,
+            **_describe(fp),
+            "algorithm": algorithm or None,
             "state": state,
             "peers_done": heard,
             "peers_pending": pending,
