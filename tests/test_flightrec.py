@@ -297,3 +297,19 @@ def test_analyzer_reports_mismatched_collectives_and_unreadable_files(tmp_path):
     assert "skipped" in report and "rank2" in report
     assert "group 0 seq 4 MISMATCHED collectives: ranks 0,1" in report, report
     assert "rank 0 runs all_reduce" in report and "rank 1 runs broadcast" in report
+
+
+@pytest.mark.timeout(20)
+def test_the_blocking_facade_reads_and_dumps_on_its_loop_thread(tmp_path):
+    import arendez.sync as sdist
+
+    sdist.init_process_group("gloo", None, world_size=1, rank=0)
+    try:
+        for _ in range(3):
+            sdist.all_reduce(np.ones(4, np.float32))
+        entries = sdist.flight_recorder()["entries"]
+        path = sdist.dump_flight_recorder(tmp_path / "mine.json")
+    finally:
+        sdist.destroy_process_group()
+    assert [(e["seq"], e["state"], e["count"]) for e in entries] == [(i, "completed", 4) for i in range(3)]
+    assert path == str(tmp_path / "mine.json") and json.loads(Path(path).read_text())["entries"] == entries
