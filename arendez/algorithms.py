@@ -106,6 +106,13 @@ def choose(collective: str, nbytes: int, size: int, link: str | None = None) -> 
     return "ring"
 
 
+def chose(comm: Comm, algorithm: str) -> str:
+    """Tell ``comm`` which algorithm runs (the flight recorder shows it); return it."""
+    if hasattr(comm, "algorithm"):
+        setattr(comm, "algorithm", algorithm)  # noqa: B010 - not part of the Comm protocol
+    return algorithm
+
+
 async def wait_all(awaitables: Sequence[Awaitable[Any] | None]) -> list[Any]:
     pending = [a for a in awaitables if a is not None]
     if not pending:
@@ -198,7 +205,7 @@ async def all_reduce(comm: Comm, x: Array, op: ReduceOp, algorithm: str | None =
     if comm.size > 1 and x.size:
         link = link_kind(comm)
         lane_bytes = TCP_LANE_BYTES if link == "tcp" else LANE_BYTES
-        algo = algorithm or choose("all_reduce", x.nbytes, comm.size, link)
+        algo = chose(comm, algorithm or choose("all_reduce", x.nbytes, comm.size, link))
         if algo == "direct":
             await _direct_all_reduce(comm, x, ufunc)
         elif algo == "rdb":
@@ -386,7 +393,7 @@ async def reduce(comm: Comm, x: Array, dst: int, op: ReduceOp, algorithm: str | 
     ufunc = ufunc_for(op, x.dtype)
     n = comm.size
     if n > 1 and x.size:
-        algo = algorithm or choose("reduce", x.nbytes, n)
+        algo = chose(comm, algorithm or choose("reduce", x.nbytes, n))
         if algo == "ring":
             await _ring_reduce(comm, x, dst, ufunc)
         elif comm.rank == dst:
@@ -426,7 +433,7 @@ async def reduce_scatter(
     if n == 1:
         np.copyto(out, inputs[0])
     elif out.size:
-        algo = algorithm or choose("reduce_scatter", out.nbytes * n, n)
+        algo = chose(comm, algorithm or choose("reduce_scatter", out.nbytes * n, n))
         if algo == "ring":
             lanes = _lanes(out.size, out.itemsize, 1)
 
@@ -455,7 +462,7 @@ async def broadcast(comm: Comm, x: Array, src: int, algorithm: str | None = None
     n, r = comm.size, comm.rank
     if n == 1 or not x.size:
         return
-    algo = algorithm or choose("broadcast", x.nbytes, n)
+    algo = chose(comm, algorithm or choose("broadcast", x.nbytes, n))
     if algo != "ring":
         if r == src:
             await wait_all([comm.send(p, 0, x) for p in others(comm)])
@@ -486,7 +493,7 @@ async def all_gather(comm: Comm, blocks: list[Array], algorithm: str | None = No
     n, r = comm.size, comm.rank
     if n == 1:
         return
-    algo = algorithm or choose("all_gather", blocks[r].nbytes * n, n)
+    algo = chose(comm, algorithm or choose("all_gather", blocks[r].nbytes * n, n))
     if algo != "ring":
         peers = others(comm)
         recvs = [comm.recv_into(p, 0, blocks[p]) for p in peers]

@@ -59,6 +59,7 @@ from .compat import (
     split_group,
     supports_complex,
 )
+from .flightrec import dump_flight_recorder, flight_recorder
 from .lifecycle import destroy_process_group, init_process_group, new_group, process_group
 from .objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .p2p import recv, send
@@ -93,6 +94,8 @@ __all__ = [
     "broadcast_object_list",
     "default_pg_timeout",
     "destroy_process_group",
+    "dump_flight_recorder",
+    "flight_recorder",
     "gather",
     "gather_object",
     "get_backend",

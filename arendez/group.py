@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -62,6 +63,7 @@ class Op:
         self.rank = group.rank
         self.size = group.size
         self.error: BaseException | None = None
+        self.algorithm = ""  # the one the collective ran (set by ``algorithms``; flight recorder)
         self.keys: list[Key] = []
         self._held: dict[int, Callable[[], None]] = {}  # id(view) -> how to give it back
         self._waiting: set[asyncio.Future[Any]] = set()  # what fail() must wake
@@ -279,11 +281,17 @@ class ProcessGroup:
         self, name: str, fp: str, body: Callable[[Any], Awaitable[T]], timeout: float | None = None
     ) -> T:
         """Run ``body(op)`` as the group's next collective, under its deadline."""
-        self.check_usable(name)
+        flight = self.world.flight
+        try:
+            self.check_usable(name)
+        except RankFailedError as exc:
+            flight.refused(self, name, fp, exc)
+            raise
         seq = self.next_seq
         self.next_seq += 1
         op = Op(self, seq, name, fp)
         self.active[seq] = op
+        entry = flight.begin(op)
         op.keys.extend(self.early_keys.pop(seq, ()))
         early = self.early_fps.pop(seq, None)
         if early is not None and early[1] != fp:
@@ -296,6 +304,8 @@ class ProcessGroup:
         timer = loop.call_later(limit, self._expire, op, limit)
         try:
             op._check()
+            if entry is not None:
+                entry.started = time.time_ns()
             result = await body(op)
             op._check()
             return result
@@ -315,6 +325,8 @@ class ProcessGroup:
             raise
         finally:
             timer.cancel()
+            if entry is not None:  # (before its receives are closed: they say whom it missed)
+                flight.end(entry, op)
             del self.active[seq]
             if op.error is not None:  # what is still arriving for it must not land in its buffers
                 gid = self.gid

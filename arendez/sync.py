@@ -16,7 +16,7 @@ from typing import Any
 
 import arendez as api  # the public async API only
 
-from . import compat
+from . import compat, flightrec
 from .errors import *  # noqa: F403 - the same error names as the async API
 from .loop import Completion, shared
 from .registry import seconds
@@ -97,7 +97,15 @@ def _blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]
     return call
 
 
-init_process_group = _blocking(api.init_process_group)  # (a world left up is closed at exit: loop.py)
+_init_process_group = _blocking(api.init_process_group)  # (a world left up is closed at exit: loop.py)
+
+
+@functools.wraps(api.init_process_group)
+def init_process_group(*args: Any, **kwargs: Any) -> Any:
+    flightrec.install_signal_handler()  # (from this thread: the loop thread cannot install it)
+    return _init_process_group(*args, **kwargs)
+
+
 destroy_process_group = _blocking(api.destroy_process_group)
 new_group = _blocking(api.new_group)
 barrier = _blocking(api.barrier)
@@ -129,6 +137,24 @@ split_group = _blocking(compat.split_group)
 all_gather_coalesced = _blocking(compat.all_gather_coalesced)
 all_gather_single = _blocking(compat.all_gather_single)
 reduce_scatter_single = _blocking(compat.reduce_scatter_single)
+
+
+async def _flight_recorder() -> dict[str, Any]:
+    return api.flight_recorder()
+
+
+async def _dump_flight_recorder(path: Any = None) -> str:
+    return api.dump_flight_recorder(path)
+
+
+def flight_recorder() -> dict[str, Any]:
+    """This rank's flight recorder as a dict (read on the loop thread)."""
+    return dict(shared.call(_flight_recorder))
+
+
+def dump_flight_recorder(path: Any = None) -> str:
+    """Write this rank's flight recorder as JSON (on the loop thread); return the path."""
+    return str(shared.call(_dump_flight_recorder, path))
 
 
 def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float = 3600) -> None:
@@ -240,6 +266,8 @@ __all__ = [
     "broadcast_object_list",
     "default_pg_timeout",
     "destroy_process_group",
+    "dump_flight_recorder",
+    "flight_recorder",
     "gather",
     "gather_object",
     "get_backend",

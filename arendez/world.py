@@ -25,6 +25,7 @@ from .errors import (
     ProtocolError,
     RankFailedError,
 )
+from .flightrec import Recorder
 from .group import ProcessGroup
 from .mailbox import BufferPool, Key, Mailbox, Outcome, Stats, give
 from .p2pmatch import P2PMatcher
@@ -70,7 +71,9 @@ class World:
         self._peers_gone = asyncio.Event()
         if world_size == 1:
             self._peers_gone.set()
+        self.flight = Recorder(self)  # the last collectives, for dumps (arendez.flightrec)
         self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
+        self.flight.groups[0] = self.groups[0].ranks
         self.next_gid = 1
 
     @property
@@ -100,6 +103,7 @@ class World:
                 self.mail.drop(keys)
             return None
         group = self.groups[gid] = ProcessGroup(self, gid, ranks, timeout)
+        self.flight.groups[gid] = ranks
         group.poisoned.update(self._early_poison.pop(gid, {}))
         group.early_keys.update(early)
         return group
