@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -15,3 +16,17 @@ def arendez_server() -> Iterator[ServerProcess]:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _flight_recorder_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Dumps of the suite's deliberate timeouts and kills go to pytest's temp dir, not /tmp;
+    child processes inherit the variable."""
+    folder = tmp_path_factory.mktemp("flightrec")
+    saved = os.environ.get("ARENDEZ_FLIGHT_RECORDER_DIR")
+    os.environ["ARENDEZ_FLIGHT_RECORDER_DIR"] = str(folder)
+    yield
+    if saved is None:
+        os.environ.pop("ARENDEZ_FLIGHT_RECORDER_DIR", None)
+    else:
+        os.environ["ARENDEZ_FLIGHT_RECORDER_DIR"] = saved
