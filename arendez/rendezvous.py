@@ -28,6 +28,14 @@ class Plan:
     host_server: bool = False  # tcp:// semantics: rank 0 runs the server in its own loop
     transport: str = "tcp"  # "inproc": every rank is a task of this event loop
     store_url: str = ""  # etcd://: the store is an EtcdStore for this URL
+    #: Elastic worlds (``arendez.elastic``): the fewest ranks (0: a fixed-size world, whose size
+    #: is ``world_size``; else ``world_size`` is the most), the settle time, the generation of
+    #: the job's round this process was last in and its rank there (or its launcher slot).
+    min_size: int = 0
+    settle: float = 0.0
+    came_from: int = -1
+    hint: int = -1
+    expect: int = -1  # how many ranks of that round this rank believes alive (-1: unknown)
 
     @property
     def local(self) -> bool:

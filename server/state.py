@@ -48,11 +48,14 @@ class Lease:
 
 @dataclass
 class Member:
-    rank: int
+    rank: int  # in an elastic round being formed: an arrival number until the round closes
     address: str
     last_seen: float
     state: MemberState = MemberState.ACTIVE
     lease: Lease | None = None
+    came_from: int = -1  # elastic: the generation of the round this rank was in (-1: none)
+    hint: int = -1  # elastic: its rank in that round (or its launcher slot): ordering only
+    expect: int = -1  # elastic: how many ranks of that round it believes alive (-1: unknown)
 
     def expired(self, now: float, lease: float, arm_grace: float) -> bool:
         """Silent for longer than ``lease`` (its own heartbeats, or its process's lease)."""
@@ -84,6 +87,32 @@ class Round:
     nonce: bytes = b""
     active: int = 0  # members still ACTIVE (kept as a count: checked on every departure)
     _next_free: int = 0  # no rank below this is free (ranks -1 are handed out in order)
+    #: Elastic rounds: the fewest ranks the round may close with (``world_size`` is the most);
+    #: 0 for a fixed-size round. An elastic round assigns ranks when it closes.
+    min_size: int = 0
+    generation: int = -1  # elastic: the job's round number, set when the round closes
+    survivors: int = 0  # elastic: ranks 0..survivors-1 came from the job's latest round
+    _arrivals: int = 0
+    _latest: int = -1  # elastic, while forming: the newest generation a joiner came from
+    _from_latest: int = 0  # ... how many joiners came from it
+    _expect: int = -1  # ... the fewest of its ranks one of them believes alive (-1: unknown)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_size > 0
+
+    def _count(self, member: Member) -> None:
+        if member.came_from > self._latest:
+            self._latest, self._from_latest, self._expect = member.came_from, 0, -1
+        if member.came_from == self._latest and member.came_from >= 0:
+            self._from_latest += 1
+            if member.expect >= 1:
+                self._expect = member.expect if self._expect < 0 else min(self._expect, member.expect)
+
+    @property
+    def survivors_in(self) -> bool:
+        """Every rank of the latest round that one of its ranks believes alive has joined."""
+        return self._expect >= 1 and self._from_latest >= self._expect
 
     @property
     def complete(self) -> bool:
@@ -109,6 +138,10 @@ class Round:
         if member is not None and member.state is MemberState.ACTIVE:
             self.active -= 1
         self._next_free = min(self._next_free, rank)
+        if member is not None and self.elastic:  # rare: count the rest again
+            self._latest, self._from_latest, self._expect = -1, 0, -1
+            for other in self.members.values():
+                self._count(other)
 
     def end(self, member: Member, state: MemberState) -> None:
         """Mark an active member as left or failed."""
@@ -142,6 +175,7 @@ class Job:
     forming: Round | None = None
     rounds: dict[bytes, Round] = field(default_factory=dict)
     nbytes: int = 0  # keys + values held
+    generation: int = 0  # the number the next elastic round gets
 
     # -- key-value store -------------------------------------------------------------------
     def _check_key(self, key: object) -> str:
@@ -229,6 +263,11 @@ class Job:
         forming = self.forming
         if forming is None:
             forming = self.forming = Round(world_size)
+        elif forming.elastic:
+            raise RendezvousError(
+                f"job {self.name!r} is forming an elastic world of {forming.min_size}..{forming.world_size} "
+                f"ranks, this rank asked for a fixed world of {world_size}"
+            )
         elif world_size != forming.world_size:
             raise RendezvousError(
                 f"job {self.name!r} is forming a world of {forming.world_size}, "
@@ -248,6 +287,87 @@ class Job:
             self.rounds[forming.nonce] = forming
             self.forming = None
         return forming, rank
+
+    def join_elastic(
+        self,
+        min_size: int,
+        max_size: int,
+        address: str,
+        now: float,
+        lease: Lease | None = None,
+        *,
+        came_from: int = -1,
+        hint: int = -1,
+        expect: int = -1,
+    ) -> tuple[Round, Member]:
+        """Add a member to the elastic round being formed (``min_size``..``max_size`` ranks).
+
+        The round closes here once ``max_size`` ranks are in; with ``min_size`` or more the
+        caller closes it with ``close_elastic`` after its settle time. Ranks are assigned at the
+        close (``Member.rank``): first the ranks of the job's latest round, in their old order,
+        then the others by ``hint``. O(1) per join; the close sorts once. ``expect`` is how many
+        ranks of its old round the joiner believes alive (it saw the others fail): the round
+        closes as soon as that many of them are in (and at least ``min_size``), without waiting
+        out the settle time.
+        """
+        limit = self.limits.max_world_size
+        for value, name in ((min_size, "min world size"), (max_size, "max world size")):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+                raise RendezvousError(f"{name} must be an integer in 1..{limit}, got {value!r:.40}")
+        if min_size > max_size:
+            raise RendezvousError(f"min world size {min_size} exceeds the max world size {max_size}")
+        for value, name in ((came_from, "came_from"), (hint, "hint"), (expect, "expect")):
+            if not isinstance(value, int) or isinstance(value, bool) or not -1 <= value < 2**62:
+                raise RendezvousError(f"{name} must be an integer >= -1, got {value!r:.40}")
+        forming = self.forming
+        if forming is None:
+            forming = self.forming = Round(max_size, min_size=min_size)
+        elif (forming.min_size, forming.world_size) != (min_size, max_size):
+            asked = f"{min_size}..{max_size} ranks"
+            formed = (
+                f"{forming.min_size}..{forming.world_size} ranks"
+                if forming.elastic
+                else f"a fixed world of {forming.world_size}"
+            )
+            raise RendezvousError(f"job {self.name!r} is forming {formed}, this rank asked for {asked}")
+        key = forming._arrivals
+        forming._arrivals += 1
+        member = Member(key, address, now, lease=lease, came_from=came_from, hint=hint, expect=expect)
+        forming.add(member)
+        forming._count(member)
+        if len(forming.members) >= max_size or (len(forming.members) >= min_size and forming.survivors_in):
+            self._close_elastic(forming, now)
+        return forming, member
+
+    def close_elastic(self, round_: Round, now: float) -> bool:
+        """Close the elastic round being formed if it has its minimum; True if it closed."""
+        if round_ is not self.forming or len(round_.members) < round_.min_size:
+            return False
+        self._close_elastic(round_, now)
+        return True
+
+    def _close_elastic(self, round_: Round, now: float) -> None:
+        members = list(round_.members.values())
+        latest = max(m.came_from for m in members)
+        if latest >= 0:
+            self.generation = max(self.generation, latest + 1)
+
+        def order(m: Member) -> tuple[int, int, int]:  # (then by arrival: the key is unique)
+            return (0 if latest >= 0 and m.came_from == latest else 1, m.hint, m.rank)
+
+        members.sort(key=order)
+        round_.members = {}
+        for rank, member in enumerate(members):
+            member.rank = rank
+            member.last_seen = now  # leases start now: early joiners waited
+            round_.members[rank] = member
+        round_.world_size = len(members)
+        round_.survivors = sum(1 for m in members if latest >= 0 and m.came_from == latest)
+        round_.generation = self.generation
+        self.generation += 1
+        round_.nonce = os.urandom(16)
+        self.rounds[round_.nonce] = round_
+        self.forming = None
 
     def withdraw(self, round_: Round, rank: int) -> None:
         """Undo a join whose round never completed (the joiner gave up or vanished)."""
