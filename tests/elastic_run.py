@@ -3,6 +3,7 @@ line, with the rank processes found by their launcher slot (to kill -9 or SIGSTO
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -131,19 +132,13 @@ class Run:
         """Kill the launcher's session and everything it started (a test that failed midway)."""
         self.seen |= descendants(self.proc.pid)
         if self.proc.poll() is None:
-            with_session = [self.proc.pid]
-            for pid in with_session:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         for pid in self.seen:
             if running(pid):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         self._reader.join(5)
 
     def leftovers(self, timeout: float = 5.0) -> set[int]:

@@ -4,6 +4,7 @@ equal to one process's (``examples/elastic_sgd.py`` under ``arendez-run``)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -51,8 +52,6 @@ def test_sigstop_survivors_reform_and_the_stopped_rank_comes_back(runs: list[Run
         time.sleep(0.5)
         pid_now = run.slot_pids().get(2)
         assert pid_now == pid
-        import os
-
         os.kill(pid, signal.SIGCONT)
     # it finds its world gone, re-forms, and is taken in with the state of the others
     run.wait_for(r"took joiners in: rank \d of 4", n=3, timeout=20)
