@@ -183,14 +183,13 @@ async def reform(timeout: float | datetime.timedelta | None = None) -> tuple[int
     deadline = loop.time() + limit
     world = world_or_none()
     came_from, hint = _last
-    expect = -1
+    dead: tuple[int, ...] = ()
     if world is not None:
         info = _worlds.get(world)
-        if info is not None:
-            came_from, hint = info.generation, world.rank
-            expect = world.world_size - len(world.failed)  # (ranks that left are re-forming too)
+        if info is not None:  # (ranks that merely left are re-forming too: not dead)
+            came_from, hint, dead = info.generation, world.rank, tuple(sorted(world.failed))
         await lifecycle.destroy_process_group(timeout=min(DESTROY_BUDGET, limit))
-    plan = replace(config.plan, came_from=came_from, hint=hint, expect=expect)
+    plan = replace(config.plan, came_from=came_from, hint=hint, dead=dead)
     left = max(0.001, deadline - loop.time())
     await lifecycle.init_elastic(plan, config.timeout, left)
     new = world_or_none()

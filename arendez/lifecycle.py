@@ -220,7 +220,7 @@ async def _tcp_world(
                 settle=where.settle,
                 came_from=where.came_from,
                 hint=where.hint,
-                expect=where.expect,
+                dead=where.dead,
             )
             offsets = neighbour_offsets(member.world_size)
             known, resolve = dict(member.addresses), store.addresses

@@ -35,7 +35,7 @@ class Plan:
     settle: float = 0.0
     came_from: int = -1
     hint: int = -1
-    expect: int = -1  # how many ranks of that round this rank believes alive (-1: unknown)
+    dead: tuple[int, ...] = ()  # ranks of that round this rank saw fail
 
     @property
     def local(self) -> bool:

@@ -455,15 +455,15 @@ class Store:
         settle: float | None = None,
         came_from: int = -1,
         hint: int = -1,
-        expect: int = -1,
+        dead: Iterable[int] = (),
     ) -> Membership:
         """Join the job's rendezvous round; returns once all ``world_size`` ranks are in.
 
         Elastic (``min_size`` given, ``rank`` -1): the round closes with ``world_size`` ranks,
         or with ``min_size`` or more once no rank arrived for ``settle`` seconds; the server
         assigns ranks, the ranks of the job's latest round (``came_from``, its generation)
-        first in their old order (``hint``, the old rank), then the others by ``hint``; the round
-        closes early once ``expect`` ranks of that round (those this rank believes alive) are in.
+        first in their old order (``hint``, the old rank), then the others by ``hint``. ``dead``:
+        ranks of that round this rank saw fail (the server declares them failed at once).
 
         With ``peers=False`` the answer carries no peer addresses (``Membership.peers`` is
         empty): fetch the ones needed with ``addresses``, so a round costs O(N), not O(N²).
@@ -491,7 +491,7 @@ class Store:
                     peers=peers,
                     **({"neighbours": list(neighbours)} if neighbours is not None else {}),
                     **(
-                        {"min_size": min_size, "came_from": came_from, "hint": hint, "expect": expect}
+                        {"min_size": min_size, "came_from": came_from, "hint": hint, "dead": list(dead)}
                         if min_size is not None
                         else {}
                     ),

@@ -94,6 +94,7 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
+        "generation": elastic.generation(),
         "step": state["step"],
         "loss": float(np.mean((x @ w - y) ** 2)),
         "digest": hashlib.sha256(w.tobytes()).hexdigest()[:16],

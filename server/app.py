@@ -504,8 +504,15 @@ class Server:
 
     def _settled(self, job: Job, round_: Round) -> None:
         self._settle.pop(round_, None)
-        if job.close_elastic(round_, time.monotonic()):
+        if job.settle(round_, time.monotonic()) is not None:
             self._round_closed(round_)
+
+    def _close_ready(self, name: str) -> None:
+        """Ranks of ``name`` left or failed: its elastic round being formed may close now."""
+        job = self.state.jobs.get(name)
+        closed = job.close_ready(time.monotonic()) if job is not None else None
+        if closed is not None:
+            self._round_closed(closed)
 
     def _tell_joining(self, job: Job) -> None:
         """One ``joining`` event per running round of ``job``: how many ranks wait to join."""
@@ -528,6 +535,8 @@ class Server:
             self.config.hooks.departed(gone)
             (log.warning if gone.failed else log.info)("job %r rank %d %s", gone.job, gone.rank, gone.reason)
         self._departed.extend(departures)
+        for name in {gone.job for gone in departures}:
+            self._close_ready(name)
         if self._departure_flush is None:
             loop = asyncio.get_running_loop()
             self._departure_flush = loop.call_later(DEPARTURE_BATCH, self._flush_departures)
@@ -709,7 +718,7 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
         settle = h.get("settle", ELASTIC_SETTLE)
         if not isinstance(settle, (int, float)) or not 0 <= settle <= 60:
             raise RendezvousError(f"settle must be a number of seconds in 0..60, got {settle!r:.40}")
-        round_, member = job.join_elastic(
+        round_, member, gone = job.join_elastic(
             h["min_size"],
             h.get("world_size", 0),
             str(h.get("address", "")),
@@ -717,8 +726,9 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
             _lease_of(server, h),
             came_from=h.get("came_from", -1),
             hint=h.get("hint", -1),
-            expect=h.get("expect", -1),
+            dead=h.get("dead", ()),
         )
+        server._depart(gone)
         rank = member.rank
     else:
         round_, rank = job.join(

@@ -55,7 +55,6 @@ class Member:
     lease: Lease | None = None
     came_from: int = -1  # elastic: the generation of the round this rank was in (-1: none)
     hint: int = -1  # elastic: its rank in that round (or its launcher slot): ordering only
-    expect: int = -1  # elastic: how many ranks of that round it believes alive (-1: unknown)
 
     def expired(self, now: float, lease: float, arm_grace: float) -> bool:
         """Silent for longer than ``lease`` (its own heartbeats, or its process's lease)."""
@@ -95,7 +94,8 @@ class Round:
     _arrivals: int = 0
     _latest: int = -1  # elastic, while forming: the newest generation a joiner came from
     _from_latest: int = 0  # ... how many joiners came from it
-    _expect: int = -1  # ... the fewest of its ranks one of them believes alive (-1: unknown)
+    settled: bool = False  # elastic, while forming: its settle time passed
+    failed: int = 0  # members declared failed (counted as they are)
 
     @property
     def elastic(self) -> bool:
@@ -103,16 +103,9 @@ class Round:
 
     def _count(self, member: Member) -> None:
         if member.came_from > self._latest:
-            self._latest, self._from_latest, self._expect = member.came_from, 0, -1
+            self._latest, self._from_latest = member.came_from, 0
         if member.came_from == self._latest and member.came_from >= 0:
             self._from_latest += 1
-            if member.expect >= 1:
-                self._expect = member.expect if self._expect < 0 else min(self._expect, member.expect)
-
-    @property
-    def survivors_in(self) -> bool:
-        """Every rank of the latest round that one of its ranks believes alive has joined."""
-        return self._expect >= 1 and self._from_latest >= self._expect
 
     @property
     def complete(self) -> bool:
@@ -139,7 +132,7 @@ class Round:
             self.active -= 1
         self._next_free = min(self._next_free, rank)
         if member is not None and self.elastic:  # rare: count the rest again
-            self._latest, self._from_latest, self._expect = -1, 0, -1
+            self._latest, self._from_latest = -1, 0
             for other in self.members.values():
                 self._count(other)
 
@@ -147,6 +140,8 @@ class Round:
         """Mark an active member as left or failed."""
         if member.state is MemberState.ACTIVE:
             self.active -= 1
+            if state is MemberState.FAILED:
+                self.failed += 1
         member.state = state
 
     def peers(self) -> list[str]:
@@ -176,6 +171,7 @@ class Job:
     rounds: dict[bytes, Round] = field(default_factory=dict)
     nbytes: int = 0  # keys + values held
     generation: int = 0  # the number the next elastic round gets
+    latest: Round | None = None  # the elastic round closed last (kept after it is over)
 
     # -- key-value store -------------------------------------------------------------------
     def _check_key(self, key: object) -> str:
@@ -298,17 +294,17 @@ class Job:
         *,
         came_from: int = -1,
         hint: int = -1,
-        expect: int = -1,
-    ) -> tuple[Round, Member]:
+        dead: object = (),
+    ) -> tuple[Round, Member, list[Departure]]:
         """Add a member to the elastic round being formed (``min_size``..``max_size`` ranks).
 
-        The round closes here once ``max_size`` ranks are in; with ``min_size`` or more the
-        caller closes it with ``close_elastic`` after its settle time. Ranks are assigned at the
-        close (``Member.rank``): first the ranks of the job's latest round, in their old order,
-        then the others by ``hint``. O(1) per join; the close sorts once. ``expect`` is how many
-        ranks of its old round the joiner believes alive (it saw the others fail): the round
-        closes as soon as that many of them are in (and at least ``min_size``), without waiting
-        out the settle time.
+        Ranks are assigned when the round closes (``Member.rank``): first the ranks of the job's
+        latest round (``came_from``, its generation), in their old order (``hint``, the old
+        rank), then the others by ``hint``. ``dead`` lists ranks of that round the joiner saw
+        fail: they are declared failed now (the departures are returned, to be told). The round
+        closes (``close_ready``) at ``max_size`` ranks, or with ``min_size`` or more once no rank
+        of a running elastic round is still active and either every live rank of the latest
+        round is in or the settle time passed (``settle``). O(1) per join; the close sorts once.
         """
         limit = self.limits.max_world_size
         for value, name in ((min_size, "min world size"), (max_size, "max world size")):
@@ -316,9 +312,15 @@ class Job:
                 raise RendezvousError(f"{name} must be an integer in 1..{limit}, got {value!r:.40}")
         if min_size > max_size:
             raise RendezvousError(f"min world size {min_size} exceeds the max world size {max_size}")
-        for value, name in ((came_from, "came_from"), (hint, "hint"), (expect, "expect")):
+        for value, name in ((came_from, "came_from"), (hint, "hint")):
             if not isinstance(value, int) or isinstance(value, bool) or not -1 <= value < 2**62:
                 raise RendezvousError(f"{name} must be an integer >= -1, got {value!r:.40}")
+        if (
+            not isinstance(dead, (list, tuple))
+            or len(dead) > limit
+            or not all(isinstance(r, int) for r in dead)
+        ):
+            raise RendezvousError(f"dead must be a list of at most {limit} ranks")
         forming = self.forming
         if forming is None:
             forming = self.forming = Round(max_size, min_size=min_size)
@@ -330,21 +332,59 @@ class Job:
                 else f"a fixed world of {forming.world_size}"
             )
             raise RendezvousError(f"job {self.name!r} is forming {formed}, this rank asked for {asked}")
+        gone = self._declare_dead(came_from, dead)
         key = forming._arrivals
         forming._arrivals += 1
-        member = Member(key, address, now, lease=lease, came_from=came_from, hint=hint, expect=expect)
+        member = Member(key, address, now, lease=lease, came_from=came_from, hint=hint)
         forming.add(member)
         forming._count(member)
-        if len(forming.members) >= max_size or (len(forming.members) >= min_size and forming.survivors_in):
-            self._close_elastic(forming, now)
-        return forming, member
+        forming.settled = False  # an arrival restarts the settle time
+        self.close_ready(now)
+        return forming, member, gone
 
-    def close_elastic(self, round_: Round, now: float) -> bool:
-        """Close the elastic round being formed if it has its minimum; True if it closed."""
-        if round_ is not self.forming or len(round_.members) < round_.min_size:
-            return False
-        self._close_elastic(round_, now)
-        return True
+    def _declare_dead(self, came_from: int, dead: list[int] | tuple[int, ...]) -> list[Departure]:
+        latest = self.latest
+        if not dead or latest is None or latest.generation != came_from or latest.nonce not in self.rounds:
+            return []
+        gone = []
+        for rank in dead:
+            member = latest.members.get(rank)
+            if member is not None and member.state is MemberState.ACTIVE:
+                latest.end(member, MemberState.FAILED)
+                gone.append(Departure(self.name, latest.nonce, rank, True, "its peers saw it fail"))
+        self._forget_if_done(latest)
+        return gone
+
+    def _running_elsewhere(self) -> bool:
+        """A rank of an elastic round that is running is still active (it must re-form too)."""
+        return any(r.elastic and r.active > 0 for r in self.rounds.values())
+
+    def close_ready(self, now: float) -> Round | None:
+        """Close the elastic round being formed if it may close now; return it if it did."""
+        forming = self.forming
+        if forming is None or not forming.elastic:
+            return None
+        count = len(forming.members)
+        if count < forming.world_size:
+            if count < forming.min_size or self._running_elsewhere():
+                return None
+            latest = self.latest
+            all_in = (
+                latest is not None
+                and forming._latest == latest.generation
+                and forming._from_latest >= latest.world_size - latest.failed
+            )
+            if not (all_in or forming.settled):
+                return None
+        self._close_elastic(forming, now)
+        return forming
+
+    def settle(self, round_: Round, now: float) -> Round | None:
+        """The settle time of ``round_`` passed: close it if it may close now."""
+        if round_ is not self.forming:
+            return None
+        round_.settled = True
+        return self.close_ready(now)
 
     def _close_elastic(self, round_: Round, now: float) -> None:
         members = list(round_.members.values())
@@ -367,6 +407,7 @@ class Job:
         self.generation += 1
         round_.nonce = os.urandom(16)
         self.rounds[round_.nonce] = round_
+        self.latest = round_
         self.forming = None
 
     def withdraw(self, round_: Round, rank: int) -> None:

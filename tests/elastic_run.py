@@ -164,21 +164,37 @@ class Run:
         return "\n".join(self.lines)
 
 
-def check_training(run: Run, world_size: int, steps: int = STEPS) -> None:
+def check_training(run: Run, world_size: int | None, steps: int = STEPS) -> None:
     """The final round of ``world_size`` ranks finished every step with the same weights, which
-    match one process doing the same steps, and the loss went down."""
+    match one process doing the same steps, and the loss went down.
+
+    ``world_size=None`` (chaos): a failure in the very last all_reduce can leave the ranks split
+    over whether it completed; those that completed it finish, the others re-form and do the
+    last step again. Then every rank that finished did every step, the ranks of each final
+    round agree on the weights, and all match one process's."""
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         from elastic_sgd import reference
     finally:
         sys.path.pop(0)
     finals = run.finals()
-    assert len(finals) == world_size, run.text()[-4000:]
-    assert sorted(f["rank"] for f in finals) == list(range(world_size))
-    assert {f["world_size"] for f in finals} == {world_size}
-    assert {f["step"] for f in finals} == {steps}
-    assert len({f["digest"] for f in finals}) == 1, "the ranks disagree on the weights"
+    story = "\n".join(ln[:200] for ln in run.lines if " step " not in ln or "re-form" in ln)[-6000:]
+    assert finals, story
+    rounds: dict[int, list[dict[str, Any]]] = {}
+    for f in finals:
+        rounds.setdefault(f["generation"], []).append(f)
+    if world_size is not None:
+        assert len(rounds) == 1, story
+    for members in rounds.values():
+        size = members[0]["world_size"]
+        assert size == (world_size or size), story
+        assert {f["world_size"] for f in members} == {size}, story
+        if world_size is not None or len(rounds) == 1:
+            assert sorted(f["rank"] for f in members) == list(range(size)), story
+        assert len({f["digest"] for f in members}) == 1, f"the ranks disagree on the weights\n{story}"
+    assert {f["step"] for f in finals} == {steps}, story
     expected = reference(steps, 2048, 16, 0.1)
-    np.testing.assert_allclose(np.array(finals[0]["w"]), expected, rtol=1e-9, atol=1e-12)
+    for f in finals:
+        np.testing.assert_allclose(np.array(f["w"]), expected, rtol=1e-9, atol=1e-12)
     losses = run.losses()
     assert len(losses) >= 3 and losses[-1] < losses[0] / 100, losses

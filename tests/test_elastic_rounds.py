@@ -26,27 +26,46 @@ def test_an_elastic_round_closes_at_max_and_survivors_keep_their_order() -> None
     (round0,) = job.rounds.values()
     assert (round0.generation, round0.survivors, round0.world_size) == (0, 0, 3)
     # rank 1 dies; a newcomer (launcher slot 1) arrives before the survivors 2 and 0
+    for rank in (0, 2):
+        job.leave(round0, rank)
     newcomer = job.join_elastic(2, 3, "n", 1.0, hint=1)[1]
-    old2 = job.join_elastic(2, 3, "b2", 1.0, came_from=0, hint=2)[1]
-    old0 = job.join_elastic(2, 3, "b0", 1.0, came_from=0, hint=0)[1]
+    _, old2, gone = job.join_elastic(2, 3, "b2", 1.0, came_from=0, hint=2, dead=[1])
+    assert [(g.rank, g.failed) for g in gone] == [(1, True)]  # declared failed at once
+    old0 = job.join_elastic(2, 3, "b0", 1.0, came_from=0, hint=0, dead=[1])[1]
     assert job.forming is None  # full again (3)
     assert (old0.rank, old2.rank, newcomer.rank) == (0, 1, 2)
-    round1 = job.rounds[max(job.rounds, key=lambda n: job.rounds[n].generation)]
-    assert (round1.generation, round1.survivors) == (1, 2)
+    assert job.latest is not None and (job.latest.generation, job.latest.survivors) == (1, 2)
 
 
-def test_at_min_the_round_waits_for_the_settle_close_unless_the_survivors_are_in() -> None:
+def test_at_min_the_round_waits_for_the_settle_time_unless_every_live_rank_is_in() -> None:
     job = Job("j", StateLimits())
-    round_, _ = job.join_elastic(2, 4, "a", 0.0)
-    assert not job.close_elastic(round_, 0.1)  # 1 < min
+    round_, _, _ = job.join_elastic(2, 4, "a", 0.0)
+    assert job.settle(round_, 0.1) is None  # 1 < min
     job.join_elastic(2, 4, "b", 0.0)
-    assert job.forming is round_  # 2 of 4: the server's settle timer closes it
-    assert job.close_elastic(round_, 0.3) and job.forming is None and round_.world_size == 2
-    # both re-form believing 2 alive: the round closes as the second arrives, no settle time
-    r2, _ = job.join_elastic(1, 4, "a", 1.0, came_from=0, hint=0, expect=2)
-    assert job.forming is r2
-    job.join_elastic(1, 4, "b", 1.0, came_from=0, hint=1, expect=2)
-    assert job.forming is None and r2.world_size == 2 and r2.survivors == 2
+    assert job.forming is round_  # 2 of 4, no round before: the settle time closes it
+    assert job.settle(round_, 0.3) is round_ and job.forming is None and round_.world_size == 2
+    # rank 1 dies; rank 0 reports it and re-forms: the one live rank is in, no settle time
+    job.leave(round_, 0)
+    r2, _, _ = job.join_elastic(1, 4, "a", 1.0, came_from=0, hint=0, dead=[1])
+    assert job.forming is None and r2.world_size == 1 and r2.survivors == 1
+
+
+def test_a_round_does_not_close_while_a_rank_of_the_running_round_is_active() -> None:
+    """A rank that fell behind (stopped, then resumed) must not start a world of its own."""
+    job = Job("j", StateLimits())
+    for i in range(3):
+        job.join_elastic(1, 4, f"a{i}", 0.0)
+    running = job.settle(job.forming, 0.3)  # type: ignore[arg-type]
+    assert running is not None and running.world_size == 3
+    stale, _, _ = job.join_elastic(1, 4, "s", 1.0, came_from=-1)
+    assert job.settle(stale, 1.3) is None and job.forming is stale  # the others still run
+    for rank in range(3):  # they see "joiners waiting" and re-form
+        job.leave(running, rank)
+        assert job.close_ready(2.0) is None  # not all of them are in yet
+        job.join_elastic(1, 4, f"b{rank}", 2.0, came_from=0, hint=rank)
+    assert job.forming is None and job.latest is not running
+    assert job.latest.world_size == 4 and job.latest.survivors == 3
+    assert job.latest.members[3].address == "s"  # the stale rank comes after the survivors
 
 
 def test_a_rank_of_an_older_round_counts_as_new() -> None:
