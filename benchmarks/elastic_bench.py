@@ -42,14 +42,13 @@ PY = sys.executable
 
 # ============================================================================ rank side
 def _process_start() -> float:
-    """Wall-clock time this process started (``/proc``; 10 ms resolution)."""
+    """Wall-clock time this process started: its age from ``/proc`` (clock ticks since boot,
+    10 ms resolution) against CLOCK_BOOTTIME, taken from now."""
     ticks = os.sysconf("SC_CLK_TCK")
     stat = Path("/proc/self/stat").read_text()
     started = int(stat[stat.rfind(")") + 2 :].split()[19]) / ticks
-    boot = next(
-        float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("btime")
-    )
-    return boot + started
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    return time.time() - age
 
 
 def _say(**event: Any) -> None:
@@ -123,7 +122,7 @@ class _Watch:
         with self.cond:
             while not (found := [e for e in self.events if pred(e)]) or not pred.enough(found):
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self.proc.poll() is not None:
                     raise TimeoutError("\n".join(self.lines[-40:]))
                 self.cond.wait(min(left, 0.2))
             return found
@@ -138,6 +137,22 @@ class _Watch:
                 self.proc.wait()
 
 
+class _Restarted:
+    """``size`` workers of one torchrun restart (the first that got them all running)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, e: dict[str, Any]) -> bool:
+        return bool(e.get("kind") == "ok" and e.get("restart", 0) >= 1)
+
+    def enough(self, found: list[dict[str, Any]]) -> bool:
+        counts: dict[int, int] = {}
+        for e in found:
+            counts[e["restart"]] = counts.get(e["restart"], 0) + 1
+        return any(n >= self.size for n in counts.values())
+
+
 class _Count:
     def __init__(self, n: int, **match: Any) -> None:
         self.n, self.match = n, match
@@ -149,8 +164,8 @@ class _Count:
         return len(found) >= self.n
 
 
-def _workers(root: int, marker: bytes) -> list[int]:
-    """Pids under ``root`` whose command line holds ``marker`` (the rank processes)."""
+def _worker(root: int, local_rank: int) -> int:
+    """The pid under ``root`` of the rank process with ``LOCAL_RANK=local_rank``."""
     kids: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -159,16 +174,18 @@ def _workers(root: int, marker: bytes) -> list[int]:
             except OSError:
                 continue
             kids.setdefault(int(stat[stat.rfind(")") + 2 :].split()[1]), []).append(int(entry.name))
-    out, todo = [], [root]
+    todo = [root]
     while todo:
         for pid in kids.get(todo.pop(), []):
             todo.append(pid)
             try:
-                if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    out.append(pid)
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
-                pass
-    return sorted(out)
+                continue
+            if b"--rank" in cmd and f"LOCAL_RANK={local_rank}".encode() in env:
+                return pid
+    raise RuntimeError(f"no rank process with LOCAL_RANK={local_rank} under {root}")
 
 
 def _env() -> dict[str, str]:
@@ -186,7 +203,7 @@ def arendez_trial(size: int, step_time: float) -> dict[str, float]:
     try:
         run.until(_Count(size, kind="ok", size=size), 60)
         time.sleep(0.5)
-        victim = _workers(run.proc.pid, b"--rank")[-1]
+        victim = _worker(run.proc.pid, size - 1)
         killed = time.time()
         os.kill(victim, signal.SIGKILL)
         shrunk = run.until(_Count(size - 1, kind="ok", size=size - 1), 30)
@@ -205,16 +222,19 @@ def arendez_trial(size: int, step_time: float) -> dict[str, float]:
 def torchrun_trial(size: int, step_time: float) -> dict[str, float]:
     me = str(Path(__file__).resolve())
     argv = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(size)]
-    argv += ["--max-restarts", "1", "--monitor-interval", "0.1"]
+    argv += ["--max-restarts", "3", "--monitor-interval", "0.1"]  # (a restart here fails now and then)
     run = _Watch([*argv, me, "--rank", "torch", "--step-time", str(step_time)], _env())
     try:
         run.until(_Count(size, kind="ok", restart=0), 120)
         time.sleep(0.5)
-        victim = _workers(run.proc.pid, b"--rank")[-1]
+        victim = _worker(run.proc.pid, size - 1)
         killed = time.time()
         os.kill(victim, signal.SIGKILL)
-        full = run.until(_Count(size, kind="ok", restart=1), 120)
+        found = run.until(_Restarted(size), 120)
+        first = min(r for r in {e["restart"] for e in found} if sum(e["restart"] == r for e in found) >= size)
+        full = [e for e in found if e["restart"] == first]
         return {
+            "restarts": float(first),
             "replacement_start_to_full": max(e["t"] for e in full) - min(e["start"] for e in full),
             "kill_to_full": max(e["t"] for e in full) - killed,
         }
@@ -265,10 +285,10 @@ def main() -> None:
                 except TimeoutError as exc:
                     print(f"W={size} {name} trial {trial}: timed out\n{exc}", file=sys.stderr)
                     continue
-                print(
-                    f"W={size} {name} trial {trial}: "
-                    + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in got.items())
+                shown = ", ".join(
+                    f"{k} {v:g}" if k == "restarts" else f"{k} {v * 1000:.0f} ms" for k, v in got.items()
                 )
+                print(f"W={size} {name} trial {trial}: {shown}", flush=True)
                 for key, value in got.items():
                     results.setdefault(f"{size}/{name}/{key}", []).append(value)
     print()

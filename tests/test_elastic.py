@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.elastic_run import Run, check_training
-from tests.harness import start_server
+from tests.elastic_run import EXAMPLE, Run, check_training
+from tests.harness import _env, start_server
 
 
 @pytest.fixture
@@ -92,3 +94,32 @@ def test_server_restarted_during_a_reform(runs: list[Run]) -> None:
         check_training(run, 2)
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(90)
+def test_restarts_used_up_and_fewer_than_min_left_fails_the_job(runs: list[Run]) -> None:
+    runs.append(run := Run("--nproc", "2", "--min-nproc", "2"))  # elastic, no restarts
+    run.wait_for(r"^\[rank 0\] step 20 loss", timeout=40)
+    run.signal_slot(1, signal.SIGKILL)
+    assert run.finish() == 137, run.text()[-3000:]  # 128 + SIGKILL: the failure not recovered
+    assert "rank 1 failed with exit code 137 (no restarts left)" in run.text()
+    assert "only 1 rank(s) left, fewer than --min-nproc 2" in run.text()
+    assert not run.finals()
+
+
+def _launcher(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "arendez.launch", *args]
+    return subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=30)
+
+
+def test_launcher_usage_errors() -> None:
+    etcd = ["--server", "etcd://127.0.0.1:2379/j"]
+    for args, words in (
+        (["--nproc", "2", "--min-nproc", "3"], "--min-nproc must be at most --nproc (2), got 3"),
+        (["--nproc", "2", "--max-restarts", "-1"], "--max-restarts must be at least 0"),
+        (["--nproc", "2", "--min-nproc", "1", *etcd], "etcd:// has no elastic"),
+    ):
+        out = _launcher(*args, EXAMPLE)
+        assert out.returncode == 2 and words in out.stderr, out.stderr
+    shown = _launcher("--help").stdout
+    assert "Exit status" in shown and "--max-restarts" in shown and "--min-nproc" in shown
