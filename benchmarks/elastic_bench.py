@@ -52,7 +52,10 @@ def _process_start() -> float:
 
 
 def _say(**event: Any) -> None:
-    print("BENCH " + json.dumps(event), flush=True)
+    """One line in one write: torchrun's workers share one stdout, and a print of a line is
+    two writes (text, newline) that another worker's may come between."""
+    sys.stdout.flush()
+    os.write(1, ("BENCH " + json.dumps(event) + "\n").encode())
 
 
 async def _arendez_rank(step_time: float) -> None:
@@ -112,8 +115,7 @@ class _Watch:
         for line in self.proc.stdout:
             with self.cond:
                 self.lines.append(line.rstrip())
-                m = re.search(r"BENCH (\{.*\})", line)
-                if m:
+                for m in re.finditer(r"BENCH (\{[^{}]*\})", line):
                     self.events.append(json.loads(m.group(1)))
                 self.cond.notify_all()
 

@@ -4,6 +4,8 @@ and ``reform``/``share_state`` between ranks of one process against a real serve
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import time
 from typing import Any
 
@@ -14,7 +16,7 @@ from arendez_server.state import Job, StateLimits
 import arendez as dist
 from arendez import elastic
 from arendez.errors import RendezvousError
-from tests.harness import ServerProcess, run_ranks
+from tests.harness import ROOT, ServerProcess, popen, run_ranks
 from tests.jobs import elastic as jobs
 
 
@@ -163,3 +165,16 @@ def test_share_state_and_a_reform_without_failure(arendez_server: ServerProcess)
         assert (got["generation2"], got["survivors2"]) == (1, 3)
     with pytest.raises(TypeError, match="plain numeric dtype"):
         elastic._split({"o": np.array([object()])})
+
+
+@pytest.mark.timeout(60)
+def test_the_blocking_facade_reforms_too(arendez_server: ServerProcess) -> None:
+    script = str(ROOT / "tests" / "scripts" / "elastic_sync.py")
+    procs = [popen([sys.executable, script, f"{arendez_server.url}/sync"]) for _ in range(2)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=50)
+        assert proc.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for got in outs:
+        assert got["after"] == [got["before"], 2] and got["w"] == [1.0, 1.0, 1.0] and got["waiting"] == 0
