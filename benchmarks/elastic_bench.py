@@ -156,11 +156,13 @@ class _Restarted:
 
 
 class _Count:
-    def __init__(self, n: int, **match: Any) -> None:
-        self.n, self.match = n, match
+    """``n`` events with these fields (and, with ``after``, a time ``t`` past it)."""
+
+    def __init__(self, n: int, after: float = 0.0, **match: Any) -> None:
+        self.n, self.after, self.match = n, after, match
 
     def __call__(self, e: dict[str, Any]) -> bool:
-        return all(e.get(k) == v for k, v in self.match.items())
+        return e.get("t", 0.0) > self.after and all(e.get(k) == v for k, v in self.match.items())
 
     def enough(self, found: list[dict[str, Any]]) -> bool:
         return len(found) >= self.n
@@ -208,8 +210,8 @@ def arendez_trial(size: int, step_time: float) -> dict[str, float]:
         victim = _worker(run.proc.pid, size - 1)
         killed = time.time()
         os.kill(victim, signal.SIGKILL)
-        shrunk = run.until(_Count(size - 1, kind="ok", size=size - 1), 30)
-        full = [e for e in run.until(_Count(2 * size, kind="ok", size=size), 30) if e["t"] > killed]
+        shrunk = run.until(_Count(size - 1, kind="ok", size=size - 1, after=killed), 30)
+        full = run.until(_Count(size, kind="ok", size=size, after=killed), 30)
         replacement = max(e["start"] for e in full)  # the one process started after the kill
         back = max(e["t"] for e in full)
         return {
@@ -275,6 +277,7 @@ def main() -> None:
     if args.rank == "torch":
         _torch_rank(args.step_time)
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so every trial's launcher is stopped
     torchrun = _torchrun_runs()
     results: dict[str, Any] = {}
     for size in args.sizes:
