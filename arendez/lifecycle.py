@@ -22,7 +22,7 @@ from .group import GroupMember, ProcessGroup
 from .handle import Handle
 from .registry import DEFAULT_TIMEOUT, default_group, install, resolve, seconds, uninstall, world_or_none
 from .rendezvous import Plan, is_loopback, plan
-from .rendezvous import _int_env as env_int
+from .rendezvous import int_env as env_int
 from .store import Store
 from .transports import inproc
 from .transports.tcp import Mesh
