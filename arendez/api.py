@@ -60,6 +60,7 @@ from .compat import (
     supports_complex,
 )
 from .flightrec import dump_flight_recorder, flight_recorder
+from .elastic import joiners_waiting, reform, share_state
 from .lifecycle import destroy_process_group, init_process_group, new_group, process_group
 from .objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .p2p import recv, send
@@ -119,6 +120,7 @@ __all__ = [
     "is_ucc_available",
     "is_xccl_available",
     "isend",
+    "joiners_waiting",
     "monitored_barrier",
     "new_group",
     "new_subgroups",
@@ -131,10 +133,12 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_single",
     "reduce_scatter_tensor",
+    "reform",
     "scatter",
     "scatter_object_list",
     "send",
     "send_object_list",
+    "share_state",
     "split_group",
     "supports_complex",
     "transport_stats",

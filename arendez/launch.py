@@ -8,6 +8,11 @@ prefixed with ``[rank K]``. The first rank to fail decides the exit code and the
 terminated; SIGINT/SIGTERM are forwarded to every rank. Each rank runs in its own session, so
 its children are killed with it, and a watchdog (``arendez.watchdog``) stops every session if
 the launcher itself is killed: nothing outlives the launcher.
+
+Elastic (``--max-restarts K`` and/or ``--min-nproc M``): the ranks get ``ARENDEZ_MIN_WORLD_SIZE``
+(``WORLD_SIZE`` is the max) and join elastic rounds (``arendez.elastic``); a rank that fails is
+started again in its slot (same ``RANK``/``LOCAL_RANK``, ``ARENDEZ_RESTART_COUNT`` counts its
+restarts), at most K times over the job, while the others re-form without it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="arendez-run",
         description="Run N local ranks of a script with the arendez env:// convention.",
+        epilog="Exit status: without --max-restarts/--min-nproc, 0 when every rank exits 0, else the "
+        "status of the first rank to fail (128+N for signal N; the others are terminated). Elastic: "
+        "0 when the script finished (exit 0) on at least --min-nproc ranks and no rank failed after "
+        "the first one finished (failed ranks that were restarted, or that the others went on "
+        "without, do not count); else the status of the first failure that was not recovered "
+        "(restarts used up and fewer than --min-nproc ranks left, or a failure after a rank "
+        "finished), or 1. 128+N when the launcher got signal N; 2 for a usage error.",
     )
     p.add_argument(
         "--nproc",
@@ -43,6 +55,26 @@ def _parser() -> argparse.ArgumentParser:
         type=validate.argtype(validate.at_least, 1, "--nproc"),
         default=1,
         help="ranks to start (default 1)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=validate.argtype(validate.at_least, 0, "--max-restarts"),
+        default=0,
+        help="elastic: restart a failed rank in its slot, at most this many times in all (default 0)",
+    )
+    p.add_argument(
+        "--min-nproc",
+        type=validate.argtype(validate.at_least, 1, "--min-nproc"),
+        default=None,
+        help="elastic: the job goes on with as few as this many ranks (default --nproc; like "
+        "torchrun's --nnodes=MIN:MAX); the ranks must re-form (arendez.reform) after a failure",
+    )
+    p.add_argument(
+        "--finish-timeout",
+        type=validate.argtype(validate.seconds, "--finish-timeout"),
+        default=30.0,
+        help="elastic: once a rank has finished, seconds the others get to finish before they are "
+        "stopped (a replacement that arrived too late waits for a round that never forms; default 30)",
     )
     p.add_argument(
         "--server",
@@ -75,8 +107,10 @@ def job_url(server: str, job: str | None) -> str:
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
 
 
-def rank_env(base: dict[str, str], url: str, rank: int, nproc: int) -> dict[str, str]:
-    """The environment of local rank ``rank`` of ``nproc``."""
+def rank_env(
+    base: dict[str, str], url: str, rank: int, nproc: int, min_nproc: int | None = None, restart: int = 0
+) -> dict[str, str]:
+    """The environment of local rank ``rank`` of ``nproc`` (elastic: of ``min_nproc``..``nproc``)."""
     env = dict(base)
     for name in ("MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK"):
         env.pop(name, None)
@@ -87,6 +121,9 @@ def rank_env(base: dict[str, str], url: str, rank: int, nproc: int) -> dict[str,
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(nproc),
     )
+    env.pop("ARENDEZ_MIN_WORLD_SIZE", None)
+    if min_nproc is not None:
+        env.update(ARENDEZ_MIN_WORLD_SIZE=str(min_nproc), ARENDEZ_RESTART_COUNT=str(restart))
     env.setdefault("PYTHONUNBUFFERED", "1")  # so interleaved rank output appears as it happens
     return env
 
@@ -312,6 +349,90 @@ async def _first_failure(ranks: Sequence[_Child]) -> tuple[int, int] | None:
             fut.cancel()
 
 
+@dataclass
+class _Elastic:
+    """What the elastic supervisor needs to start a rank again in its slot."""
+
+    argv: list[str]
+    base: dict[str, str]
+    url: str
+    nproc: int
+    min_nproc: int
+    max_restarts: int
+    finish_timeout: float
+    grace: float
+    watchdog: _Watchdog
+    kill_now: asyncio.Event
+    restarts: int = 0
+
+    async def start(self, slot: int, restart: int) -> _Child:
+        env = rank_env(self.base, self.url, slot, self.nproc, self.min_nproc, restart)
+        child = await _spawn(f"rank {slot}", self.argv, env)
+        self.watchdog.watch(child)
+        child.pump(f"[rank {slot}] ".encode())
+        return child
+
+
+async def _supervise(ranks: list[_Child], el: _Elastic) -> int:
+    """Elastic runs: restart failed ranks in their slots (``el.max_restarts`` in all) until the
+    script has finished; the exit status as ``arendez-run --help`` describes it."""
+    loop = asyncio.get_running_loop()
+    finished: set[int] = set()
+    lost: dict[int, int] = {}  # slot -> exit status, for failures nobody replaced
+    unrecovered: int | None = None  # the status of the first failure that counts
+    restarted = [0] * len(ranks)
+    finish_by: float | None = None
+    waits = {slot: asyncio.ensure_future(c.proc.wait()) for slot, c in enumerate(ranks)}
+    try:
+        while waits:
+            timeout = None if finish_by is None else max(0.0, finish_by - loop.time())
+            done, _ = await asyncio.wait(waits.values(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:  # the finish timeout: whoever still runs waits for a round that never forms
+                late = sorted(waits)
+                _say(f"rank(s) {late} still running {el.finish_timeout:g}s after one finished; stopping them")
+                await _stop([ranks[s] for s in late], signal.SIGTERM, el.grace, el.kill_now)
+                break
+            for slot in [s for s, w in waits.items() if w in done]:
+                code = exit_code(waits.pop(slot).result())
+                if code == 0:
+                    finished.add(slot)
+                    if finish_by is None:
+                        finish_by = loop.time() + el.finish_timeout
+                    continue
+                if not finished and el.restarts < el.max_restarts:
+                    el.restarts += 1
+                    restarted[slot] += 1
+                    _say(
+                        f"rank {slot} failed with exit code {code}; restarting it "
+                        f"(restart {el.restarts} of {el.max_restarts})"
+                    )
+                    old, ranks[slot] = ranks[slot], await el.start(slot, restarted[slot])
+                    waits[slot] = asyncio.ensure_future(ranks[slot].proc.wait())
+                    await _drain([old], timeout=1.0)  # its output, then its pipes
+                    continue
+                lost[slot] = code
+                why = "a rank had already finished" if finished else "no restarts left"
+                _say(f"rank {slot} failed with exit code {code} ({why}); the job goes on without it")
+                if finished and unrecovered is None:
+                    unrecovered = code
+            if len(waits) + len(finished) < el.min_nproc:
+                first = next(iter(lost.values()), 1)
+                _say(
+                    f"only {len(waits) + len(finished)} rank(s) left, fewer than --min-nproc "
+                    f"{el.min_nproc}; terminating the others"
+                )
+                await _stop([ranks[s] for s in waits], signal.SIGTERM, el.grace, el.kill_now)
+                return first
+        if unrecovered is not None:
+            return unrecovered
+        if len(finished) >= el.min_nproc:
+            return 0
+        return next(iter(lost.values()), 1)
+    finally:
+        for w in waits.values():
+            w.cancel()
+
+
 async def _unless(stop: asyncio.Event, work: asyncio.Future[T]) -> asyncio.Future[T] | None:
     """Wait for ``work`` or ``stop``, whichever comes first; ``work`` is cancelled on ``stop``."""
     halt = asyncio.ensure_future(stop.wait())
@@ -399,14 +520,22 @@ async def _run(args: argparse.Namespace) -> int:
                 return 128 + received[0]
             url = job_url(started.result(), args.job)
         target = ["-m", args.script] if args.module else [args.script]
+        elastic = _elastic_of(args, [sys.executable, *target, *args.args], base, url, watchdog, kill_now)
         for rank in range(args.nproc):
             if stop.is_set():
                 break
+            if elastic is not None:
+                ranks.append(await elastic.start(rank, 0))
+                continue
             env = rank_env(base, url, rank, args.nproc)
             child = await _spawn(f"rank {rank}", [sys.executable, *target, *args.args], env)
             watchdog.watch(child)
             child.pump(f"[rank {rank}] ".encode())
             ranks.append(child)
+        if elastic is not None:
+            supervised = await _unless(stop, asyncio.ensure_future(_supervise(ranks, elastic)))
+            if supervised is not None:
+                return supervised.result()
         outcome = await _unless(stop, asyncio.ensure_future(_first_failure(ranks)))
         if stop.is_set():
             signum = received[0]
@@ -437,6 +566,35 @@ async def _run(args: argparse.Namespace) -> int:
             loop.remove_signal_handler(sig)
 
 
+def _elastic_of(
+    args: argparse.Namespace,
+    argv: list[str],
+    base: dict[str, str],
+    url: str,
+    watchdog: _Watchdog,
+    kill_now: asyncio.Event,
+) -> _Elastic | None:
+    if not is_elastic(args):
+        return None
+    low = args.min_nproc if args.min_nproc is not None else args.nproc
+    return _Elastic(
+        argv,
+        base,
+        url,
+        args.nproc,
+        low,
+        args.max_restarts,
+        args.finish_timeout,
+        args.grace,
+        watchdog,
+        kill_now,
+    )
+
+
+def is_elastic(args: argparse.Namespace) -> bool:
+    return bool(args.max_restarts) or args.min_nproc is not None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``arendez-run``; returns the process exit status."""
     args = _parser().parse_args(argv)
@@ -450,6 +608,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             job_url(args.server, args.job)
         except ValueError as exc:
             _parser().error(str(exc))
+    if args.min_nproc is not None and args.min_nproc > args.nproc:
+        _parser().error(f"--min-nproc must be at most --nproc ({args.nproc}), got {args.min_nproc}")
+    if is_elastic(args) and args.server and args.server.startswith("etcd://"):
+        _parser().error("--max-restarts/--min-nproc need an arendez server: etcd:// has no elastic rounds")
     return asyncio.run(_run(args))
 
 

@@ -15,13 +15,14 @@ from typing import Any
 import numpy as np
 
 from . import algorithms as algo
-from . import embedded, farewell, shm, tls, validate
+from . import elastic, embedded, farewell, shm, tls, validate
 from .arrays import ReduceOp
 from .errors import RendezvousError
 from .group import GroupMember, ProcessGroup
 from .handle import Handle
 from .registry import DEFAULT_TIMEOUT, default_group, install, resolve, seconds, uninstall, world_or_none
 from .rendezvous import Plan, is_loopback, plan
+from .rendezvous import int_env as env_int
 from .store import Store
 from .transports import inproc
 from .transports.tcp import Mesh
@@ -39,7 +40,7 @@ async def init_process_group(
     backend: str | None = "tcp",
     init_method: str | None = None,
     *,
-    world_size: int = -1,
+    world_size: int | tuple[int, int] = -1,
     rank: int = -1,
     timeout: float | datetime.timedelta | None = None,
     store: Store | None = None,
@@ -47,8 +48,15 @@ async def init_process_group(
 ) -> None:
     """Join (or form) the default process group (``init_method``: see the README).
 
-    ``group_name`` is accepted for torch compatibility and unused.
+    ``world_size=(min, max)`` (or ``ARENDEZ_MIN_WORLD_SIZE`` in the environment) joins an
+    elastic world on a standalone server (``arendez.elastic``). ``group_name`` is accepted for
+    torch compatibility and unused.
     """
+    range_ = elastic.bounds(world_size)
+    if range_ is not None:
+        where, limit = _checked_elastic(backend, init_method, range_, rank, timeout, store, group_name)
+        await init_elastic(where, limit, limit)
+        return
     where, limit = _checked(backend, init_method, world_size, rank, timeout, store, group_name)
     if default_group() is not None:
         raise RendezvousError("the default process group is already initialized")
@@ -90,6 +98,60 @@ def _checked(
     return where, limit
 
 
+def _checked_elastic(
+    backend: object,
+    init_method: object,
+    range_: elastic.Bounds,
+    rank: object,
+    timeout: object,
+    store: object,
+    group_name: object,
+) -> tuple[Plan, float]:
+    """``init_process_group``'s arguments for an elastic world, checked before any I/O."""
+    validate.backend(backend)
+    url = validate.init_method(init_method)
+    if validate.index(rank, "rank") != -1:
+        raise ValueError(f"an elastic world assigns ranks: leave rank=-1 (got rank={rank})")
+    if store is not None:
+        raise ValueError("an elastic world joins through init_method (arendez://...), not store=")
+    limit = DEFAULT_TIMEOUT if timeout is None else validate.seconds(timeout, "timeout")
+    validate.text(group_name, "group_name")
+    algo.forced_algorithm()
+    where = plan(url, range_.max_size, 0)  # (rank 0: the plan must not take RANK as the rank)
+    if where.host_server or where.transport != "tcp" or where.store_url or not where.host:
+        raise RendezvousError(
+            "an elastic world needs a standalone arendez-server (init_method arendez://host:port/job, "
+            "or ARENDEZ_URL as arendez-run sets it): a server embedded in rank 0 (tcp://, env:// with "
+            "MASTER_ADDR, file://) dies with rank 0, and then nobody can re-form; inproc:// and etcd:// "
+            "have no elastic rounds"
+        )
+    slot = env_int(os.environ, "RANK")  # (the launcher's slot: orders new ranks, nothing more)
+    return (
+        Plan(
+            range_.max_size,
+            -1,
+            where.host,
+            where.port,
+            where.job,
+            where.token,
+            min_size=range_.min_size,
+            settle=elastic.settle_seconds(),
+            hint=slot if slot is not None and slot >= 0 else -1,
+        ),
+        limit,
+    )
+
+
+async def init_elastic(where: Plan, timeout: float, join_timeout: float) -> None:
+    """Join an elastic round (``where.min_size`` > 0) and install the world; collectives get
+    ``timeout``, the join ``join_timeout``."""
+    if default_group() is not None:
+        raise RendezvousError("the default process group is already initialized")
+    world = await _tcp_world(where, timeout, None, join_timeout=join_timeout)
+    farewell.register(world)
+    install(world)
+
+
 async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> World:
     """Ranks that are tasks of this event loop (one rank: a world of its own): no store."""
     job = where.job or f"local-{os.urandom(8).hex()}"
@@ -100,11 +162,13 @@ async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> Wor
     return world
 
 
-async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
+async def _tcp_world(
+    where: Plan, timeout: float, given: Store | None, *, join_timeout: float | None = None
+) -> World:
     """Join through the store, connect to the algorithms' neighbours (the rest of the mesh
     connects on first use), set up same-host shared memory."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + (timeout if join_timeout is None else join_timeout)
     secure = tls.from_env()
     if secure is not None and secure.server is None and where.world_size != 1:
         raise RendezvousError(
@@ -144,7 +208,23 @@ async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
         port = await mesh.listen(os.environ.get("ARENDEZ_LISTEN_ADDR") or advertise, 0)
         address = f"[{advertise}]:{port}" if ":" in advertise else f"{advertise}:{port}"
         offsets = neighbour_offsets(where.world_size)
-        if isinstance(store, Store):  # only the neighbours' addresses; the rest on first use
+        if where.min_size:  # elastic: the size is known once the round closes
+            member = await store.join(
+                where.world_size,
+                -1,
+                address,
+                deadline - loop.time(),
+                peers=False,
+                neighbours=offsets,
+                min_size=where.min_size,
+                settle=where.settle,
+                came_from=where.came_from,
+                hint=where.hint,
+                dead=where.dead,
+            )
+            offsets = neighbour_offsets(member.world_size)
+            known, resolve = dict(member.addresses), store.addresses
+        elif isinstance(store, Store):  # only the neighbours' addresses; the rest on first use
             member = await store.join(
                 where.world_size, where.rank, address, deadline - loop.time(), peers=False, neighbours=offsets
             )
@@ -171,6 +251,8 @@ async def _tcp_world(where: Plan, timeout: float, given: Store | None) -> World:
         neighbours = {(member.rank + k) % member.world_size for k in offsets}
         await mesh.preconnect(neighbours, max(0.0, deadline - loop.time()))
         await world.open_shm(max(0.0, min(SHM_SETUP_SECONDS, deadline - loop.time())))
+        if where.min_size:
+            elastic.remember(elastic.Config(where, timeout), world, member.generation, member.survivors)
         return world
     except BaseException:  # undo what was built, within what is left of init's deadline
         if world is not None:
@@ -223,7 +305,9 @@ def _on_server_event(world: World, event: dict[str, Any]) -> None:
     """The server's word on ranks this one may never have connected to."""
     kind = event.get("event")
     rank = event.get("rank")
-    if kind == "rank_failed" and isinstance(rank, int):
+    if kind == "joining" and isinstance(event.get("waiting"), int):
+        elastic.note_joining(world, event["waiting"])
+    elif kind == "rank_failed" and isinstance(rank, int):
         world.peer_lost(rank, f"declared failed by the server ({event.get('reason')})")
     elif kind == "rank_left" and isinstance(rank, int) and rank not in _connected(world):
         # (a connected rank says goodbye on its connection, after its last frame)

@@ -28,6 +28,14 @@ class Plan:
     host_server: bool = False  # tcp:// semantics: rank 0 runs the server in its own loop
     transport: str = "tcp"  # "inproc": every rank is a task of this event loop
     store_url: str = ""  # etcd://: the store is an EtcdStore for this URL
+    #: Elastic worlds (``arendez.elastic``): the fewest ranks (0: a fixed-size world, whose size
+    #: is ``world_size``; else ``world_size`` is the most), the settle time, the generation of
+    #: the job's round this process was last in and its rank there (or its launcher slot).
+    min_size: int = 0
+    settle: float = 0.0
+    came_from: int = -1
+    hint: int = -1
+    dead: tuple[int, ...] = ()  # ranks of that round this rank saw fail
 
     @property
     def local(self) -> bool:
@@ -35,7 +43,7 @@ class Plan:
         return not self.host
 
 
-def _int_env(env: Mapping[str, str], name: str) -> int | None:
+def int_env(env: Mapping[str, str], name: str) -> int | None:
     raw = env.get(name)
     if raw is None or raw == "":
         return None
@@ -64,7 +72,7 @@ def plan(
     """Resolve ``init_method`` and the torchrun-style environment into a ``Plan``."""
     env = os.environ if env is None else env
     if init_method is None:
-        env_world = _int_env(env, "WORLD_SIZE")
+        env_world = int_env(env, "WORLD_SIZE")
         if world_size in (-1, 1) and (env_world in (None, 1)) and not env.get("ARENDEZ_URL"):
             if rank not in (-1, 0):
                 raise RendezvousError(f"rank {rank} is impossible in a world of size 1")
@@ -73,13 +81,13 @@ def plan(
     url = urllib.parse.urlsplit(init_method)
     token = env.get("ARENDEZ_TOKEN") or None
     if url.scheme == "env":
-        world_size = world_size if world_size != -1 else (_int_env(env, "WORLD_SIZE") or -1)
+        world_size = world_size if world_size != -1 else (int_env(env, "WORLD_SIZE") or -1)
         if rank == -1:
-            env_rank = _int_env(env, "RANK")
+            env_rank = int_env(env, "RANK")
             rank = -1 if env_rank is None else env_rank  # -1: the server assigns ranks
         if env.get("ARENDEZ_URL"):
             return plan(env["ARENDEZ_URL"], world_size, rank, env)
-        addr, port = env.get("MASTER_ADDR"), _int_env(env, "MASTER_PORT")
+        addr, port = env.get("MASTER_ADDR"), int_env(env, "MASTER_PORT")
         if port is not None:
             validate.port(port, "MASTER_PORT", lowest=1)
         if not addr or port is None:

@@ -72,6 +72,10 @@ class Membership:
     nonce: bytes
     #: Addresses of the ranks asked for with ``join(neighbours=...)``, by rank.
     addresses: dict[int, str] = field(default_factory=dict)
+    #: Elastic rounds: the job's round number, and how many ranks (0..survivors-1) came from
+    #: the job's previous round (the others are new: replacements, scale-up, stale ranks).
+    generation: int = -1
+    survivors: int = 0
 
 
 class Store:
@@ -447,8 +451,19 @@ class Store:
         *,
         peers: bool = True,
         neighbours: Iterable[int] | None = None,
+        min_size: int | None = None,
+        settle: float | None = None,
+        came_from: int = -1,
+        hint: int = -1,
+        dead: Iterable[int] = (),
     ) -> Membership:
         """Join the job's rendezvous round; returns once all ``world_size`` ranks are in.
+
+        Elastic (``min_size`` given, ``rank`` -1): the round closes with ``world_size`` ranks,
+        or with ``min_size`` or more once no rank arrived for ``settle`` seconds; the server
+        assigns ranks, the ranks of the job's latest round (``came_from``, its generation)
+        first in their old order (``hint``, the old rank), then the others by ``hint``. ``dead``:
+        ranks of that round this rank saw fail (the server declares them failed at once).
 
         With ``peers=False`` the answer carries no peer addresses (``Membership.peers`` is
         empty): fetch the ones needed with ``addresses``, so a round costs O(N), not O(N²).
@@ -475,6 +490,12 @@ class Store:
                     lease=self._lease.key,
                     peers=peers,
                     **({"neighbours": list(neighbours)} if neighbours is not None else {}),
+                    **(
+                        {"min_size": min_size, "came_from": came_from, "hint": hint, "dead": list(dead)}
+                        if min_size is not None
+                        else {}
+                    ),
+                    **({"settle": settle} if settle is not None else {}),
                 )
                 break
             except (StoreTimeoutError, LimitError):
@@ -497,6 +518,8 @@ class Store:
             list(found) if found is not None else [],
             bytes(answer["nonce"]),
             {int(r): str(a) for r, a in answer.get("addresses", {}).items()},
+            int(answer.get("generation", -1)),
+            int(answer.get("survivors", 0)),
         )
         return m
 

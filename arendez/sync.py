@@ -126,6 +126,9 @@ all_gather_object = _blocking(api.all_gather_object)
 broadcast_object_list = _blocking(api.broadcast_object_list)
 gather_object = _blocking(api.gather_object)
 scatter_object_list = _blocking(api.scatter_object_list)
+reform = _blocking(api.reform)  # elastic worlds (arendez.elastic)
+share_state = _blocking(api.share_state)
+joiners_waiting = api.joiners_waiting
 
 monitored_barrier = _blocking(compat.monitored_barrier)
 all_reduce_coalesced = _blocking(compat.all_reduce_coalesced)
@@ -291,6 +294,7 @@ __all__ = [
     "is_ucc_available",
     "is_xccl_available",
     "isend",
+    "joiners_waiting",
     "monitored_barrier",
     "new_group",
     "new_subgroups",
@@ -302,10 +306,12 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_single",
     "reduce_scatter_tensor",
+    "reform",
     "scatter",
     "scatter_object_list",
     "send",
     "send_object_list",
+    "share_state",
     "split_group",
     "supports_complex",
     "transport_stats",

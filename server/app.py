@@ -33,7 +33,7 @@ from arendez.errors import (
 )
 
 from .hooks import ServerHooks
-from .state import Departure, Job, Lease, Round, ServerState, StateLimits
+from .state import Departure, Job, Lease, Member, Round, ServerState, StateLimits
 
 log = logging.getLogger("arendez.server")
 
@@ -52,6 +52,9 @@ HELLO_MAX = 1024
 HELLO_FRAMES = 2
 #: Departures gathered before failure news goes out (one event per round per flush).
 DEPARTURE_BATCH = 0.01
+#: Seconds an elastic round with at least its minimum of ranks waits for more (each arrival
+#: restarts it) unless the joiners ask for another value.
+ELASTIC_SETTLE = 0.25
 
 _packer = msgpack.Packer(use_bin_type=True)
 
@@ -200,6 +203,8 @@ class Server:
         self._peers_packed: dict[Round, bytes] = {}
         self._departed: list[Departure] = []
         self._departure_flush: asyncio.TimerHandle | None = None
+        self._settle: dict[Round, asyncio.TimerHandle] = {}  # elastic rounds at their minimum
+        self._joining_news: dict[str, asyncio.TimerHandle] = {}  # by job: "ranks wait to join"
         self._lease_task: asyncio.Task[None] | None = None
         self._closing = False
         self.max_connections = self.config.max_connections
@@ -475,6 +480,52 @@ class Server:
             if not waiters:
                 del self._key_waiters[(job, key)]
 
+    # -- elastic rounds ---------------------------------------------------------------------
+    def _round_closed(self, round_: Round) -> None:
+        """Wake the joiners of a round that just completed (or closed, elastic)."""
+        timer = self._settle.pop(round_, None)
+        if timer is not None:
+            timer.cancel()
+        done = self._round_done.pop(round_, None)
+        if done is not None and not done.done():
+            done.set_result(None)
+
+    def _elastic_joined(self, job: Job, round_: Round, settle: float) -> None:
+        """A rank joined an elastic round that is not full: (re)start its settle time once it
+        has its minimum, and tell the members of the job's running rounds that ranks wait."""
+        loop = asyncio.get_running_loop()
+        if len(round_.members) >= round_.min_size:
+            timer = self._settle.pop(round_, None)
+            if timer is not None:
+                timer.cancel()
+            self._settle[round_] = loop.call_later(settle, self._settled, job, round_)
+        if job.rounds and job.name not in self._joining_news:
+            self._joining_news[job.name] = loop.call_later(DEPARTURE_BATCH, self._tell_joining, job)
+
+    def _settled(self, job: Job, round_: Round) -> None:
+        self._settle.pop(round_, None)
+        if job.settle(round_, time.monotonic()) is not None:
+            self._round_closed(round_)
+
+    def _close_ready(self, name: str) -> None:
+        """Ranks of ``name`` left or failed: its elastic round being formed may close now."""
+        job = self.state.jobs.get(name)
+        closed = job.close_ready(time.monotonic()) if job is not None else None
+        if closed is not None:
+            self._round_closed(closed)
+
+    def _tell_joining(self, job: Job) -> None:
+        """One ``joining`` event per running round of ``job``: how many ranks wait to join."""
+        self._joining_news.pop(job.name, None)
+        forming = job.forming
+        if forming is None or not forming.elastic:
+            return
+        event = wire.encode({"event": "joining", "waiting": len(forming.members)})
+        for nonce in list(job.rounds):
+            for session in self._members.get((job.name, nonce), ()):
+                if session.conn.is_open:
+                    session.send_encoded(event)
+
     # -- departures and leases -------------------------------------------------------------
     def _depart(self, departures: list[Departure]) -> None:
         """Queue departures; they go out batched, one event per round per flush."""
@@ -484,6 +535,8 @@ class Server:
             self.config.hooks.departed(gone)
             (log.warning if gone.failed else log.info)("job %r rank %d %s", gone.job, gone.rank, gone.reason)
         self._departed.extend(departures)
+        for name in {gone.job for gone in departures}:
+            self._close_ready(name)
         if self._departure_flush is None:
             loop = asyncio.get_running_loop()
             self._departure_flush = loop.call_later(DEPARTURE_BATCH, self._flush_departures)
@@ -660,21 +713,40 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
     if s.round is not None:
         raise RendezvousError("this connection already joined the job")
     deadline = _deadline(h.get("timeout"))
-    round_, rank = job.join(
-        h.get("rank", -1),
-        h.get("world_size", 0),
-        str(h.get("address", "")),
-        time.monotonic(),
-        _lease_of(server, h),
-    )
+    member: Member | None = None
+    if h.get("min_size") is not None:  # elastic: min_size..world_size ranks, assigned at the close
+        settle = h.get("settle", ELASTIC_SETTLE)
+        if not isinstance(settle, (int, float)) or not 0 <= settle <= 60:
+            raise RendezvousError(f"settle must be a number of seconds in 0..60, got {settle!r:.40}")
+        round_, member, gone = job.join_elastic(
+            h["min_size"],
+            h.get("world_size", 0),
+            str(h.get("address", "")),
+            time.monotonic(),
+            _lease_of(server, h),
+            came_from=h.get("came_from", -1),
+            hint=h.get("hint", -1),
+            dead=h.get("dead", ()),
+        )
+        server._depart(gone)
+        rank = member.rank
+    else:
+        round_, rank = job.join(
+            h.get("rank", -1),
+            h.get("world_size", 0),
+            str(h.get("address", "")),
+            time.monotonic(),
+            _lease_of(server, h),
+        )
     s.round, s.rank = round_, rank
     loop = asyncio.get_running_loop()
     done = server._round_done.get(round_)
     if done is None:
         done = server._round_done[round_] = loop.create_future()
     if round_.complete:
-        done.set_result(None)
-        server._round_done.pop(round_, None)
+        server._round_closed(round_)
+    elif member is not None:
+        server._elastic_joined(job, round_, float(settle))
     try:
         async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
             await asyncio.shield(done)
@@ -682,6 +754,11 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
         joined = sorted(round_.members)  # counted before this rank withdraws: it joined too
         job.withdraw(round_, rank)
         s.round = s.rank = None
+        if round_.elastic:
+            raise RendezvousError(
+                f"job {s.job!r}: only {len(joined)} rank(s) joined in time, the elastic world needs "
+                f"at least {round_.min_size} (missing: {round_.min_size - len(joined)} rank(s))"
+            ) from None
         missing = sorted(set(range(round_.world_size)) - set(joined))
         shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
         raise RendezvousError(
@@ -694,8 +771,12 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
     finally:
         if not round_.members and round_ in server._round_done:  # everyone gave up
             server._round_done.pop(round_).cancel()
+    if member is not None:
+        rank = s.rank = member.rank  # assigned when the round closed
     server._bind(s, round_, rank)
     answer: dict[str, Any] = {"rank": rank, "world_size": round_.world_size, "nonce": round_.nonce}
+    if round_.elastic:
+        answer.update(generation=round_.generation, survivors=round_.survivors)
     offsets = h.get("neighbours")
     if offsets is not None:  # the addresses of rank + offset (mod world_size), in the answer
         if not isinstance(offsets, list) or len(offsets) > 64 or not all(isinstance(o, int) for o in offsets):

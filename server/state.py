@@ -48,11 +48,13 @@ class Lease:
 
 @dataclass
 class Member:
-    rank: int
+    rank: int  # in an elastic round being formed: an arrival number until the round closes
     address: str
     last_seen: float
     state: MemberState = MemberState.ACTIVE
     lease: Lease | None = None
+    came_from: int = -1  # elastic: the generation of the round this rank was in (-1: none)
+    hint: int = -1  # elastic: its rank in that round (or its launcher slot): ordering only
 
     def expired(self, now: float, lease: float, arm_grace: float) -> bool:
         """Silent for longer than ``lease`` (its own heartbeats, or its process's lease)."""
@@ -84,6 +86,26 @@ class Round:
     nonce: bytes = b""
     active: int = 0  # members still ACTIVE (kept as a count: checked on every departure)
     _next_free: int = 0  # no rank below this is free (ranks -1 are handed out in order)
+    #: Elastic rounds: the fewest ranks the round may close with (``world_size`` is the most);
+    #: 0 for a fixed-size round. An elastic round assigns ranks when it closes.
+    min_size: int = 0
+    generation: int = -1  # elastic: the job's round number, set when the round closes
+    survivors: int = 0  # elastic: ranks 0..survivors-1 came from the job's latest round
+    _arrivals: int = 0
+    _latest: int = -1  # elastic, while forming: the newest generation a joiner came from
+    _from_latest: int = 0  # ... how many joiners came from it
+    settled: bool = False  # elastic, while forming: its settle time passed
+    failed: int = 0  # members declared failed (counted as they are)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_size > 0
+
+    def _count(self, member: Member) -> None:
+        if member.came_from > self._latest:
+            self._latest, self._from_latest = member.came_from, 0
+        if member.came_from == self._latest and member.came_from >= 0:
+            self._from_latest += 1
 
     @property
     def complete(self) -> bool:
@@ -109,11 +131,17 @@ class Round:
         if member is not None and member.state is MemberState.ACTIVE:
             self.active -= 1
         self._next_free = min(self._next_free, rank)
+        if member is not None and self.elastic:  # rare: count the rest again
+            self._latest, self._from_latest = -1, 0
+            for other in self.members.values():
+                self._count(other)
 
     def end(self, member: Member, state: MemberState) -> None:
         """Mark an active member as left or failed."""
         if member.state is MemberState.ACTIVE:
             self.active -= 1
+            if state is MemberState.FAILED:
+                self.failed += 1
         member.state = state
 
     def peers(self) -> list[str]:
@@ -142,6 +170,8 @@ class Job:
     forming: Round | None = None
     rounds: dict[bytes, Round] = field(default_factory=dict)
     nbytes: int = 0  # keys + values held
+    generation: int = 0  # the number the next elastic round gets
+    latest: Round | None = None  # the elastic round closed last (kept after it is over)
 
     # -- key-value store -------------------------------------------------------------------
     def _check_key(self, key: object) -> str:
@@ -229,6 +259,11 @@ class Job:
         forming = self.forming
         if forming is None:
             forming = self.forming = Round(world_size)
+        elif forming.elastic:
+            raise RendezvousError(
+                f"job {self.name!r} is forming an elastic world of {forming.min_size}..{forming.world_size} "
+                f"ranks, this rank asked for a fixed world of {world_size}"
+            )
         elif world_size != forming.world_size:
             raise RendezvousError(
                 f"job {self.name!r} is forming a world of {forming.world_size}, "
@@ -248,6 +283,132 @@ class Job:
             self.rounds[forming.nonce] = forming
             self.forming = None
         return forming, rank
+
+    def join_elastic(
+        self,
+        min_size: int,
+        max_size: int,
+        address: str,
+        now: float,
+        lease: Lease | None = None,
+        *,
+        came_from: int = -1,
+        hint: int = -1,
+        dead: object = (),
+    ) -> tuple[Round, Member, list[Departure]]:
+        """Add a member to the elastic round being formed (``min_size``..``max_size`` ranks).
+
+        Ranks are assigned when the round closes (``Member.rank``): first the ranks of the job's
+        latest round (``came_from``, its generation), in their old order (``hint``, the old
+        rank), then the others by ``hint``. ``dead`` lists ranks of that round the joiner saw
+        fail: they are declared failed now (the departures are returned, to be told). The round
+        closes (``close_ready``) at ``max_size`` ranks, or with ``min_size`` or more once no rank
+        of a running elastic round is still active and either every live rank of the latest
+        round is in or the settle time passed (``settle``). O(1) per join; the close sorts once.
+        """
+        limit = self.limits.max_world_size
+        for value, name in ((min_size, "min world size"), (max_size, "max world size")):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+                raise RendezvousError(f"{name} must be an integer in 1..{limit}, got {value!r:.40}")
+        if min_size > max_size:
+            raise RendezvousError(f"min world size {min_size} exceeds the max world size {max_size}")
+        for value, name in ((came_from, "came_from"), (hint, "hint")):
+            if not isinstance(value, int) or isinstance(value, bool) or not -1 <= value < 2**62:
+                raise RendezvousError(f"{name} must be an integer >= -1, got {value!r:.40}")
+        if (
+            not isinstance(dead, (list, tuple))
+            or len(dead) > limit
+            or not all(isinstance(r, int) for r in dead)
+        ):
+            raise RendezvousError(f"dead must be a list of at most {limit} ranks")
+        forming = self.forming
+        if forming is None:
+            forming = self.forming = Round(max_size, min_size=min_size)
+        elif (forming.min_size, forming.world_size) != (min_size, max_size):
+            asked = f"{min_size}..{max_size} ranks"
+            formed = (
+                f"{forming.min_size}..{forming.world_size} ranks"
+                if forming.elastic
+                else f"a fixed world of {forming.world_size}"
+            )
+            raise RendezvousError(f"job {self.name!r} is forming {formed}, this rank asked for {asked}")
+        gone = self._declare_dead(came_from, dead)
+        key = forming._arrivals
+        forming._arrivals += 1
+        member = Member(key, address, now, lease=lease, came_from=came_from, hint=hint)
+        forming.add(member)
+        forming._count(member)
+        forming.settled = False  # an arrival restarts the settle time
+        self.close_ready(now)
+        return forming, member, gone
+
+    def _declare_dead(self, came_from: int, dead: list[int] | tuple[int, ...]) -> list[Departure]:
+        latest = self.latest
+        if not dead or latest is None or latest.generation != came_from or latest.nonce not in self.rounds:
+            return []
+        gone = []
+        for rank in dead:
+            member = latest.members.get(rank)
+            if member is not None and member.state is MemberState.ACTIVE:
+                latest.end(member, MemberState.FAILED)
+                gone.append(Departure(self.name, latest.nonce, rank, True, "its peers saw it fail"))
+        self._forget_if_done(latest)
+        return gone
+
+    def _running_elsewhere(self) -> bool:
+        """A rank of an elastic round that is running is still active (it must re-form too)."""
+        return any(r.elastic and r.active > 0 for r in self.rounds.values())
+
+    def close_ready(self, now: float) -> Round | None:
+        """Close the elastic round being formed if it may close now; return it if it did."""
+        forming = self.forming
+        if forming is None or not forming.elastic:
+            return None
+        count = len(forming.members)
+        if count < forming.world_size:
+            if count < forming.min_size or self._running_elsewhere():
+                return None
+            latest = self.latest
+            all_in = (
+                latest is not None
+                and forming._latest == latest.generation
+                and forming._from_latest >= latest.world_size - latest.failed
+            )
+            if not (all_in or forming.settled):
+                return None
+        self._close_elastic(forming, now)
+        return forming
+
+    def settle(self, round_: Round, now: float) -> Round | None:
+        """The settle time of ``round_`` passed: close it if it may close now."""
+        if round_ is not self.forming:
+            return None
+        round_.settled = True
+        return self.close_ready(now)
+
+    def _close_elastic(self, round_: Round, now: float) -> None:
+        members = list(round_.members.values())
+        latest = max(m.came_from for m in members)
+        if latest >= 0:
+            self.generation = max(self.generation, latest + 1)
+
+        def order(m: Member) -> tuple[int, int, int]:  # (then by arrival: the key is unique)
+            return (0 if latest >= 0 and m.came_from == latest else 1, m.hint, m.rank)
+
+        members.sort(key=order)
+        round_.members = {}
+        for rank, member in enumerate(members):
+            member.rank = rank
+            member.last_seen = now  # leases start now: early joiners waited
+            round_.members[rank] = member
+        round_.world_size = len(members)
+        round_.survivors = sum(1 for m in members if latest >= 0 and m.came_from == latest)
+        round_.generation = self.generation
+        self.generation += 1
+        round_.nonce = os.urandom(16)
+        self.rounds[round_.nonce] = round_
+        self.latest = round_
+        self.forming = None
 
     def withdraw(self, round_: Round, rank: int) -> None:
         """Undo a join whose round never completed (the joiner gave up or vanished)."""
