@@ -59,8 +59,8 @@ from .compat import (
     split_group,
     supports_complex,
 )
-from .flightrec import dump_flight_recorder, flight_recorder
 from .elastic import joiners_waiting, reform, share_state
+from .flightrec import dump_flight_recorder, flight_recorder
 from .lifecycle import destroy_process_group, init_process_group, new_group, process_group
 from .objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .p2p import recv, send
