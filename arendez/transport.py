@@ -21,6 +21,7 @@ from typing import Any, TypeVar, cast
 
 from . import wire
 from .errors import ArendezError, AuthenticationError, ProtocolError
+from .settings import env_int
 
 FrameHandler = Callable[[Any, memoryview | None], None]
 CloseHandler = Callable[[BaseException | None], None]
@@ -29,6 +30,12 @@ E = TypeVar("E", bound=BaseException)
 PROTOCOL_VERSION = 1
 #: Frames a connection holds before its owner takes over (a handshake needs two).
 MAX_QUEUED = 16
+#: While a large payload arrives on a plain TCP socket, the kernel wakes the loop only once this
+#: many of its bytes (or all that is left of it) are queued (``SO_RCVLOWAT``): fewer, larger reads
+#: and fewer event-loop turns per byte. 0 turns it off (``ARENDEZ_RCVLOWAT``).
+RCVLOWAT_BYTES = env_int("ARENDEZ_RCVLOWAT", 256 << 10, minimum=0)
+#: Payload remainders smaller than this are read as they come (setting the mark costs a syscall).
+_LOWAT_MIN = 64 << 10
 
 
 def _tune_socket(transport: asyncio.BaseTransport) -> None:
@@ -44,6 +51,23 @@ def _tune_socket(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
     except OSError:  # pragma: no cover - platform without these options
         pass
+
+
+def _lowat_socket(transport: asyncio.BaseTransport) -> socket.socket | None:
+    """A handle on the socket whose ``SO_RCVLOWAT`` may follow the payload now arriving (a dup of
+    its descriptor: uvloop's socket wrapper builds a socket object per call), or None: only plain
+    TCP (under TLS the kernel counts ciphertext, and the TLS layer may hold bytes already read)."""
+    if not RCVLOWAT_BYTES or not hasattr(socket, "SO_RCVLOWAT"):
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    if any(transport.get_extra_info(k) is not None for k in ("ssl_object", "sslcontext")):
+        return None
+    try:
+        return socket.socket(fileno=os.dup(sock.fileno()))
+    except OSError:
+        return None
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -64,18 +88,45 @@ class Connection(asyncio.BufferedProtocol):
         self.error: BaseException | None = None
         self.peer: Any = None
         self._error_header: Callable[[BaseException], Any] = error_frame
+        self._lowat_sock: socket.socket | None = None  # when SO_RCVLOWAT may be used on this stream
+        self._lowat = 1
 
     # -- asyncio protocol callbacks ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.peer = transport.get_extra_info("peername")
         _tune_socket(transport)
+        self._lowat_sock = _lowat_socket(transport)
         self._transport.set_write_buffer_limits(high=0)
         if not self._made.done():
             self._made.set_result(None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._decoder.get_buffer()
+
+    def _follow(self) -> None:
+        """Set the kernel's wake-up mark for the next read (after every read: the loop may wait
+        again without asking for a buffer first): ``min(left, RCVLOWAT_BYTES)`` while ``left``
+        bytes of a payload are still to come, else 1.
+
+        Safe because the decoder asks for more than a header read only when that many bytes are
+        certain to come (the rest of a payload or header whose length it has read): the mark never
+        exceeds what the peer has committed to send, and a closed or failed stream wakes anyway.
+        """
+        left = len(self._decoder.get_buffer())
+        want = min(left, RCVLOWAT_BYTES) if left >= _LOWAT_MIN else 1
+        if want != self._lowat and self._lowat_sock is not None:
+            try:
+                self._lowat_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            except OSError:  # (a socket being torn down) reads go on one by one
+                self._drop_lowat()
+                return
+            self._lowat = want
+
+    def _drop_lowat(self) -> None:
+        sock, self._lowat_sock = self._lowat_sock, None
+        if sock is not None:
+            sock.close()  # (our duplicate descriptor only)
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
@@ -93,11 +144,14 @@ class Connection(asyncio.BufferedProtocol):
             self.fail(exc, tell_peer=True)
         except Exception as exc:  # a frame the layer above could not digest
             self.fail(ProtocolError(f"bad frame: {type(exc).__name__}: {exc}"), tell_peer=True)
+        if self._lowat_sock is not None and self._transport is not None:
+            self._follow()
 
     def eof_received(self) -> bool:
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._drop_lowat()
         if self.error is None:
             self.error = _detached(exc) or ConnectionResetError("connection closed by peer")
         self._transport = None

@@ -31,6 +31,7 @@ BACKENDS: dict[str, tuple[str, dict[str, str]]] = {
     "arendez": ("arendez", {}),
     "arendez-ring": ("arendez", {"ARENDEZ_ALGORITHM": "ring"}),
     "arendez-rhd": ("arendez", {"ARENDEZ_ALGORITHM": "rhd"}),
+    "arendez-nolowat": ("arendez", {"ARENDEZ_RCVLOWAT": "0"}),  # a read per arrival, no SO_RCVLOWAT
     "gloo": ("gloo", {"GLOO_SOCKET_IFNAME": "eth0"}),  # (by default gloo binds to the hostname's address)
 }
 
