@@ -106,22 +106,29 @@ class Connection(asyncio.BufferedProtocol):
 
     def _follow(self) -> None:
         """Set the kernel's wake-up mark for the next read (after every read: the loop may wait
-        again without asking for a buffer first): ``min(left, RCVLOWAT_BYTES)`` while ``left``
-        bytes of a payload are still to come, else 1.
+        again without asking for a buffer first): ``min(left, RCVLOWAT_BYTES, rcvbuf / 8)`` while
+        ``left`` bytes of a payload are still to come, else 1.
 
         Safe because the decoder asks for more than a header read only when that many bytes are
         certain to come (the rest of a payload or header whose length it has read): the mark never
         exceeds what the peer has committed to send, and a closed or failed stream wakes anyway.
+        An eighth of the receive buffer at most: a mark the buffer cannot hold makes the kernel
+        grow the buffer and clamp the advertised window to the mark, which slows a long link.
         """
+        sock = self._lowat_sock
+        assert sock is not None
         left = len(self._decoder.get_buffer())
         want = min(left, RCVLOWAT_BYTES) if left >= _LOWAT_MIN else 1
-        if want != self._lowat and self._lowat_sock is not None:
-            try:
-                self._lowat_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-            except OSError:  # (a socket being torn down) reads go on one by one
-                self._drop_lowat()
-                return
-            self._lowat = want
+        try:
+            if want > self._lowat:  # (raising it: check the buffer, which autotuning grows)
+                want = min(want, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 8)
+                if want < _LOWAT_MIN:
+                    want = 1
+            if want != self._lowat:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                self._lowat = want
+        except OSError:  # (a socket being torn down) reads go on one by one
+            self._drop_lowat()
 
     def _drop_lowat(self) -> None:
         sock, self._lowat_sock = self._lowat_sock, None
