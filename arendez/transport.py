@@ -53,10 +53,12 @@ def _tune_socket(transport: asyncio.BaseTransport) -> None:
         pass
 
 
-def _lowat_socket(transport: asyncio.BaseTransport) -> socket.socket | None:
-    """A handle on the socket whose ``SO_RCVLOWAT`` may follow the payload now arriving (a dup of
-    its descriptor: uvloop's socket wrapper builds a socket object per call), or None: only plain
-    TCP (under TLS the kernel counts ciphertext, and the TLS layer may hold bytes already read)."""
+def _lowat_socket(transport: asyncio.BaseTransport) -> Any:
+    """The socket whose ``SO_RCVLOWAT`` may follow the payload now arriving, or None: only plain
+    TCP (under TLS the kernel counts ciphertext, and the TLS layer may hold bytes already read).
+
+    The transport's own socket object (no duplicate descriptor: a server counts its descriptors
+    against its connection limit)."""
     if not RCVLOWAT_BYTES or not hasattr(socket, "SO_RCVLOWAT"):
         return None
     sock = transport.get_extra_info("socket")
@@ -64,10 +66,7 @@ def _lowat_socket(transport: asyncio.BaseTransport) -> socket.socket | None:
         return None
     if any(transport.get_extra_info(k) is not None for k in ("ssl_object", "sslcontext")):
         return None
-    try:
-        return socket.socket(fileno=os.dup(sock.fileno()))
-    except OSError:
-        return None
+    return sock
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -88,7 +87,7 @@ class Connection(asyncio.BufferedProtocol):
         self.error: BaseException | None = None
         self.peer: Any = None
         self._error_header: Callable[[BaseException], Any] = error_frame
-        self._lowat_sock: socket.socket | None = None  # when SO_RCVLOWAT may be used on this stream
+        self._lowat_sock: Any = None  # the socket, when SO_RCVLOWAT may be used on this stream
         self._lowat = 1
 
     # -- asyncio protocol callbacks ---------------------------------------------------------
@@ -131,9 +130,7 @@ class Connection(asyncio.BufferedProtocol):
             self._drop_lowat()
 
     def _drop_lowat(self) -> None:
-        sock, self._lowat_sock = self._lowat_sock, None
-        if sock is not None:
-            sock.close()  # (our duplicate descriptor only)
+        self._lowat_sock = None
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
@@ -151,8 +148,8 @@ class Connection(asyncio.BufferedProtocol):
             self.fail(exc, tell_peer=True)
         except Exception as exc:  # a frame the layer above could not digest
             self.fail(ProtocolError(f"bad frame: {type(exc).__name__}: {exc}"), tell_peer=True)
-        if self._lowat_sock is not None and self._transport is not None:
-            self._follow()
+        if self._lowat_sock is not None and self.error is None and self.is_open:
+            self._follow()  # (never after a failure: the decoder's state is garbage then)
 
     def eof_received(self) -> bool:
         return False
@@ -311,6 +308,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.error is None:
             self.error = _detached(exc)
         self._queue.clear()
+        self._drop_lowat()
         transport = self._transport
         if transport is None:
             return

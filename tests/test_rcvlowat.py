@@ -4,6 +4,7 @@ payload is queued, and never waits for bytes the peer has not committed to send.
 from __future__ import annotations
 
 import asyncio
+import resource
 import socket
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from arendez import loop as arendez_loop
 from arendez import transport, wire
+from arendez.errors import ProtocolError
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "SO_RCVLOWAT"), reason="no SO_RCVLOWAT here")
 
@@ -125,6 +127,32 @@ def test_only_plain_tcp_sockets_get_a_mark() -> None:
         assert transport._lowat_socket(_Fake({"socket": unix})) is None  # type: ignore[arg-type]
         tls = _Fake({"socket": tcp, "ssl_object": object()})
         assert transport._lowat_socket(tls) is None  # type: ignore[arg-type]
-        plain = transport._lowat_socket(_Fake({"socket": tcp}))  # type: ignore[arg-type]
-        assert plain is not None and plain.fileno() != tcp.fileno()
-        plain.close()
+        assert transport._lowat_socket(_Fake({"socket": tcp})) is tcp  # type: ignore[arg-type]
+
+
+def test_a_bad_header_length_closes_at_once_without_a_huge_buffer() -> None:
+    """After a frame fails its limits, the mark is not followed: the decoder's state is garbage
+    then (asking it for a buffer would size one by the bogus header length: gigabytes)."""
+
+    async def go() -> int:
+        got: list[tuple[Any, bytes | None]] = []
+        server, conns = await _serve(got, asyncio.Event(), 1)
+        port = server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setblocking(False)
+        try:
+            await loop.sock_sendall(sock, wire.PREFIX.pack((1 << 31) + 5, 0) + b"x" * 100)
+            async with asyncio.timeout(5):
+                while not conns:
+                    await asyncio.sleep(0.01)
+                await conns[0].closed
+            assert isinstance(conns[0].error, ProtocolError)
+        finally:
+            sock.close()
+            server.close()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak
+
+    grown_kib = arendez_loop.run(go())
+    assert grown_kib < 256 * 1024
