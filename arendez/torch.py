@@ -19,8 +19,9 @@ CPU collective and DDP on arendez. How it is wired:
   standalone ``arendez-server`` directly; torch's own store is then kept on that server too.
 - Subgroups (``new_group(..., backend="arendez")``): torch calls the creator on members only,
   while arendez's ``new_group`` must be entered by every rank of the world, so subgroup
-  collectives run here over arendez point-to-point messages (direct exchange, one message per
-  pair; fine for the small control groups subgroups usually are, not bandwidth-optimal).
+  collectives run over arendez point-to-point messages (``arendez.torchsub``: direct exchange,
+  one message per pair; fine for the small control groups subgroups usually are).
+- ``arendez://`` init and the torch ``Store`` kept on an arendez server: ``arendez.torchstore``.
 - ``destroy_process_group()`` calls ``shutdown()``, which destroys the arendez world (drain, then
   close); the rank hosting the embedded server keeps it up until the others have left.
 """
@@ -34,8 +35,7 @@ import importlib
 import os
 import secrets
 import threading
-import urllib.parse
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import torch
@@ -45,50 +45,45 @@ import arendez
 
 from .errors import CollectiveTimeoutError, RendezvousError
 from .loop import Completion, shared
+from .torchstore import ServerStore, arendez_rendezvous, close_stores, seconds
+from .torchsub import Direct
 
 # torch's stubs type these classes' virtual methods with overloads our trampoline overrides do not
 # mirror; they are subclassed through Any aliases (the overrides are exercised by the tests).
 _TorchProcessGroup: Any = dist.ProcessGroup
 _TorchWork: Any = dist.Work
-_TorchStore: Any = torch._C._distributed_c10d.Store
 _PrefixStore: Any = torch._C._distributed_c10d.PrefixStore
 
 BACKEND = "arendez"
 _URL_KEY = "arendez/url"
-_alive: list[Any] = []  # Python stores handed to torch (see _arendez_rendezvous)
 _LINGER_SECONDS = 10.0
 
-_OPS = {
-    "SUM": arendez.ReduceOp.SUM,
-    "AVG": arendez.ReduceOp.AVG,
-    "PRODUCT": arendez.ReduceOp.PRODUCT,
-    "MIN": arendez.ReduceOp.MIN,
-    "MAX": arendez.ReduceOp.MAX,
-    "BAND": arendez.ReduceOp.BAND,
-    "BOR": arendez.ReduceOp.BOR,
-    "BXOR": arendez.ReduceOp.BXOR,
+_KIND: Any = dist.ReduceOp.RedOpType
+_OPS = {  # keyed by torch's op kind (a dict hit, not a name lookup per call)
+    _KIND.SUM: arendez.ReduceOp.SUM,
+    _KIND.AVG: arendez.ReduceOp.AVG,
+    _KIND.PRODUCT: arendez.ReduceOp.PRODUCT,
+    _KIND.MIN: arendez.ReduceOp.MIN,
+    _KIND.MAX: arendez.ReduceOp.MAX,
+    _KIND.BAND: arendez.ReduceOp.BAND,
+    _KIND.BOR: arendez.ReduceOp.BOR,
+    _KIND.BXOR: arendez.ReduceOp.BXOR,
 }
 _RAW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: it travels as its bits
 
 
 def _op(opts: Any) -> arendez.ReduceOp:
-    name = opts.reduceOp.op.name
-    if name not in _OPS:
-        raise ValueError(f"ReduceOp.{name} is not supported by the arendez backend; use one of {list(_OPS)}")
-    return _OPS[name]
+    kind = opts.reduceOp.op
+    found = _OPS.get(kind)
+    if found is None:
+        names = [k.name for k in _OPS]
+        raise ValueError(f"ReduceOp.{kind.name} is not supported by the arendez backend; use one of {names}")
+    return found
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """A view arendez can carry without reducing (bfloat16 travels as int16 bits)."""
     return t.view(_RAW[t.dtype]) if t.dtype in _RAW else t
-
-
-def _seconds(timeout: Any) -> float | None:
-    """torch's ``timedelta`` (0 = no timeout) or seconds as a float, None for no limit."""
-    if timeout is None:
-        return None
-    value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    return value if value > 0 else None
 
 
 class Work(_TorchWork):  # type: ignore[misc]
@@ -147,7 +142,7 @@ class Work(_TorchWork):  # type: ignore[misc]
     def wait(self, timeout: Any = None) -> bool:
         """Block until done (without the GIL); re-raise the arendez error (e.g. ``RankFailedError``)."""
         assert self._done is not None
-        limit = _seconds(timeout)
+        limit = seconds(timeout)
         if not self._done.wait(limit):  # cancelled on every rank, as an asyncio cancel would
             self._done.cancel()
             raise CollectiveTimeoutError("Work.wait (cancelled)", limit or 0.0)
@@ -180,7 +175,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def __init__(self, rank: int, size: int, ranks: Sequence[int] | None, tag: int) -> None:
         super().__init__(rank, size)
         self._ranks = list(ranks) if ranks else list(range(size))
-        self._engine = None if not ranks else _Direct(self._ranks, rank, tag)
+        self._engine = None if not ranks else Direct(self._ranks, rank, tag)
         self._server: Any = None
         self._job = ""
         self._closed = False
@@ -379,9 +374,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
             try:
                 shared.call(self._destroy)
             finally:
-                stores, _alive[:] = list(_alive), []
-                for store in stores:
-                    store.close()
+                close_stores()
 
     abort = shutdown
 
@@ -410,109 +403,6 @@ def _rows(t: torch.Tensor, sizes: list[int], n: int) -> list[torch.Tensor]:
     return [p.reshape(-1) for p in parts]
 
 
-# -- subgroups: direct exchange over arendez point-to-point ----------------------------------
-_REDUCE: dict[arendez.ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
-    arendez.ReduceOp.SUM: lambda a, b: a.add_(b),
-    arendez.ReduceOp.AVG: lambda a, b: a.add_(b),
-    arendez.ReduceOp.PRODUCT: lambda a, b: a.mul_(b),
-    arendez.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a),
-    arendez.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
-    arendez.ReduceOp.BAND: lambda a, b: a.bitwise_and_(b),
-    arendez.ReduceOp.BOR: lambda a, b: a.bitwise_or_(b),
-    arendez.ReduceOp.BXOR: lambda a, b: a.bitwise_xor_(b),
-}
-
-
-class _Direct:
-    """Collectives of one subgroup as direct messages between its members, one at a time.
-
-    Every contribution is combined in group-rank order, so all members get identical results.
-    """
-
-    def __init__(self, ranks: list[int], me: int, tag: int) -> None:
-        self.ranks, self.me, self.tag = ranks, me, tag
-        self._lock: asyncio.Lock | None = None
-
-    async def _exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:  # subgroup collectives match by order: one at a time
-            await asyncio.gather(
-                *(arendez.send(t, self.ranks[p], None, self.tag) for p, t in sends.items()),
-                *(arendez.recv(t, self.ranks[p], None, self.tag) for p, t in recvs.items()),
-            )
-
-    def _others(self) -> Iterator[int]:
-        return (p for p in range(len(self.ranks)) if p != self.me)
-
-    def _combine(self, parts: list[torch.Tensor], out: torch.Tensor, op: arendez.ReduceOp) -> None:
-        acc = parts[0].clone()
-        for part in parts[1:]:
-            _REDUCE[op](acc, part)
-        if op is arendez.ReduceOp.AVG:
-            acc.div_(len(parts))
-        out.copy_(acc.view_as(out))
-
-    async def all_reduce(self, t: torch.Tensor, op: arendez.ReduceOp) -> None:
-        flat = t.reshape(-1)
-        parts = [flat if p == self.me else torch.empty_like(flat) for p in range(len(self.ranks))]
-        await self._exchange({p: flat for p in self._others()}, {p: parts[p] for p in self._others()})
-        self._combine(parts, t, op)
-
-    async def reduce(self, t: torch.Tensor, root: int, op: arendez.ReduceOp) -> None:
-        r = self.ranks.index(root)
-        if self.me != r:
-            await self._exchange({r: t}, {})
-            return
-        parts = [t.reshape(-1) if p == r else torch.empty_like(t.reshape(-1)) for p in range(len(self.ranks))]
-        await self._exchange({}, {p: parts[p] for p in self._others()})
-        self._combine(parts, t, op)
-
-    async def reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: arendez.ReduceOp) -> None:
-        parts = [
-            ins[self.me].reshape(-1) if p == self.me else torch.empty_like(out.reshape(-1))
-            for p in range(len(self.ranks))
-        ]
-        await self._exchange({p: ins[p] for p in self._others()}, {p: parts[p] for p in self._others()})
-        self._combine(parts, out, op)
-
-    async def broadcast(self, t: torch.Tensor, root: int) -> None:
-        r = self.ranks.index(root)
-        await self._exchange(
-            {p: t for p in self._others()} if self.me == r else {}, {} if self.me == r else {r: t}
-        )
-
-    async def all_gather(self, outs: list[torch.Tensor], x: torch.Tensor) -> None:
-        outs[self.me].copy_(x.view_as(outs[self.me]))
-        await self._exchange({p: x for p in self._others()}, {p: outs[p] for p in self._others()})
-
-    async def gather(self, x: torch.Tensor, outs: list[torch.Tensor] | None, root: int) -> None:
-        r = self.ranks.index(root)
-        if self.me != r:
-            await self._exchange({r: x}, {})
-            return
-        assert outs is not None
-        outs[r].copy_(x.view_as(outs[r]))
-        await self._exchange({}, {p: outs[p] for p in self._others()})
-
-    async def scatter(self, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> None:
-        r = self.ranks.index(root)
-        if self.me != r:
-            await self._exchange({}, {r: out})
-            return
-        assert ins is not None
-        out.copy_(ins[r].view_as(out))
-        await self._exchange({p: ins[p] for p in self._others()}, {})
-
-    async def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
-        outs[self.me].copy_(ins[self.me].view_as(outs[self.me]))
-        await self._exchange({p: ins[p] for p in self._others()}, {p: outs[p] for p in self._others()})
-
-    async def barrier(self) -> None:
-        flag = torch.zeros(1, dtype=torch.uint8)
-        await self.all_reduce(flag, arendez.ReduceOp.MAX)
-
-
 # -- creation and rendezvous -----------------------------------------------------------------
 def _unwrap(store: Any) -> Any:
     """The store under torch's ``PrefixStore`` layers."""
@@ -535,7 +425,7 @@ def _host_of(store: Any) -> str:
 def _create(opts: Any, backend_options: Any = None) -> ProcessGroupArendez:
     """torch's creator: the default group joins (or hosts) an arendez world; subgroups map onto it."""
     store, rank, size = opts.store, opts.group_rank, opts.group_size
-    timeout = _seconds(opts.timeout) or 1800.0
+    timeout = seconds(opts.timeout) or 1800.0
     ranks = list(opts.global_ranks_in_group)
     if ranks:  # a subgroup: torch calls this on its members only
         if not arendez.is_initialized():
@@ -577,88 +467,13 @@ async def _host(pg: ProcessGroupArendez, host: str) -> str:
     return f"arendez://{token}@{where}:{server.port}/{pg._job}"
 
 
-class ServerStore(_TorchStore):  # type: ignore[misc]
-    """A torch ``Store`` kept in a job's namespace on an arendez server (for ``arendez://``)."""
-
-    def __init__(self, url: str, timeout: float) -> None:
-        super().__init__()
-        parsed = urllib.parse.urlsplit(url)
-        if not parsed.hostname or not parsed.port:
-            raise RendezvousError(f"{url!r} needs host and port: arendez://[token@]host:port[/job]")
-        self.url = url
-        self._timeout = timeout
-        token = urllib.parse.unquote(parsed.username) if parsed.username else os.environ.get("ARENDEZ_TOKEN")
-        self._store: Any = shared.call(
-            _open_store, parsed.hostname, parsed.port, parsed.path.strip("/") + "/torch", token, timeout
-        )
-
-    def _call(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
-        return shared.call(fn, *args)
-
-    def set(self, key: str, value: Any) -> None:
-        self._call(self._store.set, key, bytes(value) if not isinstance(value, str) else value)
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._call(self._store.get, key, self._timeout))
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._call(self._store.add, key, amount))
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return bytes(self._call(self._store.compare_set, key, bytes(expected), bytes(desired)))
-
-    def wait(self, keys: list[str], timeout: Any = None) -> None:
-        self._call(self._store.wait, keys, _seconds(timeout) or self._timeout)
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._call(self._store.check, keys))
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._call(self._store.delete, key))
-
-    def num_keys(self) -> int:
-        return int(self._call(self._store.num_keys))
-
-    def set_timeout(self, timeout: Any) -> None:
-        self._timeout = _seconds(timeout) or self._timeout
-
-    def close(self) -> None:
-        """Close the connection to the server (torch stops using the store at destroy)."""
-        shared.call(self._store.close)
-
-
-async def _open_store(host: str, port: int, job: str, token: str | None, timeout: float) -> Any:
-    store = arendez.Store(host, port, job, token=token, timeout=timeout)
-    return await store.connect(timeout)
-
-
-def _arendez_rendezvous(
-    url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30), **kwargs: Any
-) -> Iterator[tuple[Any, int, int]]:
-    """torch rendezvous handler for ``arendez://[token@]host:port[/job]`` (torch appends
-    ``?rank=R&world_size=N`` when they are given; else ``RANK`` / ``WORLD_SIZE``)."""
-    parsed = urllib.parse.urlsplit(url)
-    query = dict(urllib.parse.parse_qsl(parsed.query))
-    try:
-        rank = int(query.get("rank", os.environ.get("RANK", "-1")))
-        world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
-    except ValueError:
-        raise RendezvousError(f"{url}: rank and world_size must be integers") from None
-    if rank < 0 or world_size < 1:
-        raise RendezvousError(f"{url} needs rank and world_size (arguments or RANK / WORLD_SIZE)")
-    store = ServerStore(urllib.parse.urlunsplit(parsed._replace(query="")), timeout.total_seconds())
-    _alive.append(store)  # torch keeps only the C++ half: the Python half must outlive this frame
-    yield store, rank, world_size
-    raise RendezvousError("arendez:// does not re-rendezvous")
-
-
 def register() -> None:
     """Register backend ``"arendez"`` (CPU) and the ``arendez://`` init method with torch."""
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
     rendezvous: Any = importlib.import_module("torch.distributed.rendezvous")
     if BACKEND not in getattr(rendezvous, "_rendezvous_handlers", {}):  # (torch_plugin may have)
-        rendezvous.register_rendezvous_handler(BACKEND, _arendez_rendezvous)
+        rendezvous.register_rendezvous_handler(BACKEND, arendez_rendezvous)
 
 
 register()

@@ -43,4 +43,4 @@ def _create(*args: Any, **kwargs: Any) -> Any:
 def _rendezvous(url: str, *args: Any, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     from . import torch as backend
 
-    return backend._arendez_rendezvous(url, *args, **kwargs)
+    return backend.arendez_rendezvous(url, *args, **kwargs)

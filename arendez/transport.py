@@ -21,6 +21,7 @@ from typing import Any, TypeVar, cast
 
 from . import wire
 from .errors import ArendezError, AuthenticationError, ProtocolError
+from .settings import env_int
 
 FrameHandler = Callable[[Any, memoryview | None], None]
 CloseHandler = Callable[[BaseException | None], None]
@@ -29,6 +30,12 @@ E = TypeVar("E", bound=BaseException)
 PROTOCOL_VERSION = 1
 #: Frames a connection holds before its owner takes over (a handshake needs two).
 MAX_QUEUED = 16
+#: While a large payload arrives on a plain TCP socket, the kernel wakes the loop only once this
+#: many of its bytes (or all that is left of it) are queued (``SO_RCVLOWAT``): fewer, larger reads
+#: and fewer event-loop turns per byte. 0 turns it off (``ARENDEZ_RCVLOWAT``).
+RCVLOWAT_BYTES = env_int("ARENDEZ_RCVLOWAT", 256 << 10, minimum=0)
+#: Payload remainders smaller than this are read as they come (setting the mark costs a syscall).
+_LOWAT_MIN = 64 << 10
 
 
 def _tune_socket(transport: asyncio.BaseTransport) -> None:
@@ -44,6 +51,22 @@ def _tune_socket(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
     except OSError:  # pragma: no cover - platform without these options
         pass
+
+
+def _lowat_socket(transport: asyncio.BaseTransport) -> Any:
+    """The socket whose ``SO_RCVLOWAT`` may follow the payload now arriving, or None: only plain
+    TCP (under TLS the kernel counts ciphertext, and the TLS layer may hold bytes already read).
+
+    The transport's own socket object (no duplicate descriptor: a server counts its descriptors
+    against its connection limit)."""
+    if not RCVLOWAT_BYTES or not hasattr(socket, "SO_RCVLOWAT"):
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    if any(transport.get_extra_info(k) is not None for k in ("ssl_object", "sslcontext")):
+        return None
+    return sock
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -64,18 +87,50 @@ class Connection(asyncio.BufferedProtocol):
         self.error: BaseException | None = None
         self.peer: Any = None
         self._error_header: Callable[[BaseException], Any] = error_frame
+        self._lowat_sock: Any = None  # the socket, when SO_RCVLOWAT may be used on this stream
+        self._lowat = 1
 
     # -- asyncio protocol callbacks ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.peer = transport.get_extra_info("peername")
         _tune_socket(transport)
+        self._lowat_sock = _lowat_socket(transport)
         self._transport.set_write_buffer_limits(high=0)
         if not self._made.done():
             self._made.set_result(None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._decoder.get_buffer()
+
+    def _follow(self) -> None:
+        """Set the kernel's wake-up mark for the next read (after every read: the loop may wait
+        again without asking for a buffer first): ``min(left, RCVLOWAT_BYTES, rcvbuf / 8)`` while
+        ``left`` bytes of a payload are still to come, else 1.
+
+        Safe because the decoder asks for more than a header read only when that many bytes are
+        certain to come (the rest of a payload or header whose length it has read): the mark never
+        exceeds what the peer has committed to send, and a closed or failed stream wakes anyway.
+        An eighth of the receive buffer at most: a mark the buffer cannot hold makes the kernel
+        grow the buffer and clamp the advertised window to the mark, which slows a long link.
+        """
+        sock = self._lowat_sock
+        assert sock is not None
+        left = len(self._decoder.get_buffer())
+        want = min(left, RCVLOWAT_BYTES) if left >= _LOWAT_MIN else 1
+        try:
+            if want > self._lowat:  # (raising it: check the buffer, which autotuning grows)
+                want = min(want, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 8)
+                if want < _LOWAT_MIN:
+                    want = 1
+            if want != self._lowat:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                self._lowat = want
+        except OSError:  # (a socket being torn down) reads go on one by one
+            self._drop_lowat()
+
+    def _drop_lowat(self) -> None:
+        self._lowat_sock = None
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
@@ -93,11 +148,14 @@ class Connection(asyncio.BufferedProtocol):
             self.fail(exc, tell_peer=True)
         except Exception as exc:  # a frame the layer above could not digest
             self.fail(ProtocolError(f"bad frame: {type(exc).__name__}: {exc}"), tell_peer=True)
+        if self._lowat_sock is not None and self.error is None and self.is_open:
+            self._follow()  # (never after a failure: the decoder's state is garbage then)
 
     def eof_received(self) -> bool:
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._drop_lowat()
         if self.error is None:
             self.error = _detached(exc) or ConnectionResetError("connection closed by peer")
         self._transport = None
@@ -250,6 +308,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.error is None:
             self.error = _detached(exc)
         self._queue.clear()
+        self._drop_lowat()
         transport = self._transport
         if transport is None:
             return

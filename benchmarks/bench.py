@@ -234,7 +234,8 @@ def launch(
                         res = e["result"]
                         log(
                             f"  [{backend} n={world}] {res['collective']:<10} {fmt_size(res['size']):>7}: "
-                            f"{fmt_time(res['median_us']):>10}  ({res['iters']} iters)"
+                            f"{fmt_time(res['median_us']):>10}  ({res['iters']} iters, "
+                            f"CPU {fmt_time(res.get('cpu_s_per_iter', 0.0) * 1e6)} per iter and rank)"
                         )
                 seen = len(events)
                 last_progress = time.monotonic()

@@ -346,6 +346,8 @@ async def _run_case(
         own = sum(p["own_cpu_s"] for p in per_rank)
         result["foreign_cpus"] = max(0.0, busy - own) / max(per_rank[0]["wall_s"], 1e-9)
     result["rank_cpu_util"] = [p["own_cpu_s"] / max(p["wall_s"], 1e-9) for p in per_rank]
+    # user + system CPU seconds a rank spends per iteration (all its threads; barrier included)
+    result["cpu_s_per_iter"] = statistics.mean(p["own_cpu_s"] for p in per_rank) / iters
     if s0 is not None:
         for k in s0:
             result[k + "_per_iter"] = [p[k] / iters for p in per_rank]

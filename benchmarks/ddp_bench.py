@@ -29,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -64,6 +65,20 @@ def _max_over_ranks(dist: Any, value: float, group: Any = None) -> float:
     return float(t.item())
 
 
+def _mean_over_ranks(dist: Any, value: float, group: Any) -> float:
+    import torch
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t.item()) / dist.get_world_size()
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all threads (gloo's and arendez's)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One rank: the default group is arendez, ``gloo`` a gloo group over the same ranks; the
     cases of the two alternate in rounds, so both see the same machine load."""
@@ -87,15 +102,20 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     groups = {"gloo": gloo, "arendez": None}
     small = torch.ones(2)
 
-    def timed(call: Any, n: int) -> float:
+    cpu: dict[str, list[float]] = {}
+
+    def timed(call: Any, n: int, name: str = "") -> float:
         for _ in range(min(100, n)):
             call()
         dist.barrier(group=gloo)
         times = []
+        c0 = _cpu_seconds()
         for _ in range(n):
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)
+        if name:
+            cpu.setdefault(name, []).append(_mean_over_ranks(dist, (_cpu_seconds() - c0) / n, gloo))
         return _max_over_ranks(dist, statistics.median(times), gloo)
 
     async def in_loop(n: int) -> float:
@@ -114,12 +134,14 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     cases: dict[str, Any] = {
         "gloo: torch.distributed": lambda n: timed(
-            lambda: dist.all_reduce(small, op=dist.ReduceOp.MAX, group=gloo), n
+            lambda: dist.all_reduce(small, op=dist.ReduceOp.MAX, group=gloo), n, "gloo: torch.distributed"
         ),
         "arendez: torch.distributed": lambda n: timed(
-            lambda: dist.all_reduce(small, op=dist.ReduceOp.MAX), n
+            lambda: dist.all_reduce(small, op=dist.ReduceOp.MAX), n, "arendez: torch.distributed"
         ),
-        "arendez: arendez.sync": lambda n: timed(lambda: arendez.sync.all_reduce(small, op="max"), n),
+        "arendez: arendez.sync": lambda n: timed(
+            lambda: arendez.sync.all_reduce(small, op="max"), n, "arendez: arendez.sync"
+        ),
         "arendez: async API in the loop (no hop)": lambda n: _max_over_ranks(
             dist, shared.call(in_loop, n), gloo
         ),
@@ -131,7 +153,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         order = list(cases) if r % 2 == 0 else list(reversed(cases))
         for name in order:
             lat[name].append(cases[name](per_round))
-    out: dict[str, Any] = {"latency": lat}
+    out: dict[str, Any] = {"latency": lat, "cpu": cpu}
     # DDP: one model copy per backend (same initial weights), steps alternating between them
     nets = {b: model(args.width, args.depth) for b in groups}
     out["params"] = sum(p.numel() for p in nets["gloo"].parameters())
@@ -139,18 +161,23 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     opts = {b: torch.optim.SGD(ddps[b].parameters(), lr=1e-4) for b in groups}
     x = torch.randn(args.batch, args.width)
     steps: dict[str, list[float]] = {b: [] for b in groups}
+    step_cpu: dict[str, list[float]] = {b: [] for b in groups}
     for i in range(2 + args.steps):
         order = list(groups) if i % 2 == 0 else list(reversed(groups))
         for b in order:
             dist.barrier(group=gloo)
-            t0 = time.perf_counter()
+            c0, t0 = _cpu_seconds(), time.perf_counter()
             opts[b].zero_grad()
             ddps[b](x).square().mean().backward()
             opts[b].step()
-            took = _max_over_ranks(dist, time.perf_counter() - t0, gloo)
+            took, used = time.perf_counter() - t0, _cpu_seconds() - c0
+            took = _max_over_ranks(dist, took, gloo)
+            used = _mean_over_ranks(dist, used, gloo)
             if i >= 2:
                 steps[b].append(took)
+                step_cpu[b].append(used)
     out["steps"] = steps
+    out["step_cpu"] = step_cpu
     pairs = zip(nets["gloo"].parameters(), nets["arendez"].parameters(), strict=True)
     same = all(torch.allclose(p, q, rtol=1e-4, atol=1e-6) for p, q in pairs)
     out["same_weights_after"] = bool(same)
@@ -246,7 +273,7 @@ def main() -> None:
     report: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "runs": []}
     compute = compute_only(args)
     report["compute_only_step"] = compute
-    rows = []
+    rows, cpu_rows = [], []
     for ws in args.ranks:
         res = run(ws, args)[0]
         report["runs"].append({"world_size": ws, **res})
@@ -257,6 +284,21 @@ def main() -> None:
             f"{_span(a, 1e3, 'ms')} | {statistics.median(ratio):.2f}x faster "
             f"({min(ratio):.2f}-{max(ratio):.2f}) |"
         )
+        gc, ac = res["step_cpu"]["gloo"], res["step_cpu"]["arendez"]
+        share = [y / x for x, y in zip(gc, ac, strict=True)]
+        cpu_rows.append(
+            f"| DDP step | {ws} | {_span(gc, 1e3, 'ms')} | {_span(ac, 1e3, 'ms')} | "
+            f"{statistics.median(share):.2f} of gloo ({min(share):.2f}-{max(share):.2f}) |"
+        )
+        gcpu = res["cpu"]["gloo: torch.distributed"]
+        for name, values in res["cpu"].items():
+            if name.startswith("gloo"):
+                continue
+            share = [y / x for x, y in zip(gcpu, values, strict=True)]
+            cpu_rows.append(
+                f"| 8 B all_reduce, {name} | {ws} | {_span(gcpu, 1e6, 'us')} | {_span(values, 1e6, 'us')} | "
+                f"{statistics.median(share):.2f} of gloo ({min(share):.2f}-{max(share):.2f}) |"
+            )
         lat = res["latency"]
         gl = lat["gloo: torch.distributed"]
         for name, values in lat.items():
@@ -271,6 +313,11 @@ def main() -> None:
     print("| case | ranks | gloo: median (min-max over rounds) | arendez | arendez vs gloo |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
+    print()
+    print("CPU seconds per call (user + system, all threads of a rank, mean over ranks; per round):")
+    print("| case | ranks | gloo | arendez | arendez vs gloo |")
+    print("|---|---|---|---|---|")
+    print("\n".join(cpu_rows))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

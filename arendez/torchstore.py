@@ -1,0 +1,113 @@
+"""torch ``Store`` on an arendez server, and torch's ``arendez://`` init method.
+
+``init_method="arendez://[token@]host:port[/job]"`` makes torch call ``arendez_rendezvous``, which
+hands torch a ``ServerStore``: torch's key-value store kept in the job's namespace on that server.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import urllib.parse
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import torch
+
+import arendez
+
+from .errors import RendezvousError
+from .loop import shared
+
+_TorchStore: Any = torch._C._distributed_c10d.Store
+_ALIVE: list[Any] = []  # Python stores handed to torch (see arendez_rendezvous)
+
+
+def seconds(timeout: Any) -> float | None:
+    """torch's ``timedelta`` (0 = no timeout) or seconds as a float, None for no limit."""
+    if timeout is None:
+        return None
+    value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return value if value > 0 else None
+
+
+def close_stores() -> None:
+    """Close the stores handed to torch (at destroy: torch stops using them)."""
+    stores, _ALIVE[:] = list(_ALIVE), []
+    for store in stores:
+        store.close()
+
+
+class ServerStore(_TorchStore):  # type: ignore[misc]
+    """A torch ``Store`` kept in a job's namespace on an arendez server (for ``arendez://``)."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        super().__init__()
+        parsed = urllib.parse.urlsplit(url)
+        if not parsed.hostname or not parsed.port:
+            raise RendezvousError(f"{url!r} needs host and port: arendez://[token@]host:port[/job]")
+        self.url = url
+        self._timeout = timeout
+        token = urllib.parse.unquote(parsed.username) if parsed.username else os.environ.get("ARENDEZ_TOKEN")
+        self._store: Any = shared.call(
+            _open_store, parsed.hostname, parsed.port, parsed.path.strip("/") + "/torch", token, timeout
+        )
+
+    def _call(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        return shared.call(fn, *args)
+
+    def set(self, key: str, value: Any) -> None:
+        self._call(self._store.set, key, bytes(value) if not isinstance(value, str) else value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._call(self._store.get, key, self._timeout))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call(self._store.add, key, amount))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return bytes(self._call(self._store.compare_set, key, bytes(expected), bytes(desired)))
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        self._call(self._store.wait, keys, seconds(timeout) or self._timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call(self._store.check, keys))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call(self._store.delete, key))
+
+    def num_keys(self) -> int:
+        return int(self._call(self._store.num_keys))
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._timeout = seconds(timeout) or self._timeout
+
+    def close(self) -> None:
+        """Close the connection to the server (torch stops using the store at destroy)."""
+        shared.call(self._store.close)
+
+
+async def _open_store(host: str, port: int, job: str, token: str | None, timeout: float) -> Any:
+    store = arendez.Store(host, port, job, token=token, timeout=timeout)
+    return await store.connect(timeout)
+
+
+def arendez_rendezvous(
+    url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30), **kwargs: Any
+) -> Iterator[tuple[Any, int, int]]:
+    """torch rendezvous handler for ``arendez://[token@]host:port[/job]`` (torch appends
+    ``?rank=R&world_size=N`` when they are given; else ``RANK`` / ``WORLD_SIZE``)."""
+    parsed = urllib.parse.urlsplit(url)
+    query = dict(urllib.parse.parse_qsl(parsed.query))
+    try:
+        rank = int(query.get("rank", os.environ.get("RANK", "-1")))
+        world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
+    except ValueError:
+        raise RendezvousError(f"{url}: rank and world_size must be integers") from None
+    if rank < 0 or world_size < 1:
+        raise RendezvousError(f"{url} needs rank and world_size (arguments or RANK / WORLD_SIZE)")
+    store = ServerStore(urllib.parse.urlunsplit(parsed._replace(query="")), timeout.total_seconds())
+    _ALIVE.append(store)  # torch keeps only the C++ half: the Python half must outlive this frame
+    yield store, rank, world_size
+    raise RendezvousError("arendez:// does not re-rendezvous")

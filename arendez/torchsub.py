@@ -1,0 +1,117 @@
+"""Subgroup collectives of the torch backend: direct exchange over arendez point-to-point.
+
+torch creates a subgroup's backend on its members only, while arendez's ``new_group`` must be
+entered by every rank of the world; so a subgroup's collectives run here as one message per pair
+of members (correct and identical on every member, not bandwidth-optimal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+import arendez
+
+_REDUCE: dict[arendez.ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    arendez.ReduceOp.SUM: lambda a, b: a.add_(b),
+    arendez.ReduceOp.AVG: lambda a, b: a.add_(b),
+    arendez.ReduceOp.PRODUCT: lambda a, b: a.mul_(b),
+    arendez.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a),
+    arendez.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
+    arendez.ReduceOp.BAND: lambda a, b: a.bitwise_and_(b),
+    arendez.ReduceOp.BOR: lambda a, b: a.bitwise_or_(b),
+    arendez.ReduceOp.BXOR: lambda a, b: a.bitwise_xor_(b),
+}
+
+
+class Direct:
+    """Collectives of one subgroup as direct messages between its members, one at a time.
+
+    Every contribution is combined in group-rank order, so all members get identical results.
+    """
+
+    def __init__(self, ranks: list[int], me: int, tag: int) -> None:
+        self.ranks, self.me, self.tag = ranks, me, tag
+        self._lock: asyncio.Lock | None = None
+
+    async def _exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:  # subgroup collectives match by order: one at a time
+            await asyncio.gather(
+                *(arendez.send(t, self.ranks[p], None, self.tag) for p, t in sends.items()),
+                *(arendez.recv(t, self.ranks[p], None, self.tag) for p, t in recvs.items()),
+            )
+
+    def _others(self) -> Iterator[int]:
+        return (p for p in range(len(self.ranks)) if p != self.me)
+
+    def _combine(self, parts: list[torch.Tensor], out: torch.Tensor, op: arendez.ReduceOp) -> None:
+        acc = parts[0].clone()
+        for part in parts[1:]:
+            _REDUCE[op](acc, part)
+        if op is arendez.ReduceOp.AVG:
+            acc.div_(len(parts))
+        out.copy_(acc.view_as(out))
+
+    async def all_reduce(self, t: torch.Tensor, op: arendez.ReduceOp) -> None:
+        flat = t.reshape(-1)
+        parts = [flat if p == self.me else torch.empty_like(flat) for p in range(len(self.ranks))]
+        await self._exchange({p: flat for p in self._others()}, {p: parts[p] for p in self._others()})
+        self._combine(parts, t, op)
+
+    async def reduce(self, t: torch.Tensor, root: int, op: arendez.ReduceOp) -> None:
+        r = self.ranks.index(root)
+        if self.me != r:
+            await self._exchange({r: t}, {})
+            return
+        parts = [t.reshape(-1) if p == r else torch.empty_like(t.reshape(-1)) for p in range(len(self.ranks))]
+        await self._exchange({}, {p: parts[p] for p in self._others()})
+        self._combine(parts, t, op)
+
+    async def reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: arendez.ReduceOp) -> None:
+        parts = [
+            ins[self.me].reshape(-1) if p == self.me else torch.empty_like(out.reshape(-1))
+            for p in range(len(self.ranks))
+        ]
+        await self._exchange({p: ins[p] for p in self._others()}, {p: parts[p] for p in self._others()})
+        self._combine(parts, out, op)
+
+    async def broadcast(self, t: torch.Tensor, root: int) -> None:
+        r = self.ranks.index(root)
+        await self._exchange(
+            {p: t for p in self._others()} if self.me == r else {}, {} if self.me == r else {r: t}
+        )
+
+    async def all_gather(self, outs: list[torch.Tensor], x: torch.Tensor) -> None:
+        outs[self.me].copy_(x.view_as(outs[self.me]))
+        await self._exchange({p: x for p in self._others()}, {p: outs[p] for p in self._others()})
+
+    async def gather(self, x: torch.Tensor, outs: list[torch.Tensor] | None, root: int) -> None:
+        r = self.ranks.index(root)
+        if self.me != r:
+            await self._exchange({r: x}, {})
+            return
+        assert outs is not None
+        outs[r].copy_(x.view_as(outs[r]))
+        await self._exchange({}, {p: outs[p] for p in self._others()})
+
+    async def scatter(self, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> None:
+        r = self.ranks.index(root)
+        if self.me != r:
+            await self._exchange({}, {r: out})
+            return
+        assert ins is not None
+        out.copy_(ins[r].view_as(out))
+        await self._exchange({p: ins[p] for p in self._others()}, {})
+
+    async def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
+        outs[self.me].copy_(ins[self.me].view_as(outs[self.me]))
+        await self._exchange({p: ins[p] for p in self._others()}, {p: outs[p] for p in self._others()})
+
+    async def barrier(self) -> None:
+        flag = torch.zeros(1, dtype=torch.uint8)
+        await self.all_reduce(flag, arendez.ReduceOp.MAX)
