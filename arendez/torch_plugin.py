@@ -41,6 +41,8 @@ def _create(*args: Any, **kwargs: Any) -> Any:
 
 
 def _rendezvous(url: str, *args: Any, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
-    from . import torch as backend
+    from . import torch as backend  # (registers the backend itself too)
+    from .torchstore import arendez_rendezvous
 
-    return backend.arendez_rendezvous(url, *args, **kwargs)
+    del backend
+    return arendez_rendezvous(url, *args, **kwargs)
