@@ -41,8 +41,7 @@ def _create(*args: Any, **kwargs: Any) -> Any:
 
 
 def _rendezvous(url: str, *args: Any, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
-    from . import torch as backend  # (registers the backend itself too)
     from .torchstore import arendez_rendezvous
 
-    del backend
+    importlib.import_module("arendez.torch")  # the backend's own registration, before torch needs it
     return arendez_rendezvous(url, *args, **kwargs)
