@@ -428,7 +428,7 @@ class Server:
 
     def _compact(self, session: _Session, request: list[Any]) -> None:
         """``[op, id, *args]``: a key-value operation (``arendez.store_wire``)."""
-        op = request[0] if request else None
+        op: Any = request[0] if request else None
         entry = COMPACT.get(op) if type(op) is str else None
         if entry is None:
             self._protocol_error(session, ProtocolError(f"unknown request {op!r:.40}"))
