@@ -204,11 +204,17 @@ class _ServerConnection(transport.Connection):
             return
         if not requests:
             return
-        handle = self.server._handle
+        server = self.server
+        compact = server._compact
         self.corked = True
         try:
             for request in requests:
-                handle(session, request)
+                if session.dropped:
+                    break
+                if type(request) is list:
+                    compact(session, request)
+                else:
+                    server._on_request(session, request)
         except Exception as exc:  # a request the server could not digest
             self.fail(ProtocolError(f"bad frame: {type(exc).__name__}: {exc}"), tell_peer=True)
         finally:
