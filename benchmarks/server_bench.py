@@ -404,6 +404,8 @@ def table(rows: dict[str, Any]) -> str:
         cells = [f"{t or 0:,.0f}", f"{b1 or 0:,.0f}", _ratio(b1, t), f"{a1 or 0:,.0f}", _ratio(a1, t)]
         cells += [f"{ap or 0:,.0f}", _ratio(ap, t)]
         out.append(f"| {clients} | {run} | " + " | ".join(cells) + " |")
+    if not rows["rendezvous"]:
+        return "\n".join(out)
     out.append("")
     out.append("| N | TCPStore | arendez | TCPStore/arendez | arendez ranks declared failed |")
     out.append("|---|---|---|---|---|")
