@@ -1,24 +1,27 @@
 """Blocking client of the arendez store: plain sockets, no event loop.
 
 For plain scripts, threads and torch-like code (``TCPStore``'s clients are blocking too):
-one request at a time on one connection, two system calls per operation. Same server, same
-keys and errors as the async ``Store``: a failed request raises the server's error, a call
-that gets no answer in time raises ``StoreTimeoutError``, and a lost connection fails the call
-that was in flight with ``StoreError`` and is reopened by the next call. Not thread-safe: use
-one client per thread.
+one request at a time on one connection, two system calls per operation (the compact request
+form of ``store_wire``; deadlines are the kernel's ``SO_RCVTIMEO``/``SO_SNDTIMEO``, set only
+when they change, so no ``poll`` precedes each call). Same server, same keys and errors as the
+async ``Store``: a failed request raises the server's error, a call that gets no answer in
+time raises ``StoreTimeoutError``, and a lost connection fails the call that was in flight
+with ``StoreError`` and is reopened by the next call. Not thread-safe: use one client per thread.
 """
 
 from __future__ import annotations
 
+import collections
 import socket
 import ssl as _ssl
+import struct
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import msgpack
 
-from . import transport, validate, wire
+from . import transport, validate
 from .errors import (
     AuthenticationError,
     LimitError,
@@ -27,8 +30,10 @@ from .errors import (
     StoreError,
     StoreTimeoutError,
 )
+from .store_wire import STORE_PROTOCOL, HeaderReader, frame
 
 _REPLY_LIMIT = 64 << 20  # replies carry values in their header (server bound: 1 MiB by default)
+_TIMEVAL = struct.Struct("@ll")
 _CALL_TIMEOUT = 30.0
 _REPLY_SLACK = 2.0
 
@@ -68,9 +73,11 @@ class BlockingStore:
         self._token = token
         self._ssl = ssl
         self._sock: socket.socket | None = None
-        self._buf = bytearray()
+        self._reader = HeaderReader(_REPLY_LIMIT)
+        self._ready: collections.deque[Any] = collections.deque()  # frames read, not yet used
         self._packer = msgpack.Packer(use_bin_type=True)
         self._id = 0
+        self._wait_set = -1.0  # the socket's current timeout for one call
 
     # -- connection ------------------------------------------------------------------------
     def connect(self) -> BlockingStore:
@@ -89,13 +96,26 @@ class BlockingStore:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self.host)
-            self._sock, self._buf = sock, bytearray()
+            self._sock = sock
+            self._reader, self._ready, self._wait_set = HeaderReader(_REPLY_LIMIT), collections.deque(), -1.0
             peer = f"{self.host}:{self.port}"
-            challenge = self._recv(time.monotonic() + self._connect_timeout)
+            self._set_wait(sock, self._connect_timeout)
+            challenge = self._next(sock, time.monotonic(), self._connect_timeout)
             reply, nonce = transport.answer_challenge(challenge, self._token, {"job": self.job}, peer)
-            self._sendall(self._frame(reply))
-            welcome = self._recv(time.monotonic() + self._connect_timeout)
+            sock.sendall(frame(self._packer.pack(reply)))
+            welcome = self._next(sock, time.monotonic(), self._connect_timeout)
             transport.check_welcome(welcome, self._token, nonce, peer)
+            if welcome.get("store") != STORE_PROTOCOL:
+                raise ProtocolError(
+                    f"the store at {peer} speaks store protocol {welcome.get('store', 1)}, "
+                    f"this client needs {STORE_PROTOCOL} (upgrade arendez-server)"
+                )
+            if self._ssl is None:  # deadlines from the kernel from now on (no poll per call)
+                sock.settimeout(None)
+                self._wait_set = -1.0
+        except TimeoutError:
+            self.close()
+            raise StoreError(f"store at {self.host}:{self.port} did not answer the handshake") from None
         except BaseException:
             self.close()
             raise
@@ -114,62 +134,68 @@ class BlockingStore:
         self.close()
 
     # -- framing ---------------------------------------------------------------------------
-    def _frame(self, header: Any) -> bytes:
-        raw: bytes = self._packer.pack(header)
-        return wire.PREFIX.pack(len(raw), 0) + raw
+    def _set_wait(self, sock: socket.socket, seconds: float) -> None:
+        """Let the next send and receive block for at most ``seconds``."""
+        self._wait_set = seconds
+        if sock.gettimeout() is not None:  # the handshake, or TLS: Python's own timeout
+            sock.settimeout(seconds)
+            return
+        micros = max(1, round(seconds * 1e6))  # (0 would mean "forever")
+        tv = _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
-    def _sendall(self, data: bytes) -> None:
-        assert self._sock is not None
-        self._sock.settimeout(self._connect_timeout)
-        self._sock.sendall(data)
-
-    def _recv(self, deadline: float) -> Any:
-        """The next frame's header (blocking until ``deadline``)."""
-        sock, buf = self._sock, self._buf
-        assert sock is not None
-        while True:
-            if len(buf) >= wire.PREFIX.size:
-                hlen, plen = wire.PREFIX.unpack_from(buf)
-                if hlen > _REPLY_LIMIT or plen:
-                    raise ProtocolError(f"unexpected store frame: {hlen}-byte header, {plen}-byte payload")
-                end = wire.PREFIX.size + hlen
-                if len(buf) >= end:
-                    try:
-                        header = msgpack.unpackb(memoryview(buf)[wire.PREFIX.size : end], raw=False)
-                    except Exception as exc:
-                        raise ProtocolError(f"undecodable frame from the store: {exc}") from None
-                    del buf[:end]
-                    return header
-            remaining = deadline - time.monotonic()
+    def _next(self, sock: socket.socket, started: float, budget: float) -> Any:
+        """The next frame's header, within ``budget`` seconds of ``started``."""
+        ready = self._ready
+        reader = self._reader
+        while not ready:
+            try:
+                n = sock.recv_into(reader.get_buffer())
+            except (BlockingIOError, TimeoutError):  # the socket's timeout expired: is ours?
+                n = -1
+            if n > 0:
+                ready.extend(reader.feed(n))
+                if ready:
+                    break
+            elif n == 0:
+                raise ConnectionResetError("the store closed the connection")
+            remaining = started + budget - time.monotonic()  # (the socket's timeout may be shorter)
             if remaining <= 0:
                 raise TimeoutError
-            sock.settimeout(remaining)
-            data = sock.recv(1 << 16)
-            if not data:
-                raise ConnectionResetError("the store closed the connection")
-            buf += data
+            self._set_wait(sock, remaining)
+        return ready.popleft()
 
-    def _call(self, op: str, timeout: float | None = None, wait: bool = False, **fields: Any) -> Any:
-        budget = self.timeout if timeout is None else float(timeout)
-        if not wait:
-            budget = min(budget, _CALL_TIMEOUT)
-        deadline = time.monotonic() + budget
-        self._ensure()
+    def _call(self, op: str, budget: float, *args: Any) -> Any:
+        """Send the compact request ``[op, id, *args]``; its answer within ``budget`` seconds."""
+        started = time.monotonic()
+        sock = self._sock or self._ensure()
         self._id += 1
-        rid = fields["id"] = self._id
-        fields["op"] = op
-        if wait:
-            fields["timeout"] = budget
+        rid = self._id
+        data = frame(self._packer.pack([op, rid, *args]))
         try:
-            self._sendall(self._frame(fields))
+            # the socket's timeout only has to be no longer than the call's budget: a shorter
+            # one wakes a long wait up now and then (``_next`` waits on), and changes rarely
+            current = self._wait_set
+            if current > budget or current < 0.5 * min(budget, _CALL_TIMEOUT):
+                self._set_wait(sock, budget)
+            try:
+                sock.sendall(data)
+            except BlockingIOError:  # SO_SNDTIMEO expired
+                raise TimeoutError from None
             while True:
-                header = self._recv(deadline + (_REPLY_SLACK if wait else 0.0))
-                if not isinstance(header, dict):
+                reply = self._next(sock, started, budget)
+                if type(reply) is list:
+                    if len(reply) == 2 and reply[0] == rid:
+                        return reply[1]
                     continue
-                if header.get("id") == rid:
+                if not isinstance(reply, dict):
+                    continue
+                found = reply.get("id")
+                if found == rid:
                     break
-                if header.get("id") is None and "error" in header:  # dropped for a protocol error
-                    raise transport.remote_error(header, StoreError)
+                if found is None and "error" in reply:  # dropped for a protocol error
+                    raise transport.remote_error(reply, StoreError)
         except TimeoutError:
             self.close()  # the answer may still come: this connection is out of step now
             raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
@@ -177,23 +203,31 @@ class BlockingStore:
             self.close()
             where = f"{self.host}:{self.port}"
             raise StoreError(f"store {op} failed: lost the connection to {where}: {exc}") from None
-        if "error" in header:
-            raise transport.remote_error(header, StoreError)
-        return header.get("ok")
+        if "error" in reply:
+            raise transport.remote_error(reply, StoreError)
+        return reply.get("ok")
+
+    def _budget(self, timeout: float | None) -> float:
+        """Seconds a call that does not wait on the server may take."""
+        return min(self.timeout if timeout is None else float(timeout), _CALL_TIMEOUT)
+
+    def _wait_budget(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else float(timeout)
 
     # -- operations ------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``."""
-        self._call("set", timeout, key=key, value=_to_bytes(value))
+        self._call("set", self._budget(timeout), key, _to_bytes(value))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` for it to be set."""
-        value: bytes = self._call("get", timeout, wait=True, key=key)
+        wait = self._wait_budget(timeout)
+        value: bytes = self._call("get", wait + _REPLY_SLACK, key, wait)
         return value
 
     def add(self, key: str, amount: int = 1, timeout: float | None = None) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (missing = 0); return the sum."""
-        total: int = self._call("add", timeout, key=key, amount=int(amount))
+        total: int = self._call("add", self._budget(timeout), key, int(amount))
         return total
 
     def compare_set(
@@ -202,28 +236,44 @@ class BlockingStore:
         """Set ``desired`` if ``key`` holds ``expected`` (or is missing and ``expected`` is
         empty); return the value the key holds afterwards."""
         value: bytes = self._call(
-            "compare_set", timeout, key=key, expected=_to_bytes(expected), desired=_to_bytes(desired)
+            "compare_set", self._budget(timeout), key, _to_bytes(expected), _to_bytes(desired)
         )
         return value
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
-        self._call("wait", timeout, wait=True, keys=list(keys))
+        wait = self._wait_budget(timeout)
+        self._call("wait", wait + _REPLY_SLACK, list(keys), wait)
 
     def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
         """True if every key in ``keys`` is set (no waiting)."""
-        found: bool = self._call("check", timeout, keys=list(keys))
+        found: bool = self._call("check", self._budget(timeout), list(keys))
         return found
 
     def delete(self, key: str, timeout: float | None = None) -> bool:
         """Delete ``key``; True if it existed."""
-        existed: bool = self._call("delete", timeout, key=key)
+        existed: bool = self._call("delete", self._budget(timeout), key)
         return existed
 
     def num_keys(self, timeout: float | None = None) -> int:
         """How many keys the job's store holds."""
-        count: int = self._call("num_keys", timeout)
+        count: int = self._call("num_keys", self._budget(timeout))
         return count
+
+    def multi_get(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys``, in order, waiting up to ``timeout`` for any not yet set."""
+        wait = self._wait_budget(timeout)
+        values: list[bytes] = self._call("multi_get", wait + _REPLY_SLACK, list(keys), wait)
+        return values
+
+    def multi_set(
+        self, keys: Iterable[str], values: Iterable[str | bytes], timeout: float | None = None
+    ) -> None:
+        """Set each of ``keys`` to the value at its position in ``values``, in one request."""
+        keys, values = list(keys), [_to_bytes(v) for v in values]
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
+        self._call("multi_set", self._budget(timeout), keys, values)
 
 
 __all__ = ["BlockingStore"]

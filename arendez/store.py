@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from . import lease as _lease
 from . import transport, validate, wire
 from .errors import (
@@ -30,6 +32,7 @@ from .errors import (
     StoreError,
     StoreTimeoutError,
 )
+from .store_wire import STORE_PROTOCOL, frame
 
 log = logging.getLogger("arendez.store")
 
@@ -122,6 +125,7 @@ class Store:
         self._corked = False
         self._woken = 0  # replies delivered since the cork was (re)scheduled
         self._held = False  # the cork already waited once for callers woken after it
+        self._packer = msgpack.Packer(use_bin_type=True)
 
     # -- connection management -------------------------------------------------------------
     async def connect(self, timeout: float | None = None) -> Store:
@@ -141,7 +145,12 @@ class Store:
             self.host, self.port, ssl=self._ssl, timeout=_OPEN_TIMEOUT, limits=_REPLY_LIMITS
         )
         try:
-            await transport.client_handshake(conn, self._token, {"job": self.job}, _OPEN_TIMEOUT)
+            welcome = await transport.client_handshake(conn, self._token, {"job": self.job}, _OPEN_TIMEOUT)
+            if welcome.get("store") != STORE_PROTOCOL:
+                raise ProtocolError(
+                    f"the store at {self.host}:{self.port} speaks store protocol {welcome.get('store', 1)}, "
+                    f"this client needs {STORE_PROTOCOL} (upgrade arendez-server)"
+                )
             conn.set_handlers(self._on_frame, lambda exc: None)
             if self._membership is not None:
                 m = self._membership
@@ -242,6 +251,16 @@ class Store:
         return f"{type(exc).__name__}: {exc}" if exc is not None else ""
 
     def _on_frame(self, header: Any, payload: memoryview | None) -> None:
+        if type(header) is list:  # a compact reply [id, value]
+            fut = self._pending.pop(header[0], None) if len(header) == 2 else None
+            if fut is None or fut.done():
+                return
+            fut.set_result(header[1])
+            if self._corked:
+                self._woken += 1
+            else:
+                self._cork()
+            return
         if not isinstance(header, dict):
             return
         rid = header.get("id")
@@ -337,6 +356,39 @@ class Store:
             self._pending.pop(rid, None)
             self._expiry.pop(rid, None)
 
+    async def _ask(self, op: str, timeout: float | None, wait: bool, *args: Any) -> Any:
+        """A key-value operation in the compact form ``[op, id, *args]`` (``store_wire``);
+        ``wait``: the server may wait, and is told how long (appended to ``args``)."""
+        loop = self._loop or asyncio.get_running_loop()
+        budget = self.timeout if timeout is None else float(timeout)
+        now = loop.time()
+        deadline = now + (budget if wait else min(budget, _CALL_TIMEOUT))
+        conn = self._conn
+        if conn is None or not conn.is_open:
+            await self._wait_connected(deadline)
+            now = loop.time()
+        rid = next(self._ids)
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._pending[rid] = fut
+        if wait:
+            args = (*args, max(0.0, deadline - now))
+            deadline += _REPLY_SLACK
+        self._expiry[rid] = deadline
+        if self._sweep_at is None or deadline < self._sweep_at:
+            self._arm_sweep(loop, deadline)
+        data = frame(self._packer.pack([op, rid, *args]))
+        if self._corked:
+            self._out.append(data)
+        else:
+            self._write([data])
+        try:
+            return await fut
+        except _NoAnswer:
+            raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
+        finally:
+            self._pending.pop(rid, None)
+            self._expiry.pop(rid, None)
+
     def _arm_sweep(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         """One timer for all calls: it fires at the earliest deadline (no timer per call)."""
         if self._sweep is not None:
@@ -400,16 +452,16 @@ class Store:
 
     async def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``."""
-        await self._call("set", timeout, key=key, value=_to_bytes(value))
+        await self._ask("set", timeout, False, key, value if type(value) is bytes else _to_bytes(value))
 
     async def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` for it to be set."""
-        value: bytes = await self._call("get", timeout, wait=True, key=key)
+        value: bytes = await self._ask("get", timeout, True, key)
         return value
 
     async def add(self, key: str, amount: int = 1, timeout: float | None = None) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (missing = 0); return the sum."""
-        total: int = await self._call("add", timeout, key=key, amount=int(amount))
+        total: int = await self._ask("add", timeout, False, key, int(amount))
         return total
 
     async def compare_set(
@@ -417,29 +469,43 @@ class Store:
     ) -> bytes:
         """Set ``desired`` if ``key`` holds ``expected`` (or is missing and ``expected`` is
         empty); return the value the key holds afterwards."""
-        value: bytes = await self._call(
-            "compare_set", timeout, key=key, expected=_to_bytes(expected), desired=_to_bytes(desired)
+        value: bytes = await self._ask(
+            "compare_set", timeout, False, key, _to_bytes(expected), _to_bytes(desired)
         )
         return value
 
     async def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
-        await self._call("wait", timeout, wait=True, keys=list(keys))
+        await self._ask("wait", timeout, True, list(keys))
 
     async def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
         """True if every key in ``keys`` is set (no waiting)."""
-        found: bool = await self._call("check", timeout, keys=list(keys))
+        found: bool = await self._ask("check", timeout, False, list(keys))
         return found
 
     async def delete(self, key: str, timeout: float | None = None) -> bool:
         """Delete ``key``; True if it existed."""
-        existed: bool = await self._call("delete", timeout, key=key)
+        existed: bool = await self._ask("delete", timeout, False, key)
         return existed
 
     async def num_keys(self, timeout: float | None = None) -> int:
         """How many keys the job's store holds."""
-        count: int = await self._call("num_keys", timeout)
+        count: int = await self._ask("num_keys", timeout, False)
         return count
+
+    async def multi_get(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys``, in order, waiting up to ``timeout`` for any not yet set."""
+        values: list[bytes] = await self._ask("multi_get", timeout, True, list(keys))
+        return values
+
+    async def multi_set(
+        self, keys: Iterable[str], values: Iterable[str | bytes], timeout: float | None = None
+    ) -> None:
+        """Set each of ``keys`` to the value at its position in ``values``, in one request."""
+        keys, data = list(keys), [_to_bytes(v) for v in values]
+        if len(keys) != len(data):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(data)} values")
+        await self._ask("multi_set", timeout, False, keys, data)
 
     # -- membership ------------------------------------------------------------------------
     async def join(

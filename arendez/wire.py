@@ -119,6 +119,15 @@ class Decoder:
             self._discard_left = dest.nbytes - self._got
         return dest
 
+    def take_rest(self) -> bytes:
+        """The bytes read past the last complete frame (for another reader to continue with);
+        the decoder forgets them. Only between frames: a payload being read is an error."""
+        if self._dest is not None or self._discard_left:
+            raise ProtocolError("a payload is arriving: the stream cannot change readers now")
+        rest = bytes(self._view[: self._filled])
+        self._filled = 0
+        return rest
+
     def get_buffer(self) -> memoryview:
         """Where the next bytes from the stream should be written.
 

@@ -335,6 +335,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, nargs="*", default=[1, 8, 32])
     p.add_argument("--depth", type=int, default=16, help="arendez ops in flight per client when pipelined")
     p.add_argument("--seconds", type=float, default=2.0, help="timed seconds per ops case")
+    p.add_argument("--repeat", type=int, default=1, help="runs of the ops cases, alternating servers")
     p.add_argument("--procs", type=int, default=8, help="processes the simulated ranks are spread over")
     p.add_argument("--ops-procs", type=int, default=0, help="client processes for ops (0: one per client)")
     p.add_argument("--hold", type=float, default=3.0, help="s the arendez ranks stay joined (> lease)")
@@ -356,17 +357,20 @@ def main() -> int:
     servers = Servers()
     rows: dict[str, Any] = {"ops": [], "rendezvous": []}
     try:
-        for clients in args.clients:
-            for depth in (1, args.depth):
-                for backend in ("arendez", "blocking", "tcpstore"):
-                    if backend != "arendez" and depth != 1:
-                        continue
-                    r = ops(servers, backend, clients, depth, args.seconds, args.ops_procs)
-                    rows["ops"].append(r)
-                    print(
-                        f"ops {backend} clients={clients} depth={depth}: {r['ops_per_s']:.0f}/s {r['loops']}",
-                        file=sys.stderr,
-                    )
+        for run in range(1, args.repeat + 1):
+            for clients in args.clients:
+                for depth in (1, args.depth):
+                    for backend in ("tcpstore", "blocking", "arendez"):
+                        if backend != "arendez" and depth != 1:
+                            continue
+                        r = ops(servers, backend, clients, depth, args.seconds, args.ops_procs)
+                        r["run"] = run
+                        rows["ops"].append(r)
+                        print(
+                            f"ops run {run} {backend} clients={clients} depth={depth}: "
+                            f"{r['ops_per_s']:.0f}/s {r['loops']}",
+                            file=sys.stderr,
+                        )
         for world in args.worlds:
             for backend in ("arendez", "tcpstore"):
                 if backend == "tcpstore" and world > args.tcpstore_max_world:
@@ -384,19 +388,24 @@ def main() -> int:
 
 def table(rows: dict[str, Any]) -> str:
     out = [
-        "| clients | TCPStore ops/s | arendez async (1 in flight) | ratio | arendez async (pipelined) "
-        "| ratio | arendez BlockingStore | ratio |"
+        "| clients | run | TCPStore ops/s | arendez BlockingStore | ratio | arendez async (1 in flight) "
+        "| ratio | arendez async (pipelined) | ratio |"
     ]
-    out.append("|---|---|---|---|---|---|---|---|")
-    by = {(r["backend"], r["clients"], r["depth"]): r["ops_per_s"] for r in rows["ops"]}
-    for clients in sorted({r["clients"] for r in rows["ops"]}):
-        t = by.get(("tcpstore", clients, 1))
-        a1 = by.get(("arendez", clients, 1))
-        ap = next((v for (b, c, d), v in by.items() if b == "arendez" and c == clients and d > 1), None)
-        b1 = by.get(("blocking", clients, 1))
-        cells = [f"{t or 0:,.0f}", f"{a1 or 0:,.0f}", _ratio(a1, t), f"{ap or 0:,.0f}", _ratio(ap, t)]
-        cells += [f"{b1 or 0:,.0f}", _ratio(b1, t)]
-        out.append(f"| {clients} | " + " | ".join(cells) + " |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
+    by = {(r["backend"], r["clients"], r["depth"], r.get("run", 1)): r["ops_per_s"] for r in rows["ops"]}
+    for clients, run in sorted({(r["clients"], r.get("run", 1)) for r in rows["ops"]}):
+        t = by.get(("tcpstore", clients, 1, run))
+        a1 = by.get(("arendez", clients, 1, run))
+        ap = next(
+            (v for (b, c, d, n), v in by.items() if b == "arendez" and c == clients and d > 1 and n == run),
+            None,
+        )
+        b1 = by.get(("blocking", clients, 1, run))
+        cells = [f"{t or 0:,.0f}", f"{b1 or 0:,.0f}", _ratio(b1, t), f"{a1 or 0:,.0f}", _ratio(a1, t)]
+        cells += [f"{ap or 0:,.0f}", _ratio(ap, t)]
+        out.append(f"| {clients} | {run} | " + " | ".join(cells) + " |")
+    if not rows["rendezvous"]:
+        return "\n".join(out)
     out.append("")
     out.append("| N | TCPStore | arendez | TCPStore/arendez | arendez ranks declared failed |")
     out.append("|---|---|---|---|---|")

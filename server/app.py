@@ -12,7 +12,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import math
 import resource
 import ssl as _ssl
 import time
@@ -31,13 +30,14 @@ from arendez.errors import (
     StoreError,
     StoreTimeoutError,
 )
+from arendez.store_wire import STORE_PROTOCOL, HeaderReader, arity_error, frame
 
+from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, as_map, packed_reply
 from .hooks import ServerHooks
-from .state import Departure, Job, Lease, Member, Round, ServerState, StateLimits
+from .state import Departure, Job, Lease, Round, ServerState, StateLimits
 
 log = logging.getLogger("arendez.server")
 
-MAX_WAIT = 7 * 24 * 3600.0
 #: Reply bytes a client may leave unread before the server drops it.
 MAX_UNREAD_REPLIES = 16 << 20
 #: Reply bytes gathered from one read that are written at once (and the reader checked).
@@ -52,11 +52,6 @@ HELLO_MAX = 1024
 HELLO_FRAMES = 2
 #: Departures gathered before failure news goes out (one event per round per flush).
 DEPARTURE_BATCH = 0.01
-#: Seconds an elastic round with at least its minimum of ranks waits for more (each arrival
-#: restarts it) unless the joiners ask for another value.
-ELASTIC_SETTLE = 0.25
-
-_packer = msgpack.Packer(use_bin_type=True)
 
 
 @dataclass
@@ -109,6 +104,7 @@ class _Session:
         self.round: Round | None = None
         self.lease: Lease | None = None  # set on the lease connection of a client process
         self.tasks: set[asyncio.Task[None]] = set()
+        self.packer = server.packer
         self._out: list[bytes | memoryview] = []
         self._out_bytes = 0
         self.dropped = False  # no more answers: the connection closes shortly
@@ -116,6 +112,17 @@ class _Session:
     def reply(self, rid: Any, value: Any) -> None:
         if rid is not None:
             self.send({"id": rid, "ok": value})
+
+    def reply_value(self, rid: Any, value: Any) -> None:
+        """The compact reply ``[rid, value]`` (to a compact request)."""
+        data = frame(self.packer.pack([rid, value]))
+        if self.conn.corked:
+            self._out.append(data)
+            self._out_bytes += len(data)
+            if self._out_bytes >= FLUSH_AT:  # large replies go out at once, checked as they go
+                self.flush()
+        else:
+            self.send_encoded([data])
 
     def reply_error(self, rid: Any, exc: ArendezError) -> None:
         frame = transport.error_frame(exc)
@@ -166,6 +173,8 @@ class _ServerConnection(transport.Connection):
         self.nonce = b""
         self.deadline = 0.0
         self.session: _Session | None = None
+        #: Reads the requests once the handshake is done (``wire.Decoder`` reads the hello).
+        self.reader: HeaderReader | None = None
         #: True while the frames of one read are being answered: replies wait for one write.
         self.corked = False
 
@@ -173,14 +182,41 @@ class _ServerConnection(transport.Connection):
         super().connection_made(transport_)
         self.server._made(self)
 
+    def start_session(self, session: _Session, max_header: int) -> None:
+        """Read requests of up to ``max_header`` bytes from now on (what came after the hello too)."""
+        self.session = session
+        self.reader = HeaderReader(max_header, self._decoder.take_rest())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        reader = self.reader
+        return reader.get_buffer() if reader is not None else super().get_buffer(sizehint)
+
     def buffer_updated(self, nbytes: int) -> None:
-        session = self.session
-        if session is None:
-            super().buffer_updated(nbytes)
+        session, reader = self.session, self.reader
+        if session is None or reader is None:
+            super().buffer_updated(nbytes)  # the handshake (its handlers take over from it)
             return
+        try:
+            requests = reader.feed(nbytes)
+        except ProtocolError as exc:
+            log.info("protocol error from %s: %s", self.peer, exc)
+            self.fail(exc, tell_peer=True)
+            return
+        if not requests:
+            return
+        server = self.server
+        compact = server._compact
         self.corked = True
         try:
-            super().buffer_updated(nbytes)
+            for request in requests:
+                if session.dropped:
+                    break
+                if type(request) is list:
+                    compact(session, request)
+                else:
+                    server._on_request(session, request)
+        except Exception as exc:  # a request the server could not digest
+            self.fail(ProtocolError(f"bad frame: {type(exc).__name__}: {exc}"), tell_peer=True)
         finally:
             self.corked = False
             session.flush()
@@ -207,6 +243,9 @@ class Server:
         self._joining_news: dict[str, asyncio.TimerHandle] = {}  # by job: "ranks wait to join"
         self._lease_task: asyncio.Task[None] | None = None
         self._closing = False
+        self.packer = msgpack.Packer(use_bin_type=True)
+        #: Time every request for the hooks (not when they are the do-nothing ones).
+        self._timed = type(self.config.hooks).request is not ServerHooks.request
         self.max_connections = self.config.max_connections
         self.port = 0
 
@@ -321,7 +360,7 @@ class Server:
             return
         self._handshaking.discard(conn)
         try:
-            welcome = transport.answer_hello(hello, cfg.token, conn.nonce)
+            welcome = transport.answer_hello(hello, cfg.token, conn.nonce, {"store": STORE_PROTOCOL})
             job = hello.get("job", "")
             if not isinstance(job, str) or len(job) > 256:
                 raise ProtocolError("job name must be a string of at most 256 characters")
@@ -332,11 +371,10 @@ class Server:
         conn.send(welcome)
         limit = cfg.limits.max_value + cfg.limits.max_key + 4096
         conn.set_limits(wire.Limits(max_header=limit, max_payload=0))
-        session = conn.session = _Session(self, conn, job)
+        session = _Session(self, conn, job)
+        conn.start_session(session, limit)
         self._sessions[job].add(session)
-        conn.set_handlers(
-            lambda header, payload: self._on_request(session, header), lambda exc: self._lost(conn)
-        )
+        conn.set_handlers(lambda header, payload: self._handle(session, header), lambda exc: self._lost(conn))
 
     def _lost(self, conn: _ServerConnection) -> None:
         if conn not in self._conns:
@@ -387,35 +425,76 @@ class Server:
                     del self._members[key]
 
     # -- requests --------------------------------------------------------------------------
-    def _on_request(self, session: _Session, header: Any) -> None:
+    def _handle(self, session: _Session, request: Any) -> None:
+        """Answer one request (compact or map form), at once where it can be."""
         if session.dropped:
             return
+        if type(request) is list:
+            self._compact(session, request)
+        else:
+            self._on_request(session, request)
+
+    def _compact(self, session: _Session, request: list[Any]) -> None:
+        """``[op, id, *args]``: a key-value operation (``arendez.store_wire``)."""
+        op: Any = request[0] if request else None
+        entry = COMPACT.get(op) if type(op) is str else None
+        if entry is None:
+            self._protocol_error(session, ProtocolError(f"unknown request {op!r:.40}"))
+            return
+        handler, size = entry
+        rid = request[1] if len(request) > 1 else None
+        timed = self._timed
+        started = time.perf_counter() if timed else 0.0
+        error = None
         try:
-            if not isinstance(header, dict) or not isinstance(header.get("op"), str):
-                raise ProtocolError("a request must be a map with a string 'op'")
-            op = header["op"]
-            handler = _HANDLERS.get(op)
-            rid = header.get("id")
-            if handler is None:
-                if op not in _BLOCKING:
-                    raise ProtocolError(f"unknown request {op!r:.40}")
-                self._start_blocking(session, rid, header)
-                return
-            started, error = time.perf_counter(), None
-            try:
-                job = self.state.job(session.job)
-                value = handler(self, session, job, header)
-                if value is _BLOCK:  # not answerable yet: wait in a task
-                    self._start_blocking(session, rid, header)
-                else:
-                    session.reply(rid, value)
-            except ArendezError as exc:
-                error = type(exc).__name__
-                session.reply_error(rid, exc)
+            if len(request) != size:
+                raise StoreError(arity_error(op, len(request) - 2))
+            state = self.state
+            job = state.jobs.get(session.job) or state.job(session.job)
+            value = handler(self, session, job, request)
+            if value is BLOCK:  # not answerable yet: wait in a task
+                self._start_blocking(session, rid, as_map(request))
+            elif rid is not None:
+                session.reply_value(rid, value)
+        except ArendezError as exc:
+            error = type(exc).__name__
+            session.reply_error(rid, exc)
+        if timed:
             self.config.hooks.request(op, time.perf_counter() - started, error)
-        except ProtocolError as exc:
-            log.info("protocol error from %s: %s", session.conn.peer, exc)
-            session.conn.fail(exc, tell_peer=True)
+
+    def _protocol_error(self, session: _Session, exc: ProtocolError) -> None:
+        log.info("protocol error from %s: %s", session.conn.peer, exc)
+        session.conn.fail(exc, tell_peer=True)
+
+    def _on_request(self, session: _Session, header: Any) -> None:
+        """``{"op", "id", ...}``: any request."""
+        if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+            self._protocol_error(session, ProtocolError("a request must be a map with a string 'op'"))
+            return
+        op = header["op"]
+        handler = HANDLERS.get(op)
+        rid = header.get("id")
+        if handler is None:
+            if op not in BLOCKING:
+                self._protocol_error(session, ProtocolError(f"unknown request {op!r:.40}"))
+                return
+            self._start_blocking(session, rid, header)
+            return
+        timed = self._timed
+        started = time.perf_counter() if timed else 0.0
+        error = None
+        try:
+            job = self.state.job(session.job)
+            value = handler(self, session, job, header)
+            if value is BLOCK:  # not answerable yet: wait in a task
+                self._start_blocking(session, rid, header)
+            else:
+                session.reply(rid, value)
+        except ArendezError as exc:
+            error = type(exc).__name__
+            session.reply_error(rid, exc)
+        if timed:
+            self.config.hooks.request(op, time.perf_counter() - started, error)
 
     def _start_blocking(self, session: _Session, rid: Any, header: dict[str, Any]) -> None:
         if len(session.tasks) >= self.config.max_pending_per_connection:
@@ -436,9 +515,9 @@ class Server:
         started, error = time.perf_counter(), None
         try:
             job = self.state.job(session.job)
-            value = await _BLOCKING[header["op"]](self, session, job, header)
-            if isinstance(value, list):  # already encoded (a join answer)
-                packed = _packed_reply(rid, value)
+            value = await BLOCKING[header["op"]](self, session, job, header)
+            if header["op"] == "join":  # partly encoded already
+                packed = packed_reply(rid, value)
                 if packed is not None:
                     session.send_encoded(packed)
             else:
@@ -568,269 +647,6 @@ class Server:
                 continue
             self._depart(self.state.expire(now, cfg.lease, cfg.lease_arm_grace))
 
-
-# -- request handlers (plain functions of the server, session, job and request) ---------------
-_BLOCK = object()  # a handler's "cannot answer yet": the request continues in a task
-
-
-def _set(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
-    key = h.get("key", "")
-    job.set(key, h.get("value"))
-    server._changed(s.job, key)
-
-
-def _add(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> int:
-    key = h.get("key", "")
-    total = job.add(key, h.get("amount", 1))
-    server._changed(s.job, key)
-    return total
-
-
-def _compare_set(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bytes:
-    key = h.get("key", "")
-    value = job.compare_set(key, h.get("expected", b""), h.get("desired"))
-    server._changed(s.job, key)
-    return value
-
-
-def _delete(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bool:
-    return job.delete(h.get("key"))
-
-
-def _num_keys(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> int:
-    return len(job.kv)
-
-
-def _check(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bool:
-    return job.has_all(_keys(h))
-
-
-def _get_now(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Any:
-    value = job.get(h.get("key"))
-    return _BLOCK if value is None else value
-
-
-def _wait_now(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Any:
-    return None if job.has_all(_keys(h)) else _BLOCK
-
-
-def _lease(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
-    """Make this connection the keeper of the client process's lease ``key``."""
-    s.lease = server.state.lease(h.get("key"), time.monotonic())
-    s.lease.renew(time.monotonic())
-
-
-def _heartbeat(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
-    now = time.monotonic()
-    if s.lease is not None:
-        s.lease.renew(now)
-    if s.round is not None and s.rank is not None:
-        job.heartbeat(s.round, s.rank, now)
-
-
-def _lease_of(server: Server, h: dict[str, Any]) -> Lease | None:
-    key = h.get("lease")
-    return None if key is None else server.state.lease(key, time.monotonic())
-
-
-def _attach(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
-    rank, world_size = h.get("rank"), h.get("world_size")
-    nonce, address = h.get("nonce"), h.get("address", "")
-    if not isinstance(rank, int) or not isinstance(world_size, int) or not isinstance(nonce, bytes):
-        raise RendezvousError("attach needs an integer rank, world_size and a nonce")
-    round_ = job.attach(rank, world_size, nonce, str(address), time.monotonic(), _lease_of(server, h))
-    server._unbind(s)
-    server._bind(s, round_, rank)
-
-
-def _leave(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
-    if s.round is None or s.rank is None:
-        return
-    gone = job.leave(s.round, s.rank)
-    server._unbind(s)
-    s.rank = s.round = None
-    if gone is not None:
-        server._depart([gone])
-
-
-def _status(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[str, Any]:
-    round_ = s.round
-    if round_ is None:
-        return {"world_size": 0, "members": {}}
-    return {
-        "world_size": round_.world_size,
-        "members": {m.rank: m.state.value for m in round_.members.values()},
-    }
-
-
-def _addresses(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[int, str]:
-    """The addresses of the given ranks of this connection's round (fetched as needed)."""
-    round_ = s.round
-    if round_ is None or not round_.complete:
-        raise RendezvousError("addresses: this connection is not a member of a complete round")
-    return round_.addresses(h.get("ranks"))
-
-
-def _keys(h: dict[str, Any]) -> list[str]:
-    keys = h.get("keys")
-    if not isinstance(keys, list) or len(keys) > 10_000:
-        raise StoreError("keys must be a list of at most 10000 strings")
-    return keys
-
-
-def _deadline(timeout: Any) -> float:
-    if timeout is None:
-        timeout = MAX_WAIT
-    if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
-        raise StoreError(f"timeout must be a non-negative number, got {timeout!r:.40}")
-    return time.monotonic() + min(float(timeout), MAX_WAIT)
-
-
-def _timed_out(what: str, timeout: Any) -> str:
-    return f"{what} not satisfied within {timeout if timeout is not None else MAX_WAIT:g}s"
-
-
-async def _get(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bytes:
-    key, timeout = h.get("key", ""), h.get("timeout")
-    deadline = _deadline(timeout)
-    job.get(key)  # checks the key
-    await server._until_key(s, job, key, deadline, _timed_out(f"get({key!r:.80})", timeout))
-    value = job.get(key)
-    assert value is not None
-    return value
-
-
-async def _wait(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
-    keys, timeout = _keys(h), h.get("timeout")
-    deadline = _deadline(timeout)
-    job.has_all(keys)  # checks the keys
-    what = _timed_out(f"wait({keys!r:.80})", timeout)
-    for key in keys:
-        await server._until_key(s, job, key, deadline, what)
-
-
-async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> list[Any]:
-    if s.round is not None:
-        raise RendezvousError("this connection already joined the job")
-    deadline = _deadline(h.get("timeout"))
-    member: Member | None = None
-    if h.get("min_size") is not None:  # elastic: min_size..world_size ranks, assigned at the close
-        settle = h.get("settle", ELASTIC_SETTLE)
-        if not isinstance(settle, (int, float)) or not 0 <= settle <= 60:
-            raise RendezvousError(f"settle must be a number of seconds in 0..60, got {settle!r:.40}")
-        round_, member, gone = job.join_elastic(
-            h["min_size"],
-            h.get("world_size", 0),
-            str(h.get("address", "")),
-            time.monotonic(),
-            _lease_of(server, h),
-            came_from=h.get("came_from", -1),
-            hint=h.get("hint", -1),
-            dead=h.get("dead", ()),
-        )
-        server._depart(gone)
-        rank = member.rank
-    else:
-        round_, rank = job.join(
-            h.get("rank", -1),
-            h.get("world_size", 0),
-            str(h.get("address", "")),
-            time.monotonic(),
-            _lease_of(server, h),
-        )
-    s.round, s.rank = round_, rank
-    loop = asyncio.get_running_loop()
-    done = server._round_done.get(round_)
-    if done is None:
-        done = server._round_done[round_] = loop.create_future()
-    if round_.complete:
-        server._round_closed(round_)
-    elif member is not None:
-        server._elastic_joined(job, round_, float(settle))
-    try:
-        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-            await asyncio.shield(done)
-    except TimeoutError:
-        joined = sorted(round_.members)  # counted before this rank withdraws: it joined too
-        job.withdraw(round_, rank)
-        s.round = s.rank = None
-        if round_.elastic:
-            raise RendezvousError(
-                f"job {s.job!r}: only {len(joined)} rank(s) joined in time, the elastic world needs "
-                f"at least {round_.min_size} (missing: {round_.min_size - len(joined)} rank(s))"
-            ) from None
-        missing = sorted(set(range(round_.world_size)) - set(joined))
-        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
-        raise RendezvousError(
-            f"job {s.job!r}: only {len(joined)} of {round_.world_size} ranks joined in time "
-            f"(missing: {len(missing)} rank(s): {shown})"
-        ) from None
-    except asyncio.CancelledError:
-        job.withdraw(round_, rank)
-        raise
-    finally:
-        if not round_.members and round_ in server._round_done:  # everyone gave up
-            server._round_done.pop(round_).cancel()
-    if member is not None:
-        rank = s.rank = member.rank  # assigned when the round closed
-    server._bind(s, round_, rank)
-    answer: dict[str, Any] = {"rank": rank, "world_size": round_.world_size, "nonce": round_.nonce}
-    if round_.elastic:
-        answer.update(generation=round_.generation, survivors=round_.survivors)
-    offsets = h.get("neighbours")
-    if offsets is not None:  # the addresses of rank + offset (mod world_size), in the answer
-        if not isinstance(offsets, list) or len(offsets) > 64 or not all(isinstance(o, int) for o in offsets):
-            raise RendezvousError("neighbours must be a list of at most 64 integer rank offsets")
-        answer["addresses"] = round_.addresses([(rank + o) % round_.world_size for o in offsets])
-    if h.get("peers", True) is False:
-        return [answer, None]
-    packed = server._peers_packed.get(round_)
-    if packed is None:  # encoded once per round, shared by every member's answer
-        packed = server._peers_packed[round_] = _packer.pack(round_.peers())
-        loop.call_later(5.0, server._peers_packed.pop, round_, None)
-    return [answer, packed]
-
-
-def _packed_reply(rid: Any, join: list[Any]) -> list[bytes | memoryview] | None:
-    """A join reply ``{"id", "ok": answer (+ "peers")}`` with the peers already encoded."""
-    if rid is None:
-        return None
-    answer, peers = join
-    if peers is None:
-        return wire.encode({"id": rid, "ok": answer})
-    parts = [
-        _packer.pack_map_header(2),
-        _packer.pack("id"),
-        _packer.pack(rid),
-        _packer.pack("ok"),
-        _packer.pack_map_header(len(answer) + 1),
-    ]
-    for name, value in answer.items():
-        parts.append(_packer.pack(name))
-        parts.append(_packer.pack(value))
-    parts.append(_packer.pack("peers"))
-    head = b"".join(parts)
-    return [wire.PREFIX.pack(len(head) + len(peers), 0) + head, peers]
-
-
-_HANDLERS: dict[str, Any] = {
-    "set": _set,
-    "add": _add,
-    "compare_set": _compare_set,
-    "delete": _delete,
-    "num_keys": _num_keys,
-    "check": _check,
-    "get": _get_now,
-    "wait": _wait_now,
-    "lease": _lease,
-    "heartbeat": _heartbeat,
-    "attach": _attach,
-    "leave": _leave,
-    "status": _status,
-    "addresses": _addresses,
-}
-#: Requests that may wait: ``get``/``wait`` only when their keys are missing.
-_BLOCKING: dict[str, Any] = {"get": _get, "wait": _wait, "join": _join}
 
 transport.register_remote_errors(StoreError, StoreTimeoutError, RendezvousError, ProtocolError)
 transport.register_remote_errors(AuthenticationError, LimitError)

@@ -177,15 +177,17 @@ class Job:
     def _check_key(self, key: object) -> str:
         if not isinstance(key, str) or not key:
             raise StoreError(f"store key must be a non-empty string, got {key!r:.80}")
-        if len(key.encode()) > self.limits.max_key:
-            raise StoreError(f"store key of {len(key.encode())} bytes exceeds {self.limits.max_key}")
+        size = len(key) if key.isascii() else len(key.encode())
+        if size > self.limits.max_key:
+            raise StoreError(f"store key of {size} bytes exceeds {self.limits.max_key}")
         return key
 
     def _check_value(self, value: object) -> bytes:
-        if isinstance(value, str):
-            value = value.encode()
-        if not isinstance(value, bytes):
-            raise StoreError(f"store value must be bytes or str, got {type(value).__name__}")
+        if type(value) is not bytes:
+            if isinstance(value, str):
+                value = value.encode()
+            if not isinstance(value, bytes):
+                raise StoreError(f"store value must be bytes or str, got {type(value).__name__}")
         if len(value) > self.limits.max_value:
             raise StoreError(f"store value of {len(value)} bytes exceeds {self.limits.max_value}")
         return value
@@ -240,6 +242,18 @@ class Job:
 
     def has_all(self, keys: list[str]) -> bool:
         return all(self._check_key(k) in self.kv for k in keys)
+
+    def get_all(self, keys: list[str]) -> list[bytes] | None:
+        """The values of ``keys`` in order; ``None`` if any is missing."""
+        kv = self.kv
+        values = [kv.get(self._check_key(k)) for k in keys]
+        return None if None in values else values  # type: ignore[return-value]
+
+    def set_all(self, keys: list[str], values: list[object]) -> None:
+        """Set each key to the value at its position; every key and value is checked first."""
+        pairs = [(self._check_key(k), self._check_value(v)) for k, v in zip(keys, values, strict=True)]
+        for key, value in pairs:
+            self._put(key, value)
 
     # -- rendezvous ------------------------------------------------------------------------
     @property

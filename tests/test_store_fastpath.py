@@ -1,17 +1,24 @@
-"""The async store client's write path: corked batches and the shared expiry timer."""
+"""The store's fast path: the async client's corked batches and shared expiry timer, the compact
+request form (batched, checked, versioned in the welcome) and multi_get/multi_set."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import socket
+import struct
 import time
 
+import msgpack
 import pytest
 
 import arendez as dist
+from arendez import transport
+from arendez.blocking_store import BlockingStore
 from arendez.errors import StoreTimeoutError
-from tests.harness import start_server
+from arendez.store_wire import STORE_PROTOCOL, HeaderReader
+from tests.harness import raw_frame, read_until_closed, start_server
 
 
 @pytest.mark.timeout(30)
@@ -59,3 +66,113 @@ async def test_short_call_expires_on_time_behind_a_long_one():
         os.killpg(srv.proc.pid, signal.SIGCONT)
         await st.close()
         srv.stop()
+
+
+def _session(port: int, job: str) -> socket.socket:
+    """A raw connection past the handshake; returns it with the welcome checked."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.recv(65536)  # the challenge
+    sock.sendall(raw_frame({"job": job, "nonce": b"0123456789abcdef"}))
+    hlen, _ = struct.unpack("<IQ", sock.recv(12))
+    welcome = msgpack.unpackb(sock.recv(hlen))
+    assert welcome["store"] == STORE_PROTOCOL  # the server announces the compact form
+    return sock
+
+
+def _replies(sock: socket.socket, count: int) -> list[object]:
+    reader, out = HeaderReader(1 << 20), []
+    while len(out) < count:
+        buf = reader.get_buffer()
+        n = sock.recv_into(buf)
+        assert n, f"the server closed after {out}"
+        out.extend(reader.feed(n))
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_compact_requests_batched_in_one_write_answered_in_order(arendez_server):
+    """Compact requests sent in one write get compact replies, in order; a bad one gets an
+    error naming what was wrong and the connection keeps serving; the map form still works."""
+    with _session(arendez_server.port, "compact") as sock:
+        requests = [
+            ["set", 1, "a", b"1"],
+            ["add", 2, "n", 5],
+            ["get", 3, "a", 5.0],
+            ["set", 4, "a"],  # one argument short
+            ["set", 5, "k" * 5000, b"v"],  # key over the server's limit
+            ["multi_set", 6, ["x", "y"], [b"X", b"Y"]],
+            ["multi_get", 7, ["x", "y", "a"], 5.0],
+            ["compare_set", 8, "a", b"1", b"2"],
+            ["check", 9, ["a", "x", "nope"]],
+            ["num_keys", 10],
+            ["delete", 11, "x"],
+        ]
+        sock.sendall(b"".join(raw_frame(r) for r in requests))
+        sock.sendall(raw_frame({"op": "get", "id": 12, "key": "y", "timeout": 1.0}))
+        got = _replies(sock, len(requests) + 1)
+    assert got[:3] == [[1, None], [2, 5], [3, b"1"]]
+    assert got[3]["id"] == 4 and got[3]["error"] == "StoreError"
+    assert "set takes 2 argument(s) (key, value), got 1" in got[3]["message"]
+    assert got[4]["id"] == 5 and "exceeds 4096" in got[4]["message"]
+    assert got[5:11] == [[6, None], [7, [b"X", b"Y", b"1"]], [8, b"2"], [9, False], [10, 4], [11, True]]
+    assert got[11] == {"id": 12, "ok": b"Y"}  # map form, map reply
+
+
+@pytest.mark.timeout(30)
+def test_unknown_compact_op_and_oversized_frame_close_with_a_protocol_error(arendez_server):
+    for request, words in (
+        (raw_frame(["nope", 1]), b"unknown request 'nope'"),
+        (raw_frame([7, 1, "k"]), b"unknown request 7"),
+        (struct.pack("<IQ", (1 << 20) + 9000, 0), b"exceeds"),  # header over the limit
+        (raw_frame(["get", 1, "k", 1.0], payload=3) + b"abc", b"payload of 3 bytes exceeds 0"),
+    ):
+        with _session(arendez_server.port, "bad") as sock:
+            sock.sendall(request)
+            reply = read_until_closed(sock)
+        assert b"ProtocolError" in reply and words in reply, (request[:40], reply)
+
+
+@pytest.mark.timeout(30)
+async def test_waiting_compact_get_and_multi_get_are_woken_by_a_set(arendez_server):
+    st = await dist.Store("127.0.0.1", arendez_server.port, "wake", timeout=10).connect()
+    other = BlockingStore("127.0.0.1", arendez_server.port, "wake", timeout=10)
+    try:
+        waiting = asyncio.ensure_future(st.multi_get(["p", "q"], timeout=10))
+        one = asyncio.ensure_future(st.get("q", timeout=10))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and not one.done()
+        await asyncio.to_thread(other.multi_set, ["p", "q"], ["P", b"Q"])
+        assert await asyncio.wait_for(waiting, 5) == [b"P", b"Q"]
+        assert await asyncio.wait_for(one, 5) == b"Q"
+        assert await asyncio.to_thread(other.multi_get, ["q", "p"]) == [b"Q", b"P"]
+        with pytest.raises(StoreTimeoutError):
+            await st.multi_get(["p", "never"], timeout=0.3)
+        with pytest.raises(ValueError, match="2 keys but 1 values"):
+            await st.multi_set(["a", "b"], ["1"])
+    finally:
+        other.close()
+        await st.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_server_without_the_compact_form_is_named():
+    """A server whose welcome does not announce store protocol 2 is refused by both clients."""
+
+    async def old_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        challenge, _ = transport.make_challenge(None)
+        writer.write(raw_frame(challenge))
+        hlen, _ = struct.unpack("<IQ", await reader.readexactly(12))
+        hello = msgpack.unpackb(await reader.readexactly(hlen))
+        writer.write(raw_frame(transport.answer_hello(hello, None, challenge["nonce"])))
+        await reader.read()
+
+    listener = await asyncio.start_server(old_server, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        blocking = BlockingStore("127.0.0.1", port, "old", timeout=5)
+        with pytest.raises(dist.ProtocolError, match="store protocol 1, this client needs 2"):
+            await asyncio.to_thread(blocking.connect)
+        with pytest.raises(dist.StoreError, match="store protocol 1, this client needs 2"):
+            await dist.Store("127.0.0.1", port, "old", timeout=1).connect()
+    finally:
+        listener.close()

@@ -1,0 +1,133 @@
+"""The store's compact request form, and a lean reader of frames without payloads.
+
+Store requests and replies are ordinary frames (``wire``: prefix | msgpack header) with no
+payload. Key-value operations use a short msgpack array instead of a map::
+
+    request  [op, id, *args]          e.g. ["set", 7, "key", b"value"], ["get", 8, "key", 30.0]
+    reply    [id, value]              the operation's result
+             {"id", "error", "message"}   an error (as every other request's)
+
+Requests in the map form (``{"op", "id", ...}``: join, lease, heartbeat, ...) are answered in
+the map form ``{"id", "ok"}``. A server that speaks this form says ``"store": STORE_PROTOCOL``
+in its welcome; a client checks it before sending one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from .errors import ProtocolError
+from .wire import PREFIX
+
+#: Version of the store's request forms, announced in the server's welcome.
+STORE_PROTOCOL = 2
+
+#: Arguments of each compact operation, in order (``timeout``: seconds the server may wait).
+OPS: dict[str, tuple[str, ...]] = {
+    "set": ("key", "value"),
+    "get": ("key", "timeout"),
+    "add": ("key", "amount"),
+    "compare_set": ("key", "expected", "desired"),
+    "delete": ("key",),
+    "num_keys": (),
+    "check": ("keys",),
+    "wait": ("keys", "timeout"),
+    "multi_get": ("keys", "timeout"),
+    "multi_set": ("keys", "values"),
+}
+
+_INITIAL = 4096  # bytes a reader holds between frames; it grows for a larger frame only
+_SHRINK_AT = 64 << 10
+_unpack_prefix = PREFIX.unpack_from
+_PREFIX_SIZE = PREFIX.size
+#: Prefixes of headers up to this many bytes, made once.
+_SMALL = 512
+_PREFIXES = [PREFIX.pack(n, 0) for n in range(_SMALL)]
+_pack_prefix = PREFIX.pack
+
+
+def frame(raw: bytes) -> bytes:
+    """One payload-less frame around the msgpack ``raw``."""
+    n = len(raw)
+    return (_PREFIXES[n] if n < _SMALL else _pack_prefix(n, 0)) + raw
+
+
+class HeaderReader:
+    """Incremental reader of frames that carry no payload (what the store exchanges).
+
+    ``get_buffer`` is where the next bytes go, ``feed(n)`` returns the headers completed.
+    A frame with a payload, or a header over ``max_header`` bytes, is a ``ProtocolError``
+    (the same words as ``wire.Decoder``'s).
+    """
+
+    __slots__ = ("_buf", "_filled", "_view", "max_header")
+
+    def __init__(self, max_header: int, initial: bytes = b"") -> None:
+        self.max_header = max_header
+        self._buf = bytearray(max(_INITIAL, len(initial)))
+        self._view = memoryview(self._buf)
+        self._view[: len(initial)] = initial
+        self._filled = len(initial)
+
+    def get_buffer(self) -> memoryview:
+        filled = self._filled
+        if filled == len(self._buf):  # a frame larger than the buffer: make room for all of it
+            need = filled + 1
+            if filled >= _PREFIX_SIZE:
+                need = max(need, _PREFIX_SIZE + min(_unpack_prefix(self._view, 0)[0], self.max_header))
+            self._grow(need)
+        return self._view[filled:]
+
+    def _grow(self, need: int) -> None:
+        bigger = bytearray(max(need, 2 * len(self._buf)))
+        bigger[: self._filled] = self._view[: self._filled]
+        self._buf, self._view = bigger, memoryview(bigger)
+
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held."""
+        return self._filled
+
+    def feed(self, nbytes: int) -> list[Any]:
+        """Account for ``nbytes`` written into the last buffer; return the completed headers."""
+        view = self._view
+        end = self._filled = self._filled + nbytes
+        start = 0
+        out: list[Any] = []
+        while end - start >= _PREFIX_SIZE:
+            hlen, plen = _unpack_prefix(view, start)
+            if hlen > self.max_header:
+                raise ProtocolError(f"frame header of {hlen} bytes exceeds {self.max_header}")
+            if plen:
+                raise ProtocolError(f"frame payload of {plen} bytes exceeds 0")
+            body = start + _PREFIX_SIZE
+            stop = body + hlen
+            if stop > end:
+                break
+            try:
+                out.append(msgpack.unpackb(view[body:stop], raw=False, strict_map_key=False))
+            except Exception as exc:  # msgpack raises several unrelated types
+                raise ProtocolError(f"undecodable frame header: {exc}") from None
+            start = stop
+        if start:
+            rest = end - start
+            if rest:
+                view[:rest] = view[start:end]
+            self._filled = rest
+            if len(self._buf) > _SHRINK_AT and rest < _INITIAL:  # a large frame went: let go of it
+                small = bytearray(_INITIAL)
+                small[:rest] = view[:rest]
+                self._buf, self._view = small, memoryview(small)
+        return out
+
+
+def pack_reply(packer: msgpack.Packer, rid: Any, value: Any) -> bytes:
+    """The frame of a compact reply ``[rid, value]``."""
+    raw: bytes = packer.pack([rid, value])
+    return frame(raw)
+
+
+def arity_error(op: str, got: int) -> str:
+    names = OPS[op]
+    return f"store {op} takes {len(names)} argument(s) ({', '.join(names) or 'none'}), got {got}"

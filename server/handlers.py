@@ -1,0 +1,412 @@
+"""The server's request handlers: plain functions of the server, the session, the job and the request.
+
+Two request forms (``arendez.store_wire``): the compact ``[op, id, *args]`` of the key-value
+operations, answered at once by the ``COMPACT`` handlers when they can be (a ``get`` of a present
+key, a ``wait`` on present keys), and the map form ``{"op", "id", ...}`` of every request
+(``HANDLERS``). A handler that cannot answer yet returns ``BLOCK``: the request then continues
+in a task (``BLOCKING``). Handlers raise ``ArendezError`` s, sent back as the request's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from arendez import wire
+from arendez.errors import RendezvousError, StoreError
+from arendez.store_wire import OPS
+
+from .state import Job, Lease, Member
+
+if TYPE_CHECKING:
+    from .app import Server, _Session
+
+#: Seconds an elastic round with at least its minimum of ranks waits for more (each arrival
+#: restarts it) unless the joiners ask for another value.
+ELASTIC_SETTLE = 0.25
+#: The longest a blocking request may wait.
+MAX_WAIT = 7 * 24 * 3600.0
+#: Keys one request may name.
+MAX_KEYS = 10_000
+#: A handler's "cannot answer yet": the request continues in a task.
+BLOCK: Any = object()
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+Handler = Callable[["Server", "_Session", Job, Any], Any]
+
+
+def _set(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+    key = h.get("key", "")
+    job.set(key, h.get("value"))
+    if server._key_waiters:
+        server._changed(s.job, key)
+
+
+def _add(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> int:
+    key = h.get("key", "")
+    total = job.add(key, h.get("amount", 1))
+    if server._key_waiters:
+        server._changed(s.job, key)
+    return total
+
+
+def _compare_set(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bytes:
+    key = h.get("key", "")
+    value = job.compare_set(key, h.get("expected", b""), h.get("desired"))
+    if server._key_waiters:
+        server._changed(s.job, key)
+    return value
+
+
+def _delete(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bool:
+    return job.delete(h.get("key"))
+
+
+def _num_keys(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> int:
+    return len(job.kv)
+
+
+def _check(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bool:
+    return job.has_all(_keys(h))
+
+
+def _get_now(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Any:
+    value = job.get(h.get("key"))
+    return BLOCK if value is None else value
+
+
+def _wait_now(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Any:
+    return None if job.has_all(_keys(h)) else BLOCK
+
+
+def _lease(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+    """Make this connection the keeper of the client process's lease ``key``."""
+    s.lease = server.state.lease(h.get("key"), time.monotonic())
+    s.lease.renew(time.monotonic())
+
+
+def _heartbeat(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+    now = time.monotonic()
+    if s.lease is not None:
+        s.lease.renew(now)
+    if s.round is not None and s.rank is not None:
+        job.heartbeat(s.round, s.rank, now)
+
+
+def _lease_of(server: Server, h: dict[str, Any]) -> Lease | None:
+    key = h.get("lease")
+    return None if key is None else server.state.lease(key, time.monotonic())
+
+
+def _attach(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+    rank, world_size = h.get("rank"), h.get("world_size")
+    nonce, address = h.get("nonce"), h.get("address", "")
+    if not isinstance(rank, int) or not isinstance(world_size, int) or not isinstance(nonce, bytes):
+        raise RendezvousError("attach needs an integer rank, world_size and a nonce")
+    round_ = job.attach(rank, world_size, nonce, str(address), time.monotonic(), _lease_of(server, h))
+    server._unbind(s)
+    server._bind(s, round_, rank)
+
+
+def _leave(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+    if s.round is None or s.rank is None:
+        return
+    gone = job.leave(s.round, s.rank)
+    server._unbind(s)
+    s.rank = s.round = None
+    if gone is not None:
+        server._depart([gone])
+
+
+def _status(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[str, Any]:
+    round_ = s.round
+    if round_ is None:
+        return {"world_size": 0, "members": {}}
+    return {
+        "world_size": round_.world_size,
+        "members": {m.rank: m.state.value for m in round_.members.values()},
+    }
+
+
+def _addresses(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[int, str]:
+    """The addresses of the given ranks of this connection's round (fetched as needed)."""
+    round_ = s.round
+    if round_ is None or not round_.complete:
+        raise RendezvousError("addresses: this connection is not a member of a complete round")
+    return round_.addresses(h.get("ranks"))
+
+
+def _keys(h: dict[str, Any]) -> list[str]:
+    return _key_list(h.get("keys"))
+
+
+def _key_list(keys: Any) -> list[str]:
+    if not isinstance(keys, list) or len(keys) > MAX_KEYS:
+        raise StoreError(f"keys must be a list of at most {MAX_KEYS} strings")
+    return keys
+
+
+def _deadline(timeout: Any) -> float:
+    if timeout is None:
+        timeout = MAX_WAIT
+    if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
+        raise StoreError(f"timeout must be a non-negative number, got {timeout!r:.40}")
+    return time.monotonic() + min(float(timeout), MAX_WAIT)
+
+
+def _timed_out(what: str, timeout: Any) -> str:
+    return f"{what} not satisfied within {timeout if timeout is not None else MAX_WAIT:g}s"
+
+
+async def _get(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bytes:
+    key, timeout = h.get("key", ""), h.get("timeout")
+    deadline = _deadline(timeout)
+    job.get(key)  # checks the key
+    await server._until_key(s, job, key, deadline, _timed_out(f"get({key!r:.80})", timeout))
+    value = job.get(key)
+    assert value is not None
+    return value
+
+
+async def _wait(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+    keys, timeout = _keys(h), h.get("timeout")
+    deadline = _deadline(timeout)
+    job.has_all(keys)  # checks the keys
+    what = _timed_out(f"wait({keys!r:.80})", timeout)
+    for key in keys:
+        await server._until_key(s, job, key, deadline, what)
+
+
+def _multi_get_now(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Any:
+    values = job.get_all(_keys(h))
+    return BLOCK if values is None else values
+
+
+async def _multi_get(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> list[bytes]:
+    keys, timeout = _keys(h), h.get("timeout")
+    deadline = _deadline(timeout)
+    job.has_all(keys)  # checks the keys
+    what = _timed_out(f"multi_get({keys!r:.80})", timeout)
+    while True:
+        for key in keys:
+            await server._until_key(s, job, key, deadline, what)
+        values = job.get_all(keys)
+        if values is not None:  # (else one was deleted again meanwhile: wait on)
+            return values
+
+
+def _multi_set(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+    keys, values = _keys(h), h.get("values")
+    if not isinstance(values, list) or len(values) != len(keys):
+        raise StoreError(f"multi_set needs as many values as keys ({len(keys)})")
+    job.set_all(keys, values)
+    if server._key_waiters:
+        for key in keys:
+            server._changed(s.job, key)
+
+
+async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> list[Any]:
+    if s.round is not None:
+        raise RendezvousError("this connection already joined the job")
+    deadline = _deadline(h.get("timeout"))
+    member: Member | None = None
+    settle = ELASTIC_SETTLE
+    if h.get("min_size") is not None:  # elastic: min_size..world_size ranks, assigned at the close
+        settle = h.get("settle", ELASTIC_SETTLE)
+        if not isinstance(settle, (int, float)) or not 0 <= settle <= 60:
+            raise RendezvousError(f"settle must be a number of seconds in 0..60, got {settle!r:.40}")
+        round_, member, gone = job.join_elastic(
+            h["min_size"],
+            h.get("world_size", 0),
+            str(h.get("address", "")),
+            time.monotonic(),
+            _lease_of(server, h),
+            came_from=h.get("came_from", -1),
+            hint=h.get("hint", -1),
+            dead=h.get("dead", ()),
+        )
+        server._depart(gone)
+        rank = member.rank
+    else:
+        round_, rank = job.join(
+            h.get("rank", -1),
+            h.get("world_size", 0),
+            str(h.get("address", "")),
+            time.monotonic(),
+            _lease_of(server, h),
+        )
+    s.round, s.rank = round_, rank
+    loop = asyncio.get_running_loop()
+    done = server._round_done.get(round_)
+    if done is None:
+        done = server._round_done[round_] = loop.create_future()
+    if round_.complete:
+        server._round_closed(round_)
+    elif member is not None:
+        server._elastic_joined(job, round_, float(settle))
+    try:
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            await asyncio.shield(done)
+    except TimeoutError:
+        joined = sorted(round_.members)  # counted before this rank withdraws: it joined too
+        job.withdraw(round_, rank)
+        s.round = s.rank = None
+        if round_.elastic:
+            raise RendezvousError(
+                f"job {s.job!r}: only {len(joined)} rank(s) joined in time, the elastic world needs "
+                f"at least {round_.min_size} (missing: {round_.min_size - len(joined)} rank(s))"
+            ) from None
+        missing = sorted(set(range(round_.world_size)) - set(joined))
+        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+        raise RendezvousError(
+            f"job {s.job!r}: only {len(joined)} of {round_.world_size} ranks joined in time "
+            f"(missing: {len(missing)} rank(s): {shown})"
+        ) from None
+    except asyncio.CancelledError:
+        job.withdraw(round_, rank)
+        raise
+    finally:
+        if not round_.members and round_ in server._round_done:  # everyone gave up
+            server._round_done.pop(round_).cancel()
+    if member is not None:
+        rank = s.rank = member.rank  # assigned when the round closed
+    server._bind(s, round_, rank)
+    answer: dict[str, Any] = {"rank": rank, "world_size": round_.world_size, "nonce": round_.nonce}
+    if round_.elastic:
+        answer.update(generation=round_.generation, survivors=round_.survivors)
+    offsets = h.get("neighbours")
+    if offsets is not None:  # the addresses of rank + offset (mod world_size), in the answer
+        if not isinstance(offsets, list) or len(offsets) > 64 or not all(isinstance(o, int) for o in offsets):
+            raise RendezvousError("neighbours must be a list of at most 64 integer rank offsets")
+        answer["addresses"] = round_.addresses([(rank + o) % round_.world_size for o in offsets])
+    if h.get("peers", True) is False:
+        return [answer, None]
+    packed = server._peers_packed.get(round_)
+    if packed is None:  # encoded once per round, shared by every member's answer
+        packed = server._peers_packed[round_] = _packer.pack(round_.peers())
+        loop.call_later(5.0, server._peers_packed.pop, round_, None)
+    return [answer, packed]
+
+
+def packed_reply(rid: Any, join: list[Any]) -> list[bytes | memoryview] | None:
+    """A join reply ``{"id", "ok": answer (+ "peers")}`` with the peers already encoded."""
+    if rid is None:
+        return None
+    answer, peers = join
+    if peers is None:
+        return wire.encode({"id": rid, "ok": answer})
+    parts = [
+        _packer.pack_map_header(2),
+        _packer.pack("id"),
+        _packer.pack(rid),
+        _packer.pack("ok"),
+        _packer.pack_map_header(len(answer) + 1),
+    ]
+    for name, value in answer.items():
+        parts.append(_packer.pack(name))
+        parts.append(_packer.pack(value))
+    parts.append(_packer.pack("peers"))
+    head = b"".join(parts)
+    return [wire.PREFIX.pack(len(head) + len(peers), 0) + head, peers]
+
+
+HANDLERS: dict[str, Any] = {
+    "set": _set,
+    "add": _add,
+    "compare_set": _compare_set,
+    "delete": _delete,
+    "num_keys": _num_keys,
+    "check": _check,
+    "get": _get_now,
+    "wait": _wait_now,
+    "lease": _lease,
+    "heartbeat": _heartbeat,
+    "attach": _attach,
+    "leave": _leave,
+    "status": _status,
+    "addresses": _addresses,
+    "multi_get": _multi_get_now,
+    "multi_set": _multi_set,
+}
+#: Requests that may wait: ``get``/``wait`` only when their keys are missing.
+BLOCKING: dict[str, Any] = {"get": _get, "wait": _wait, "multi_get": _multi_get, "join": _join}
+
+
+# -- the compact form: ``[op, id, *args]`` (arguments checked by number before the handler) ----
+def _c_set(server: Server, s: _Session, job: Job, r: list[Any]) -> None:
+    job.set(r[2], r[3])
+    if server._key_waiters:
+        server._changed(s.job, r[2])
+
+
+def _c_get(server: Server, s: _Session, job: Job, r: list[Any]) -> Any:
+    value = job.get(r[2])
+    return BLOCK if value is None else value
+
+
+def _c_add(server: Server, s: _Session, job: Job, r: list[Any]) -> int:
+    total = job.add(r[2], r[3])
+    if server._key_waiters:
+        server._changed(s.job, r[2])
+    return total
+
+
+def _c_compare_set(server: Server, s: _Session, job: Job, r: list[Any]) -> bytes:
+    value = job.compare_set(r[2], r[3], r[4])
+    if server._key_waiters:
+        server._changed(s.job, r[2])
+    return value
+
+
+def _c_delete(server: Server, s: _Session, job: Job, r: list[Any]) -> bool:
+    return job.delete(r[2])
+
+
+def _c_num_keys(server: Server, s: _Session, job: Job, r: list[Any]) -> int:
+    return len(job.kv)
+
+
+def _c_check(server: Server, s: _Session, job: Job, r: list[Any]) -> bool:
+    return job.has_all(_key_list(r[2]))
+
+
+def _c_wait(server: Server, s: _Session, job: Job, r: list[Any]) -> Any:
+    return None if job.has_all(_key_list(r[2])) else BLOCK
+
+
+def _c_multi_get(server: Server, s: _Session, job: Job, r: list[Any]) -> Any:
+    values = job.get_all(_key_list(r[2]))
+    return BLOCK if values is None else values
+
+
+def _c_multi_set(server: Server, s: _Session, job: Job, r: list[Any]) -> None:
+    return _multi_set(server, s, job, {"keys": r[2], "values": r[3]})
+
+
+#: op -> (handler, the request's length); ``OPS`` names the arguments.
+COMPACT: dict[str, tuple[Handler, int]] = {
+    op: (handler, 2 + len(OPS[op]))
+    for op, handler in {
+        "set": _c_set,
+        "get": _c_get,
+        "add": _c_add,
+        "compare_set": _c_compare_set,
+        "delete": _c_delete,
+        "num_keys": _c_num_keys,
+        "check": _c_check,
+        "wait": _c_wait,
+        "multi_get": _c_multi_get,
+        "multi_set": _c_multi_set,
+    }.items()
+}
+
+
+def as_map(request: list[Any]) -> dict[str, Any]:
+    """The map form of a compact request (what a request that waits continues with)."""
+    return dict(zip(("op", "id", *OPS[request[0]]), request, strict=True))
