@@ -2,20 +2,20 @@
 which arendez does not provide).
 
 ``TCPStore`` is a client of an arendez store server (``is_master=True`` hosts an embedded one in
-this process, as torch's master does); its calls hop into the shared loop thread.
+this process, as torch's master does); its calls are ``BlockingStore`` calls in the caller's
+thread (only hosting the server uses the shared loop thread).
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import threading
 import time
 from collections.abc import Iterable
 
 from . import embedded
-from . import store as _store
-from .errors import ArendezError, StoreTimeoutError
+from .blocking_store import BlockingStore
+from .errors import ArendezError, LimitError, StoreError, StoreTimeoutError
 from .loop import shared
 from .registry import seconds
 
@@ -99,20 +99,39 @@ class TCPStore(Store):
             server = shared.call(embedded.acquire, host_name, port, None, None)
             port = int(server.port)
         self.host, self.port, self.world_size, self.timeout = host_name, port, world_size, timeout
-        self._store = _store.Store(host_name, port, _JOB, timeout=limit)
-        shared.call(self._store.connect, limit)
+        self._store = BlockingStore(host_name, port, _JOB, timeout=limit)
+        self._lock = threading.Lock()  # one request at a time on the connection (torch's too)
+        self._connect(limit)
         if world_size is not None:
-            if shared.call(self._store.add, _WORKERS, 1) >= world_size:
-                shared.call(self._store.set, _READY, b"1")
+            if self._store.add(_WORKERS, 1) >= world_size:
+                self._store.set(_READY, b"1")
             if is_master and wait_for_workers:
                 self._wait_for_workers(world_size, limit)
 
+    def _connect(self, limit: float) -> None:
+        """Reach the server, retrying until ``limit`` (a client may start before its master)."""
+        deadline, pause = time.monotonic() + limit, 0.01
+        while True:
+            try:
+                self._store.connect()
+                return
+            except LimitError:  # refused by a named server limit: waiting will not help
+                raise
+            except StoreError as exc:
+                if time.monotonic() + pause >= deadline:
+                    raise StoreTimeoutError(
+                        f"TCPStore could not reach the store at {self.host}:{self.port} "
+                        f"within {limit:g}s: {exc}"
+                    ) from None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.5)
+
     def _wait_for_workers(self, world_size: int, limit: float) -> None:
         try:
-            shared.call(self._store.wait, [_READY], limit)
+            self._store.wait([_READY], limit)
         except StoreTimeoutError:
-            joined = shared.call(self._store.add, _WORKERS, 0)
-            shared.call(self._store.close)
+            joined = self._store.add(_WORKERS, 0)
+            self._store.close()
             raise StoreTimeoutError(
                 f"TCPStore master timed out after {limit:g}s waiting for clients: "
                 f"{joined}/{world_size} store users joined (world_size counts the master too)"
@@ -122,51 +141,46 @@ class TCPStore(Store):
         return seconds(timeout if timeout is not None else self.timeout, 300.0)
 
     def set(self, key: str, value: str | bytes) -> None:
-        shared.call(self._store.set, key, value)
+        with self._lock:
+            self._store.set(key, value)
 
     def get(self, key: str) -> bytes:
-        value: bytes = shared.call(self._store.get, key, self._limit())
-        return value
+        with self._lock:
+            return self._store.get(key, self._limit())
 
     def add(self, key: str, amount: int) -> int:
-        total: int = shared.call(self._store.add, key, amount)
-        return total
+        with self._lock:
+            return self._store.add(key, amount)
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
-        value: bytes = shared.call(self._store.compare_set, key, expected_value, desired_value)
-        return value
+        with self._lock:
+            return self._store.compare_set(key, expected_value, desired_value)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        """The values of ``keys``, waiting (up to the store's timeout) for any not yet set."""
-        values: list[bytes] = shared.call(self._multi_get, list(keys), self._limit())
-        return values
+        """The values of ``keys`` (one request), waiting up to the store's timeout for any not set."""
+        with self._lock:
+            return self._store.multi_get(keys, self._limit())
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        """Set each of ``keys`` to the value at the same position of ``values``."""
-        if len(keys) != len(values):
-            raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        shared.call(self._multi_set, list(keys), list(values))
-
-    async def _multi_get(self, keys: list[str], limit: float) -> list[bytes]:
-        return list(await asyncio.gather(*(self._store.get(k, limit) for k in keys)))
-
-    async def _multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        await asyncio.gather(*(self._store.set(k, v) for k, v in zip(keys, values, strict=True)))
+        """Set each of ``keys`` to the value at the same position of ``values`` (one request)."""
+        with self._lock:
+            self._store.multi_set(keys, values)
 
     def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
-        shared.call(self._store.wait, list(keys), self._limit(timeout))
+        with self._lock:
+            self._store.wait(list(keys), self._limit(timeout))
 
     def check(self, keys: Iterable[str]) -> bool:
-        found: bool = shared.call(self._store.check, list(keys))
-        return found
+        with self._lock:
+            return self._store.check(list(keys))
 
     def delete_key(self, key: str) -> bool:
-        existed: bool = shared.call(self._store.delete, key)
-        return existed
+        with self._lock:
+            return self._store.delete(key)
 
     def num_keys(self) -> int:
-        count: int = shared.call(self._store.num_keys)
-        return count
+        with self._lock:
+            return self._store.num_keys()
 
     def clone(self) -> TCPStore:
         """Another client of the same server (its own connection), as torch's ``clone``."""
@@ -174,7 +188,8 @@ class TCPStore(Store):
 
     def close(self) -> None:
         """Close the connection to the server (a hosted server stays up while the process lives)."""
-        shared.call(self._store.close)
+        with self._lock:
+            self._store.close()
 
 
 class HashStore(Store):

@@ -4,6 +4,7 @@ calls, and a thousand clients (as threads of one process) against a real server 
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +29,29 @@ def test_clients_do_not_wait_for_the_other_store_users() -> None:
     assert first.get("k") == b"v"
     for store in (first, second, master):
         store.close()
+
+
+def test_a_client_started_before_its_master_waits_for_it() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with ThreadPoolExecutor(1) as pool:
+        client = pool.submit(sync.TCPStore, "127.0.0.1", port, 2, False, SHORT)
+        time.sleep(0.3)  # the client is retrying its connection by now
+        master = sync.TCPStore("127.0.0.1", port, 2, True, SHORT)
+        other = client.result(timeout=20)
+    other.set("k", b"v")
+    assert master.get("k") == b"v"
+    other.close()
+    master.close()
+
+
+def test_unreachable_store_is_a_timeout_naming_the_address() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    with pytest.raises(StoreTimeoutError, match=rf"127.0.0.1:{port} within 0.3s"):
+        sync.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=0.3))
 
 
 def test_master_times_out_naming_how_many_joined() -> None:
