@@ -27,13 +27,11 @@ import signal
 import sys
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, BinaryIO, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from . import validate
+from . import children, validate
 
-CHUNK = 1 << 16
-MAX_LINE = 1 << 16  # a longer line is passed on in pieces, each prefixed
 T = TypeVar("T")
 
 
@@ -137,177 +135,7 @@ def _say(message: str) -> None:
     print(f"arendez-run: {message}", file=sys.stderr, flush=True)
 
 
-async def _pump(stream: asyncio.StreamReader, prefix: bytes, out: BinaryIO) -> None:
-    """Copy ``stream`` to ``out`` line by line, each line prefixed.
-
-    If ``out`` breaks (``arendez-run ... | head``) the stream is still drained, so that no rank
-    blocks on a full pipe.
-    """
-    broken = False
-
-    def emit(lines: list[bytes]) -> None:
-        nonlocal broken
-        if lines and not broken:
-            try:
-                out.write(b"".join(prefix + line + b"\n" for line in lines))
-                out.flush()
-            except (OSError, ValueError):
-                broken = True
-
-    pending = b""
-    while chunk := await stream.read(CHUNK):
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        while len(pending) > MAX_LINE:
-            lines.append(pending[:MAX_LINE])
-            pending = pending[MAX_LINE:]
-        emit(lines)
-    emit([pending] if pending else [])
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a member that is not a zombie.
-
-    Zombies count as gone: orphans are reaped by init, which may take its time. Without a
-    Linux ``/proc``, any member counts.
-    """
-    try:
-        pids = [name for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        pids = []
-    if not pids:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        state, _ppid, pgrp = stat[stat.rfind(b")") + 2 :].split()[:3]  # after "pid (comm) "
-        if int(pgrp) == pgid and state not in (b"Z", b"X"):
-            return True
-    return False
-
-
-@dataclass
-class _Child:
-    """One child process (a rank or the embedded server), leading its own session.
-
-    Its stdout and stderr are our own pipes rather than asyncio's: on Python 3.11 ``Process.wait``
-    only returns once the pipes close, which a grandchild holding them open would delay forever.
-    """
-
-    name: str
-    proc: asyncio.subprocess.Process
-    stdout: asyncio.StreamReader
-    stderr: asyncio.StreamReader
-    pipes: list[asyncio.BaseTransport]
-    pumps: list[asyncio.Task[None]] = field(default_factory=list)
-
-    def signal(self, sig: int) -> bool:
-        """Send ``sig`` to the child's whole process group; False when the group is gone."""
-        try:
-            os.killpg(self.proc.pid, sig)  # start_new_session: pgid == pid
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-
-    def alive(self) -> bool:
-        """The child, or anything it left in its process group, still runs."""
-        return self.proc.returncode is None or _group_alive(self.proc.pid)
-
-    def pump(self, prefix: bytes) -> None:
-        self.pumps = [
-            asyncio.create_task(_pump(self.stdout, prefix, sys.stdout.buffer)),
-            asyncio.create_task(_pump(self.stderr, prefix, sys.stderr.buffer)),
-        ]
-
-    def close(self) -> None:
-        for pipe in self.pipes:
-            pipe.close()
-
-
-async def _spawn(name: str, argv: Sequence[str], env: dict[str, str]) -> _Child:
-    """Start ``argv`` in a new session with its output on pipes we read."""
-    loop = asyncio.get_running_loop()
-    readers: list[asyncio.StreamReader] = []
-    pipes: list[asyncio.BaseTransport] = []
-    ends: list[int] = []
-    try:
-        for _ in range(2):
-            r, w = os.pipe()
-            ends.append(w)
-            reader = asyncio.StreamReader(limit=2 * MAX_LINE)
-            protocol = functools.partial(asyncio.StreamReaderProtocol, reader)
-            source = open(r, "rb", buffering=0)  # noqa: SIM115 -- the transport owns and closes it
-            transport, _ = await loop.connect_read_pipe(protocol, source)
-            readers.append(reader)
-            pipes.append(transport)
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=ends[0],
-            stderr=ends[1],
-            env=env,
-            start_new_session=True,
-        )
-    except BaseException:
-        for opened in pipes:
-            opened.close()
-        raise
-    finally:
-        for w in ends:
-            os.close(w)
-    return _Child(name, proc, readers[0], readers[1], pipes)
-
-
-async def _until(event: asyncio.Event, timeout: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout)
-
-
-async def _stop(children: Sequence[_Child], sig: int, grace: float, kill_now: asyncio.Event) -> None:
-    """Signal every child's process group; SIGKILL what is left after ``grace`` seconds."""
-    targets = [c for c in children if c.alive()]
-    if not targets:
-        return
-    for c in targets:
-        c.signal(sig)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace
-    leaders = asyncio.gather(*(c.proc.wait() for c in targets))
-    killed = asyncio.ensure_future(kill_now.wait())
-    try:
-        either: list[asyncio.Future[Any]] = [leaders, killed]
-        await asyncio.wait(either, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
-        # Processes the leaders left in their groups are no children of ours: nothing to wait
-        # on but their group, so look again until it is empty or the grace period is over.
-        while not kill_now.is_set() and any(c.alive() for c in targets) and loop.time() < deadline:
-            await _until(kill_now, 0.05)
-    finally:
-        killed.cancel()
-        for c in targets:
-            c.signal(signal.SIGKILL)
-        await leaders
-
-
-async def _drain(children: Sequence[_Child], timeout: float = 5.0) -> None:
-    """Let the output pumps reach end of file (every writer of the pipes is gone by now)."""
-    pumps = [t for c in children for t in c.pumps]
-    if pumps:
-        _, late = await asyncio.wait(pumps, timeout=timeout)
-        for t in late:
-            t.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-    for c in children:
-        c.close()
-
-
-async def _server_url(server: _Child, timeout: float = 30.0) -> str:
+async def _server_url(server: children.Child, timeout: float = 30.0) -> str:
     """The URL the embedded server prints once it listens."""
     try:
         line = await asyncio.wait_for(server.stdout.readline(), timeout)
@@ -323,7 +151,7 @@ async def _server_url(server: _Child, timeout: float = 30.0) -> str:
     return text.rsplit(" ", 1)[-1]
 
 
-async def _first_failure(ranks: Sequence[_Child]) -> tuple[int, int] | None:
+async def _first_failure(ranks: Sequence[children.Child]) -> tuple[int, int] | None:
     """Wait for the ranks: (rank, returncode) of the first to fail, or None when all succeed."""
     reaped: list[tuple[int, int]] = []  # in the order the exits were observed
     changed = asyncio.Event()
@@ -365,15 +193,15 @@ class _Elastic:
     kill_now: asyncio.Event
     restarts: int = 0
 
-    async def start(self, slot: int, restart: int) -> _Child:
+    async def start(self, slot: int, restart: int) -> children.Child:
         env = rank_env(self.base, self.url, slot, self.nproc, self.min_nproc, restart)
-        child = await _spawn(f"rank {slot}", self.argv, env)
+        child = await children.spawn(f"rank {slot}", self.argv, env)
         self.watchdog.watch(child)
         child.pump(f"[rank {slot}] ".encode())
         return child
 
 
-async def _supervise(ranks: list[_Child], el: _Elastic) -> int:
+async def _supervise(ranks: list[children.Child], el: _Elastic) -> int:
     """Elastic runs: restart failed ranks in their slots (``el.max_restarts`` in all) until the
     script has finished; the exit status as ``arendez-run --help`` describes it."""
     loop = asyncio.get_running_loop()
@@ -390,7 +218,7 @@ async def _supervise(ranks: list[_Child], el: _Elastic) -> int:
             if not done:  # the finish timeout: whoever still runs waits for a round that never forms
                 late = sorted(waits)
                 _say(f"rank(s) {late} still running {el.finish_timeout:g}s after one finished; stopping them")
-                await _stop([ranks[s] for s in late], signal.SIGTERM, el.grace, el.kill_now)
+                await children.stop([ranks[s] for s in late], signal.SIGTERM, el.grace, el.kill_now)
                 break
             for slot in [s for s, w in waits.items() if w in done]:
                 code = exit_code(waits.pop(slot).result())
@@ -408,7 +236,7 @@ async def _supervise(ranks: list[_Child], el: _Elastic) -> int:
                     )
                     old, ranks[slot] = ranks[slot], await el.start(slot, restarted[slot])
                     waits[slot] = asyncio.ensure_future(ranks[slot].proc.wait())
-                    await _drain([old], timeout=1.0)  # its output, then its pipes
+                    await children.drain([old], timeout=1.0)  # its output, then its pipes
                     continue
                 lost[slot] = code
                 why = "a rank had already finished" if finished else "no restarts left"
@@ -421,7 +249,7 @@ async def _supervise(ranks: list[_Child], el: _Elastic) -> int:
                     f"only {len(waits) + len(finished)} rank(s) left, fewer than --min-nproc "
                     f"{el.min_nproc}; terminating the others"
                 )
-                await _stop([ranks[s] for s in waits], signal.SIGTERM, el.grace, el.kill_now)
+                await children.stop([ranks[s] for s in waits], signal.SIGTERM, el.grace, el.kill_now)
                 return first
         if unrecovered is not None:
             return unrecovered
@@ -474,7 +302,7 @@ class _Watchdog:
             with contextlib.suppress(OSError, RuntimeError):
                 self._proc.stdin.write(f"{line}\n".encode())
 
-    def watch(self, child: _Child) -> None:
+    def watch(self, child: children.Child) -> None:
         self._tell(str(child.proc.pid))  # start_new_session: its process group id
 
     async def done(self) -> None:
@@ -504,8 +332,8 @@ async def _run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    server: _Child | None = None
-    ranks: list[_Child] = []
+    server: children.Child | None = None
+    ranks: list[children.Child] = []
     watchdog = await _Watchdog.start(args.grace)
     try:
         base = dict(os.environ)
@@ -513,7 +341,7 @@ async def _run(args: argparse.Namespace) -> int:
             url = job_url(args.server, args.job)
         else:
             argv = [sys.executable, "-m", "arendez_server", "--host", "127.0.0.1", "--port", "0"]
-            server = await _spawn("server", [*argv, "--log-level", "WARNING"], base)
+            server = await children.spawn("server", [*argv, "--log-level", "WARNING"], base)
             watchdog.watch(server)
             started = await _unless(stop, asyncio.ensure_future(_server_url(server)))
             if started is None:
@@ -528,7 +356,7 @@ async def _run(args: argparse.Namespace) -> int:
                 ranks.append(await elastic.start(rank, 0))
                 continue
             env = rank_env(base, url, rank, args.nproc)
-            child = await _spawn(f"rank {rank}", [sys.executable, *target, *args.args], env)
+            child = await children.spawn(f"rank {rank}", [sys.executable, *target, *args.args], env)
             watchdog.watch(child)
             child.pump(f"[rank {rank}] ".encode())
             ranks.append(child)
@@ -540,7 +368,7 @@ async def _run(args: argparse.Namespace) -> int:
         if stop.is_set():
             signum = received[0]
             _say(f"got {signal.Signals(signum).name}; forwarding it to {len(ranks)} rank(s)")
-            await _stop(ranks, signum, args.grace, kill_now)
+            await children.stop(ranks, signum, args.grace, kill_now)
             return 128 + signum
         assert outcome is not None
         failure = outcome.result()
@@ -549,18 +377,18 @@ async def _run(args: argparse.Namespace) -> int:
         rank, rc = failure
         code = exit_code(rc)
         _say(f"rank {rank} failed with exit code {code}; terminating the other ranks")
-        await _stop(ranks, signal.SIGTERM, args.grace, kill_now)
+        await children.stop(ranks, signal.SIGTERM, args.grace, kill_now)
         return code
     except (RuntimeError, ValueError, OSError) as exc:
         _say(str(exc))
         return 1
     finally:
         # Every path ends here: no rank, child of a rank or server outlives the launcher.
-        await _stop(ranks, signal.SIGTERM, args.grace, kill_now)
-        await _drain(ranks)
+        await children.stop(ranks, signal.SIGTERM, args.grace, kill_now)
+        await children.drain(ranks)
         if server is not None:
-            await _stop([server], signal.SIGTERM, args.grace, kill_now)
-            await _drain([server])
+            await children.stop([server], signal.SIGTERM, args.grace, kill_now)
+            await children.drain([server])
         await watchdog.done()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
