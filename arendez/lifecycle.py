@@ -68,6 +68,18 @@ async def init_process_group(
     install(world)
 
 
+def _checked_common(
+    backend: object, init_method: object, timeout: object, group_name: object
+) -> tuple[str | None, float]:
+    """The arguments every world checks first: the init URL and the timeout in seconds."""
+    validate.backend(backend)
+    url = validate.init_method(init_method)
+    limit = DEFAULT_TIMEOUT if timeout is None else validate.seconds(timeout, "timeout")
+    validate.text(group_name, "group_name")
+    algo.forced_algorithm()  # a bad ARENDEZ_ALGORITHM fails here, not inside a collective
+    return url, limit
+
+
 def _checked(
     backend: object,
     init_method: object,
@@ -78,13 +90,9 @@ def _checked(
     group_name: object,
 ) -> tuple[Plan, float]:
     """Every argument of ``init_process_group`` checked (and the plan made) before any I/O."""
-    validate.backend(backend)
-    url = validate.init_method(init_method)
+    url, limit = _checked_common(backend, init_method, timeout, group_name)
     size = validate.world_size(validate.index(world_size, "world_size"))
     me = validate.rank(validate.index(rank, "rank"), size)
-    limit = DEFAULT_TIMEOUT if timeout is None else validate.seconds(timeout, "timeout")
-    validate.text(group_name, "group_name")
-    algo.forced_algorithm()  # a bad ARENDEZ_ALGORITHM fails here, not inside a collective
     if store is not None:
         if not isinstance(store, Store):
             raise TypeError(f"store must be an arendez Store, got {type(store).__name__}")
@@ -108,15 +116,11 @@ def _checked_elastic(
     group_name: object,
 ) -> tuple[Plan, float]:
     """``init_process_group``'s arguments for an elastic world, checked before any I/O."""
-    validate.backend(backend)
-    url = validate.init_method(init_method)
+    url, limit = _checked_common(backend, init_method, timeout, group_name)
     if validate.index(rank, "rank") != -1:
         raise ValueError(f"an elastic world assigns ranks: leave rank=-1 (got rank={rank})")
     if store is not None:
         raise ValueError("an elastic world joins through init_method (arendez://...), not store=")
-    limit = DEFAULT_TIMEOUT if timeout is None else validate.seconds(timeout, "timeout")
-    validate.text(group_name, "group_name")
-    algo.forced_algorithm()
     where = plan(url, range_.max_size, 0)  # (rank 0: the plan must not take RANK as the rank)
     if where.host_server or where.transport != "tcp" or where.store_url or not where.host:
         raise RendezvousError(
