@@ -5,6 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.elastic_run import Run
 from tests.harness import ServerProcess, start_server
 
 
@@ -30,3 +31,14 @@ def _flight_recorder_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator
         os.environ.pop("ARENDEZ_FLIGHT_RECORDER_DIR", None)
     else:
         os.environ["ARENDEZ_FLIGHT_RECORDER_DIR"] = saved
+
+
+@pytest.fixture
+def runs() -> Iterator[list[Run]]:
+    """``arendez-run`` jobs a test starts (elastic tests): killed at the end, none left behind."""
+    started: list[Run] = []
+    yield started
+    for run in started:
+        run.kill()
+    for run in started:
+        assert not run.leftovers(), "processes left behind"

@@ -9,22 +9,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from tests.elastic_run import EXAMPLE, Run, check_training
 from tests.harness import _env, start_server
-
-
-@pytest.fixture
-def runs() -> Iterator[list[Run]]:
-    started: list[Run] = []
-    yield started
-    for run in started:
-        run.kill()
-    for run in started:
-        assert not run.leftovers(), "processes left behind"
 
 
 @pytest.mark.timeout(90)
