@@ -15,7 +15,7 @@ from arendez.tls import server_context
 
 from .app import Server, ServerConfig
 from .hooks import ServerHooks, metrics_hooks, start_http, status_main
-from .state import StateLimits
+from .limits import StateLimits
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,10 +21,12 @@ from arendez import wire
 from arendez.errors import RendezvousError, StoreError
 from arendez.store_wire import OPS
 
-from .state import Job, Lease, Member
+from .rounds import Lease, Member
+from .state import Job
 
 if TYPE_CHECKING:
-    from .app import Server, _Session
+    from .app import Server
+    from .connection import Session
 
 #: Seconds an elastic round with at least its minimum of ranks waits for more (each arrival
 #: restarts it) unless the joiners ask for another value.
@@ -38,60 +40,60 @@ BLOCK: Any = object()
 
 _packer = msgpack.Packer(use_bin_type=True)
 
-Handler = Callable[["Server", "_Session", Job, Any], Any]
+Handler = Callable[["Server", "Session", Job, Any], Any]
 
 
-def _set(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+def _set(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     key = h.get("key", "")
     job.set(key, h.get("value"))
-    if server._key_waiters:
-        server._changed(s.job, key)
+    if server.waits.waiters:
+        server.waits.changed(s.job, key)
 
 
-def _add(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> int:
+def _add(server: Server, s: Session, job: Job, h: dict[str, Any]) -> int:
     key = h.get("key", "")
     total = job.add(key, h.get("amount", 1))
-    if server._key_waiters:
-        server._changed(s.job, key)
+    if server.waits.waiters:
+        server.waits.changed(s.job, key)
     return total
 
 
-def _compare_set(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bytes:
+def _compare_set(server: Server, s: Session, job: Job, h: dict[str, Any]) -> bytes:
     key = h.get("key", "")
     value = job.compare_set(key, h.get("expected", b""), h.get("desired"))
-    if server._key_waiters:
-        server._changed(s.job, key)
+    if server.waits.waiters:
+        server.waits.changed(s.job, key)
     return value
 
 
-def _delete(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bool:
+def _delete(server: Server, s: Session, job: Job, h: dict[str, Any]) -> bool:
     return job.delete(h.get("key"))
 
 
-def _num_keys(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> int:
+def _num_keys(server: Server, s: Session, job: Job, h: dict[str, Any]) -> int:
     return len(job.kv)
 
 
-def _check(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bool:
+def _check(server: Server, s: Session, job: Job, h: dict[str, Any]) -> bool:
     return job.has_all(_keys(h))
 
 
-def _get_now(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Any:
+def _get_now(server: Server, s: Session, job: Job, h: dict[str, Any]) -> Any:
     value = job.get(h.get("key"))
     return BLOCK if value is None else value
 
 
-def _wait_now(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Any:
+def _wait_now(server: Server, s: Session, job: Job, h: dict[str, Any]) -> Any:
     return None if job.has_all(_keys(h)) else BLOCK
 
 
-def _lease(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+def _lease(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     """Make this connection the keeper of the client process's lease ``key``."""
     s.lease = server.state.lease(h.get("key"), time.monotonic())
     s.lease.renew(time.monotonic())
 
 
-def _heartbeat(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+def _heartbeat(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     now = time.monotonic()
     if s.lease is not None:
         s.lease.renew(now)
@@ -104,27 +106,27 @@ def _lease_of(server: Server, h: dict[str, Any]) -> Lease | None:
     return None if key is None else server.state.lease(key, time.monotonic())
 
 
-def _attach(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+def _attach(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     rank, world_size = h.get("rank"), h.get("world_size")
     nonce, address = h.get("nonce"), h.get("address", "")
     if not isinstance(rank, int) or not isinstance(world_size, int) or not isinstance(nonce, bytes):
         raise RendezvousError("attach needs an integer rank, world_size and a nonce")
     round_ = job.attach(rank, world_size, nonce, str(address), time.monotonic(), _lease_of(server, h))
-    server._unbind(s)
-    server._bind(s, round_, rank)
+    server.members.unbind(s)
+    server.members.bind(s, round_, rank)
 
 
-def _leave(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+def _leave(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     if s.round is None or s.rank is None:
         return
     gone = job.leave(s.round, s.rank)
-    server._unbind(s)
+    server.members.unbind(s)
     s.rank = s.round = None
     if gone is not None:
-        server._depart([gone])
+        server.members.depart([gone])
 
 
-def _status(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[str, Any]:
+def _status(server: Server, s: Session, job: Job, h: dict[str, Any]) -> dict[str, Any]:
     round_ = s.round
     if round_ is None:
         return {"world_size": 0, "members": {}}
@@ -134,7 +136,7 @@ def _status(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[st
     }
 
 
-def _addresses(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> dict[int, str]:
+def _addresses(server: Server, s: Session, job: Job, h: dict[str, Any]) -> dict[int, str]:
     """The addresses of the given ranks of this connection's round (fetched as needed)."""
     round_ = s.round
     if round_ is None or not round_.complete:
@@ -164,54 +166,54 @@ def _timed_out(what: str, timeout: Any) -> str:
     return f"{what} not satisfied within {timeout if timeout is not None else MAX_WAIT:g}s"
 
 
-async def _get(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> bytes:
+async def _get(server: Server, s: Session, job: Job, h: dict[str, Any]) -> bytes:
     key, timeout = h.get("key", ""), h.get("timeout")
     deadline = _deadline(timeout)
     job.get(key)  # checks the key
-    await server._until_key(s, job, key, deadline, _timed_out(f"get({key!r:.80})", timeout))
+    await server.waits.until_key(s.job, job, key, deadline, _timed_out(f"get({key!r:.80})", timeout))
     value = job.get(key)
     assert value is not None
     return value
 
 
-async def _wait(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+async def _wait(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     keys, timeout = _keys(h), h.get("timeout")
     deadline = _deadline(timeout)
     job.has_all(keys)  # checks the keys
     what = _timed_out(f"wait({keys!r:.80})", timeout)
     for key in keys:
-        await server._until_key(s, job, key, deadline, what)
+        await server.waits.until_key(s.job, job, key, deadline, what)
 
 
-def _multi_get_now(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> Any:
+def _multi_get_now(server: Server, s: Session, job: Job, h: dict[str, Any]) -> Any:
     values = job.get_all(_keys(h))
     return BLOCK if values is None else values
 
 
-async def _multi_get(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> list[bytes]:
+async def _multi_get(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list[bytes]:
     keys, timeout = _keys(h), h.get("timeout")
     deadline = _deadline(timeout)
     job.has_all(keys)  # checks the keys
     what = _timed_out(f"multi_get({keys!r:.80})", timeout)
     while True:
         for key in keys:
-            await server._until_key(s, job, key, deadline, what)
+            await server.waits.until_key(s.job, job, key, deadline, what)
         values = job.get_all(keys)
         if values is not None:  # (else one was deleted again meanwhile: wait on)
             return values
 
 
-def _multi_set(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> None:
+def _multi_set(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     keys, values = _keys(h), h.get("values")
     if not isinstance(values, list) or len(values) != len(keys):
         raise StoreError(f"multi_set needs as many values as keys ({len(keys)})")
     job.set_all(keys, values)
-    if server._key_waiters:
+    if server.waits.waiters:
         for key in keys:
-            server._changed(s.job, key)
+            server.waits.changed(s.job, key)
 
 
-async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> list[Any]:
+async def _join(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list[Any]:
     if s.round is not None:
         raise RendezvousError("this connection already joined the job")
     deadline = _deadline(h.get("timeout"))
@@ -231,7 +233,7 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
             hint=h.get("hint", -1),
             dead=h.get("dead", ()),
         )
-        server._depart(gone)
+        server.members.depart(gone)
         rank = member.rank
     else:
         round_, rank = job.join(
@@ -243,13 +245,13 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
         )
     s.round, s.rank = round_, rank
     loop = asyncio.get_running_loop()
-    done = server._round_done.get(round_)
+    done = server.members.done.get(round_)
     if done is None:
-        done = server._round_done[round_] = loop.create_future()
+        done = server.members.done[round_] = loop.create_future()
     if round_.complete:
-        server._round_closed(round_)
+        server.members.round_closed(round_)
     elif member is not None:
-        server._elastic_joined(job, round_, float(settle))
+        server.members.elastic_joined(job, round_, float(settle))
     try:
         async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
             await asyncio.shield(done)
@@ -272,11 +274,11 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
         job.withdraw(round_, rank)
         raise
     finally:
-        if not round_.members and round_ in server._round_done:  # everyone gave up
-            server._round_done.pop(round_).cancel()
+        if not round_.members and round_ in server.members.done:  # everyone gave up
+            server.members.done.pop(round_).cancel()
     if member is not None:
         rank = s.rank = member.rank  # assigned when the round closed
-    server._bind(s, round_, rank)
+    server.members.bind(s, round_, rank)
     answer: dict[str, Any] = {"rank": rank, "world_size": round_.world_size, "nonce": round_.nonce}
     if round_.elastic:
         answer.update(generation=round_.generation, survivors=round_.survivors)
@@ -287,10 +289,10 @@ async def _join(server: Server, s: _Session, job: Job, h: dict[str, Any]) -> lis
         answer["addresses"] = round_.addresses([(rank + o) % round_.world_size for o in offsets])
     if h.get("peers", True) is False:
         return [answer, None]
-    packed = server._peers_packed.get(round_)
+    packed = server.members.peers_packed.get(round_)
     if packed is None:  # encoded once per round, shared by every member's answer
-        packed = server._peers_packed[round_] = _packer.pack(round_.peers())
-        loop.call_later(5.0, server._peers_packed.pop, round_, None)
+        packed = server.members.peers_packed[round_] = _packer.pack(round_.peers())
+        loop.call_later(5.0, server.members.peers_packed.pop, round_, None)
     return [answer, packed]
 
 
@@ -339,53 +341,53 @@ BLOCKING: dict[str, Any] = {"get": _get, "wait": _wait, "multi_get": _multi_get,
 
 
 # -- the compact form: ``[op, id, *args]`` (arguments checked by number before the handler) ----
-def _c_set(server: Server, s: _Session, job: Job, r: list[Any]) -> None:
+def _c_set(server: Server, s: Session, job: Job, r: list[Any]) -> None:
     job.set(r[2], r[3])
-    if server._key_waiters:
-        server._changed(s.job, r[2])
+    if server.waits.waiters:
+        server.waits.changed(s.job, r[2])
 
 
-def _c_get(server: Server, s: _Session, job: Job, r: list[Any]) -> Any:
+def _c_get(server: Server, s: Session, job: Job, r: list[Any]) -> Any:
     value = job.get(r[2])
     return BLOCK if value is None else value
 
 
-def _c_add(server: Server, s: _Session, job: Job, r: list[Any]) -> int:
+def _c_add(server: Server, s: Session, job: Job, r: list[Any]) -> int:
     total = job.add(r[2], r[3])
-    if server._key_waiters:
-        server._changed(s.job, r[2])
+    if server.waits.waiters:
+        server.waits.changed(s.job, r[2])
     return total
 
 
-def _c_compare_set(server: Server, s: _Session, job: Job, r: list[Any]) -> bytes:
+def _c_compare_set(server: Server, s: Session, job: Job, r: list[Any]) -> bytes:
     value = job.compare_set(r[2], r[3], r[4])
-    if server._key_waiters:
-        server._changed(s.job, r[2])
+    if server.waits.waiters:
+        server.waits.changed(s.job, r[2])
     return value
 
 
-def _c_delete(server: Server, s: _Session, job: Job, r: list[Any]) -> bool:
+def _c_delete(server: Server, s: Session, job: Job, r: list[Any]) -> bool:
     return job.delete(r[2])
 
 
-def _c_num_keys(server: Server, s: _Session, job: Job, r: list[Any]) -> int:
+def _c_num_keys(server: Server, s: Session, job: Job, r: list[Any]) -> int:
     return len(job.kv)
 
 
-def _c_check(server: Server, s: _Session, job: Job, r: list[Any]) -> bool:
+def _c_check(server: Server, s: Session, job: Job, r: list[Any]) -> bool:
     return job.has_all(_key_list(r[2]))
 
 
-def _c_wait(server: Server, s: _Session, job: Job, r: list[Any]) -> Any:
+def _c_wait(server: Server, s: Session, job: Job, r: list[Any]) -> Any:
     return None if job.has_all(_key_list(r[2])) else BLOCK
 
 
-def _c_multi_get(server: Server, s: _Session, job: Job, r: list[Any]) -> Any:
+def _c_multi_get(server: Server, s: Session, job: Job, r: list[Any]) -> Any:
     values = job.get_all(_key_list(r[2]))
     return BLOCK if values is None else values
 
 
-def _c_multi_set(server: Server, s: _Session, job: Job, r: list[Any]) -> None:
+def _c_multi_set(server: Server, s: Session, job: Job, r: list[Any]) -> None:
     return _multi_set(server, s, job, {"keys": r[2], "values": r[3]})
 
 

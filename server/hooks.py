@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .state import Departure
+from .rounds import Departure
 
 if TYPE_CHECKING:
     from .http import HttpServer

@@ -28,7 +28,7 @@ from typing import Any
 from arendez.errors import ArendezError
 
 from .hooks import ServerHooks
-from .state import Departure
+from .rounds import Departure
 
 try:
     import h11
@@ -105,7 +105,7 @@ def snapshot(server: Any, events: Metrics | None = None) -> dict[str, Any]:
         "time": time.time(),
         "url": server.url,
         "lease": server.config.lease,
-        "connections": len(server._conns),
+        "connections": len(server.admission.conns),
         "jobs": jobs,
     }
 
@@ -129,7 +129,7 @@ def counts(server: Any) -> dict[str, Any]:
         "jobs": len(jobs),
         "rounds": rounds,
         "ranks": dict(ranks),
-        "connections": len(server._conns),
+        "connections": len(server.admission.conns),
         "keys": keys,
         "bytes": stored,
     }

@@ -1,261 +1,31 @@
-"""Sans-I/O state of the server: jobs, their key-value stores, rendezvous rounds and leases.
+"""Sans-I/O state of the server: its jobs, each a key-value store plus its rendezvous rounds.
 
 Nothing here touches a socket or a clock: callers pass ``now`` and act on what is returned.
+The store is ``kv.py``, rounds, members and leases ``rounds.py``, the limits ``limits.py``.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import weakref
 from dataclasses import dataclass, field
 
 from arendez.errors import RendezvousError, StoreError
 
-
-@dataclass(frozen=True)
-class StateLimits:
-    max_key: int = 4096
-    max_value: int = 1 << 20
-    max_keys_per_job: int = 100_000
-    max_bytes_per_job: int = 256 << 20
-    max_jobs: int = 10_000
-    max_world_size: int = 65_536
-
-
-class MemberState(enum.Enum):
-    ACTIVE = "active"
-    LEFT = "left"
-    FAILED = "failed"
-
-
-@dataclass(eq=False)
-class Lease:
-    """One client process's heartbeat: it renews every member that joined naming its key.
-
-    A process keeps one lease per server however many ranks it hosts, so the server's lease
-    work is per process, not per rank. ``last_seen`` stays ``None`` until the process's keeper
-    first renews it: until then its members get ``arm_grace`` extra seconds.
-    """
-
-    key: bytes
-    created: float
-    last_seen: float | None = None
-
-    def renew(self, now: float) -> None:
-        self.last_seen = now
+from .kv import KeyValueStore
+from .limits import StateLimits
+from .rounds import Departure, Lease, Member, MemberState, Round
 
 
 @dataclass
-class Member:
-    rank: int  # in an elastic round being formed: an arrival number until the round closes
-    address: str
-    last_seen: float
-    state: MemberState = MemberState.ACTIVE
-    lease: Lease | None = None
-    came_from: int = -1  # elastic: the generation of the round this rank was in (-1: none)
-    hint: int = -1  # elastic: its rank in that round (or its launcher slot): ordering only
-
-    def expired(self, now: float, lease: float, arm_grace: float) -> bool:
-        """Silent for longer than ``lease`` (its own heartbeats, or its process's lease)."""
-        held = self.lease
-        if held is None:
-            return now - self.last_seen > lease
-        if held.last_seen is None:  # the keeper has not renewed it yet
-            return now - max(self.last_seen, held.created) > lease + arm_grace
-        return now - max(self.last_seen, held.last_seen) > lease
-
-
-@dataclass(frozen=True)
-class Departure:
-    """A member that stopped being active: told to every other member of its job."""
-
-    job: str
-    nonce: bytes
-    rank: int
-    failed: bool
-    reason: str
-
-
-@dataclass(eq=False)
-class Round:
-    """One rendezvous round: ``world_size`` ranks that joined together and share a nonce."""
-
-    world_size: int
-    members: dict[int, Member] = field(default_factory=dict)
-    nonce: bytes = b""
-    active: int = 0  # members still ACTIVE (kept as a count: checked on every departure)
-    _next_free: int = 0  # no rank below this is free (ranks -1 are handed out in order)
-    #: Elastic rounds: the fewest ranks the round may close with (``world_size`` is the most);
-    #: 0 for a fixed-size round. An elastic round assigns ranks when it closes.
-    min_size: int = 0
-    generation: int = -1  # elastic: the job's round number, set when the round closes
-    survivors: int = 0  # elastic: ranks 0..survivors-1 came from the job's latest round
-    _arrivals: int = 0
-    _latest: int = -1  # elastic, while forming: the newest generation a joiner came from
-    _from_latest: int = 0  # ... how many joiners came from it
-    settled: bool = False  # elastic, while forming: its settle time passed
-    failed: int = 0  # members declared failed (counted as they are)
-
-    @property
-    def elastic(self) -> bool:
-        return self.min_size > 0
-
-    def _count(self, member: Member) -> None:
-        if member.came_from > self._latest:
-            self._latest, self._from_latest = member.came_from, 0
-        if member.came_from == self._latest and member.came_from >= 0:
-            self._from_latest += 1
-
-    @property
-    def complete(self) -> bool:
-        return len(self.members) == self.world_size
-
-    @property
-    def in_use(self) -> bool:
-        return self.active > 0
-
-    def free_rank(self) -> int:
-        """The lowest rank nobody has taken (amortised O(1) over a round)."""
-        while self._next_free in self.members:
-            self._next_free += 1
-        return self._next_free
-
-    def add(self, member: Member) -> None:
-        self.members[member.rank] = member
-        if member.state is MemberState.ACTIVE:
-            self.active += 1
-
-    def remove(self, rank: int) -> None:
-        member = self.members.pop(rank, None)
-        if member is not None and member.state is MemberState.ACTIVE:
-            self.active -= 1
-        self._next_free = min(self._next_free, rank)
-        if member is not None and self.elastic:  # rare: count the rest again
-            self._latest, self._from_latest = -1, 0
-            for other in self.members.values():
-                self._count(other)
-
-    def end(self, member: Member, state: MemberState) -> None:
-        """Mark an active member as left or failed."""
-        if member.state is MemberState.ACTIVE:
-            self.active -= 1
-            if state is MemberState.FAILED:
-                self.failed += 1
-        member.state = state
-
-    def peers(self) -> list[str]:
-        return [self.members[r].address for r in range(self.world_size)]
-
-    def addresses(self, ranks: object) -> dict[int, str]:
-        """The addresses of ``ranks`` (a list of member ranks of this complete round)."""
-        if not isinstance(ranks, list) or len(ranks) > 65_536:
-            raise RendezvousError("ranks must be a list of at most 65536 integers")
-        found = {}
-        for rank in ranks:
-            member = self.members.get(rank) if isinstance(rank, int) else None
-            if member is None:
-                raise RendezvousError(f"rank {rank!r:.40} is not a member of this round")
-            found[rank] = member.address
-        return found
-
-
-@dataclass
-class Job:
+class Job(KeyValueStore):
     """One job: its store, the round being formed and the completed rounds still in use."""
 
-    name: str
-    limits: StateLimits
-    kv: dict[str, bytes] = field(default_factory=dict)
     forming: Round | None = None
     rounds: dict[bytes, Round] = field(default_factory=dict)
-    nbytes: int = 0  # keys + values held
     generation: int = 0  # the number the next elastic round gets
     latest: Round | None = None  # the elastic round closed last (kept after it is over)
 
-    # -- key-value store -------------------------------------------------------------------
-    def _check_key(self, key: object) -> str:
-        if not isinstance(key, str) or not key:
-            raise StoreError(f"store key must be a non-empty string, got {key!r:.80}")
-        size = len(key) if key.isascii() else len(key.encode())
-        if size > self.limits.max_key:
-            raise StoreError(f"store key of {size} bytes exceeds {self.limits.max_key}")
-        return key
-
-    def _check_value(self, value: object) -> bytes:
-        if type(value) is not bytes:
-            if isinstance(value, str):
-                value = value.encode()
-            if not isinstance(value, bytes):
-                raise StoreError(f"store value must be bytes or str, got {type(value).__name__}")
-        if len(value) > self.limits.max_value:
-            raise StoreError(f"store value of {len(value)} bytes exceeds {self.limits.max_value}")
-        return value
-
-    def _put(self, key: str, value: bytes) -> None:
-        old = self.kv.get(key)
-        if old is None and len(self.kv) >= self.limits.max_keys_per_job:
-            raise StoreError(f"job {self.name!r} already holds {self.limits.max_keys_per_job} keys")
-        grown = self.nbytes + len(value) - (len(old) if old is not None else -len(key))
-        if grown > self.limits.max_bytes_per_job:
-            raise StoreError(f"job {self.name!r} would hold more than {self.limits.max_bytes_per_job} bytes")
-        self.kv[key] = value
-        self.nbytes = grown
-
-    def set(self, key: object, value: object) -> None:
-        self._put(self._check_key(key), self._check_value(value))
-
-    def get(self, key: object) -> bytes | None:
-        return self.kv.get(self._check_key(key))
-
-    def add(self, key: object, amount: object) -> int:
-        name = self._check_key(key)
-        if not isinstance(amount, int) or isinstance(amount, bool):
-            raise StoreError(f"add amount must be an integer, got {amount!r:.80}")
-        current = self.kv.get(name, b"0")
-        try:
-            total = int(current) + amount
-        except ValueError:
-            raise StoreError(f"key {name!r} does not hold an integer") from None
-        if not -(2**63) <= total < 2**63:
-            raise StoreError(f"add on {name!r} would leave the 64-bit integer range")
-        self._put(name, str(total).encode())
-        return total
-
-    def compare_set(self, key: object, expected: object, desired: object) -> bytes:
-        """Set ``desired`` if the value is ``expected`` (or missing and ``expected`` is empty)."""
-        name = self._check_key(key)
-        want, new = self._check_value(expected), self._check_value(desired)
-        current = self.kv.get(name)
-        if (current is None and want == b"") or current == want:
-            self._put(name, new)
-            return new
-        return current if current is not None else want
-
-    def delete(self, key: object) -> bool:
-        name = self._check_key(key)
-        old = self.kv.pop(name, None)
-        if old is None:
-            return False
-        self.nbytes -= len(name) + len(old)
-        return True
-
-    def has_all(self, keys: list[str]) -> bool:
-        return all(self._check_key(k) in self.kv for k in keys)
-
-    def get_all(self, keys: list[str]) -> list[bytes] | None:
-        """The values of ``keys`` in order; ``None`` if any is missing."""
-        kv = self.kv
-        values = [kv.get(self._check_key(k)) for k in keys]
-        return None if None in values else values  # type: ignore[return-value]
-
-    def set_all(self, keys: list[str], values: list[object]) -> None:
-        """Set each key to the value at its position; every key and value is checked first."""
-        pairs = [(self._check_key(k), self._check_value(v)) for k, v in zip(keys, values, strict=True)]
-        for key, value in pairs:
-            self._put(key, value)
-
-    # -- rendezvous ------------------------------------------------------------------------
     @property
     def in_use(self) -> bool:
         return self.forming is not None or any(r.in_use for r in self.rounds.values())
@@ -494,7 +264,7 @@ class Job:
 class ServerState:
     """Every job the server knows, created on first use and dropped once idle."""
 
-    def __init__(self, limits: StateLimits = StateLimits()) -> None:
+    def __init__(self, limits: StateLimits = StateLimits()) -> None:  # noqa: B008 (frozen: shared safely)
         self.limits = limits
         self.jobs: dict[str, Job] = {}
         #: Leases by key; one lives while a keeper connection or a member holds it.

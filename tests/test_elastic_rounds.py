@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from arendez_server.state import Job, StateLimits
+from arendez_server.limits import StateLimits
+from arendez_server.state import Job
 
 import arendez as dist
 from arendez import elastic

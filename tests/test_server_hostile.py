@@ -15,7 +15,8 @@ from typing import Any
 
 import msgpack
 import pytest
-from arendez_server.app import HELLO_MAX, Server, ServerConfig, _ServerConnection
+from arendez_server.app import HELLO_MAX, Server, ServerConfig
+from arendez_server.connection import ServerConnection
 
 import arendez as dist
 from tests.harness import (
@@ -193,10 +194,10 @@ async def test_a_storm_of_bad_clients_leaves_no_server_connection_alive() -> Non
     """Bombs, refusals by the per-host limit, silent clients dropped at the handshake deadline and
     clients that authenticate then leave: with the cycle collector off, none stays alive."""
     server = Server(ServerConfig(token=TOKEN, max_connections_per_host=20, handshake_timeout=0.5, lease=0.5))
-    made: list[weakref.ref[_ServerConnection]] = []
+    made: list[weakref.ref[ServerConnection]] = []
     track = server._made
 
-    def tracking(conn: _ServerConnection) -> None:
+    def tracking(conn: ServerConnection) -> None:
         made.append(weakref.ref(conn))
         track(conn)
 
@@ -217,13 +218,14 @@ async def test_a_storm_of_bad_clients_leaves_no_server_connection_alive() -> Non
             await store.set("k", "v")
             await store.close()
         async with asyncio.timeout(5):
-            while server._conns:
+            while server.admission.conns:
                 await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)  # the transports' last callbacks
         alive = [r for r in made if r() is not None]
         assert len(made) >= 5 * len(bombs) + 30 + 5
         assert not alive, f"{len(alive)} of {len(made)} server connections still alive without a gc pass"
-        assert not server._handshaking and not server._per_host and not server._sessions
+        admission = server.admission
+        assert not admission.handshaking and not admission.per_host and not server._sessions
     finally:
         gc.enable()
         await server.close(1.0)

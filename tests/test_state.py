@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from arendez_server.state import Job, MemberState, ServerState, StateLimits
+from arendez_server.limits import StateLimits
+from arendez_server.rounds import MemberState
+from arendez_server.state import Job, ServerState
 
 from arendez.errors import RendezvousError, StoreError
 

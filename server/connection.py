@@ -1,0 +1,157 @@
+"""One client connection of the server: its reads (the hello, then batches of requests) and its
+replies (those to one read go out in one write; a client that does not read them is dropped)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from arendez import transport, wire
+from arendez.errors import ArendezError, ProtocolError
+from arendez.store_wire import HeaderReader, frame
+
+from .rounds import Lease, Round
+
+if TYPE_CHECKING:
+    from .app import Server
+
+log = logging.getLogger("arendez.server")
+
+#: Reply bytes a client may leave unread before the server drops it.
+MAX_UNREAD_REPLIES = 16 << 20
+#: Reply bytes gathered from one read that are written at once (and the reader checked).
+FLUSH_AT = 64 << 10
+#: Seconds a dropped client's connection stays open to read (and ignore) what it sent.
+DROP_DELAY = 0.2
+#: Frames a client may queue before its hello is checked.
+HELLO_FRAMES = 2
+
+
+class Session:
+    """One client connection after its handshake; the replies to one read go out in one write."""
+
+    def __init__(self, server: Server, conn: ServerConnection, job: str) -> None:
+        self.server = server
+        self.conn = conn
+        self.job = job
+        self.rank: int | None = None  # set once this connection is a member of a round
+        self.round: Round | None = None
+        self.lease: Lease | None = None  # set on the lease connection of a client process
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.packer = server.packer
+        self._out: list[bytes | memoryview] = []
+        self._out_bytes = 0
+        self.dropped = False  # no more answers: the connection closes shortly
+
+    def reply(self, rid: Any, value: Any) -> None:
+        if rid is not None:
+            self.send({"id": rid, "ok": value})
+
+    def reply_value(self, rid: Any, value: Any) -> None:
+        """The compact reply ``[rid, value]`` (to a compact request)."""
+        data = frame(self.packer.pack([rid, value]))
+        if self.conn.corked:
+            self._out.append(data)
+            self._out_bytes += len(data)
+            if self._out_bytes >= FLUSH_AT:  # large replies go out at once, checked as they go
+                self.flush()
+        else:
+            self.send_encoded([data])
+
+    def reply_error(self, rid: Any, exc: ArendezError) -> None:
+        frame = transport.error_frame(exc)
+        frame["id"] = rid
+        self.send(frame)
+
+    def send(self, frame: dict[str, Any]) -> None:
+        self.send_encoded(wire.encode(frame))
+
+    def send_encoded(self, buffers: list[bytes | memoryview]) -> None:
+        """Send encoded frames: at once, or, while the connection is handing us a batch of
+        requests, together with the other replies of that batch in one write."""
+        conn = self.conn
+        if self.dropped or not conn.is_open:
+            return
+        if conn.corked:
+            self._out.extend(buffers)
+            self._out_bytes += sum(len(b) for b in buffers)
+            if self._out_bytes >= FLUSH_AT:  # large replies go out at once, checked as they go
+                self.flush()
+            return
+        conn.send_encoded(buffers)
+        if conn.buffered() > MAX_UNREAD_REPLIES and not self.dropped:  # the client does not read
+            self.drop(ProtocolError("client does not read its replies"))
+
+    def drop(self, exc: ArendezError) -> None:
+        """Stop answering; close soon, once what the client already sent has been read
+        (closing on unread bytes would reset the connection and lose the replies it has)."""
+        self.dropped = True
+        asyncio.get_running_loop().call_later(DROP_DELAY, self.conn.fail, exc)
+
+    def flush(self) -> None:
+        """Write the replies gathered while corked (one write for a batch of requests)."""
+        out, self._out, self._out_bytes = self._out, [], 0
+        if out and not self.dropped and self.conn.is_open:
+            self.conn.send_encoded(out)
+            if self.conn.buffered() > MAX_UNREAD_REPLIES:
+                self.drop(ProtocolError("client does not read its replies"))
+
+
+class ServerConnection(transport.Connection):
+    """A client connection of the server: tells the server when it is made."""
+
+    def __init__(self, server: Server, limits: wire.Limits) -> None:
+        super().__init__(limits, max_queued=HELLO_FRAMES)
+        self.server = server
+        self.host = ""
+        self.nonce = b""
+        self.deadline = 0.0
+        self.session: Session | None = None
+        #: Reads the requests once the handshake is done (``wire.Decoder`` reads the hello).
+        self.reader: HeaderReader | None = None
+        #: True while the frames of one read are being answered: replies wait for one write.
+        self.corked = False
+
+    def connection_made(self, transport_: asyncio.BaseTransport) -> None:
+        super().connection_made(transport_)
+        self.server._made(self)
+
+    def start_session(self, session: Session, max_header: int) -> None:
+        """Read requests of up to ``max_header`` bytes from now on (what came after the hello too)."""
+        self.session = session
+        self.reader = HeaderReader(max_header, self._decoder.take_rest())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        reader = self.reader
+        return reader.get_buffer() if reader is not None else super().get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        session, reader = self.session, self.reader
+        if session is None or reader is None:
+            super().buffer_updated(nbytes)  # the handshake (its handlers take over from it)
+            return
+        try:
+            requests = reader.feed(nbytes)
+        except ProtocolError as exc:
+            log.info("protocol error from %s: %s", self.peer, exc)
+            self.fail(exc, tell_peer=True)
+            return
+        if not requests:
+            return
+        server = self.server
+        compact = server._compact
+        self.corked = True
+        try:
+            for request in requests:
+                if session.dropped:
+                    break
+                if type(request) is list:
+                    compact(session, request)
+                else:
+                    server._on_request(session, request)
+        except Exception as exc:  # a request the server could not digest
+            self.fail(ProtocolError(f"bad frame: {type(exc).__name__}: {exc}"), tell_peer=True)
+        finally:
+            self.corked = False
+            session.flush()

@@ -1,0 +1,15 @@
+"""The limits of what the server's state holds: per key, value, job and world, and jobs in all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StateLimits:
+    max_key: int = 4096
+    max_value: int = 1 << 20
+    max_keys_per_job: int = 100_000
+    max_bytes_per_job: int = 256 << 20
+    max_jobs: int = 10_000
+    max_world_size: int = 65_536

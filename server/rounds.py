@@ -1,0 +1,148 @@
+"""Rendezvous rounds and their members: who joined, each member's state and lease, who departed.
+
+Sans-I/O like the rest of the state: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from arendez.errors import RendezvousError
+
+
+class MemberState(enum.Enum):
+    ACTIVE = "active"
+    LEFT = "left"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Lease:
+    """One client process's heartbeat: it renews every member that joined naming its key.
+
+    A process keeps one lease per server however many ranks it hosts, so the server's lease
+    work is per process, not per rank. ``last_seen`` stays ``None`` until the process's keeper
+    first renews it: until then its members get ``arm_grace`` extra seconds.
+    """
+
+    key: bytes
+    created: float
+    last_seen: float | None = None
+
+    def renew(self, now: float) -> None:
+        self.last_seen = now
+
+
+@dataclass
+class Member:
+    rank: int  # in an elastic round being formed: an arrival number until the round closes
+    address: str
+    last_seen: float
+    state: MemberState = MemberState.ACTIVE
+    lease: Lease | None = None
+    came_from: int = -1  # elastic: the generation of the round this rank was in (-1: none)
+    hint: int = -1  # elastic: its rank in that round (or its launcher slot): ordering only
+
+    def expired(self, now: float, lease: float, arm_grace: float) -> bool:
+        """Silent for longer than ``lease`` (its own heartbeats, or its process's lease)."""
+        held = self.lease
+        if held is None:
+            return now - self.last_seen > lease
+        if held.last_seen is None:  # the keeper has not renewed it yet
+            return now - max(self.last_seen, held.created) > lease + arm_grace
+        return now - max(self.last_seen, held.last_seen) > lease
+
+
+@dataclass(frozen=True)
+class Departure:
+    """A member that stopped being active: told to every other member of its job."""
+
+    job: str
+    nonce: bytes
+    rank: int
+    failed: bool
+    reason: str
+
+
+@dataclass(eq=False)
+class Round:
+    """One rendezvous round: ``world_size`` ranks that joined together and share a nonce."""
+
+    world_size: int
+    members: dict[int, Member] = field(default_factory=dict)
+    nonce: bytes = b""
+    active: int = 0  # members still ACTIVE (kept as a count: checked on every departure)
+    _next_free: int = 0  # no rank below this is free (ranks -1 are handed out in order)
+    #: Elastic rounds: the fewest ranks the round may close with (``world_size`` is the most);
+    #: 0 for a fixed-size round. An elastic round assigns ranks when it closes.
+    min_size: int = 0
+    generation: int = -1  # elastic: the job's round number, set when the round closes
+    survivors: int = 0  # elastic: ranks 0..survivors-1 came from the job's latest round
+    _arrivals: int = 0
+    _latest: int = -1  # elastic, while forming: the newest generation a joiner came from
+    _from_latest: int = 0  # ... how many joiners came from it
+    settled: bool = False  # elastic, while forming: its settle time passed
+    failed: int = 0  # members declared failed (counted as they are)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_size > 0
+
+    def _count(self, member: Member) -> None:
+        if member.came_from > self._latest:
+            self._latest, self._from_latest = member.came_from, 0
+        if member.came_from == self._latest and member.came_from >= 0:
+            self._from_latest += 1
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) == self.world_size
+
+    @property
+    def in_use(self) -> bool:
+        return self.active > 0
+
+    def free_rank(self) -> int:
+        """The lowest rank nobody has taken (amortised O(1) over a round)."""
+        while self._next_free in self.members:
+            self._next_free += 1
+        return self._next_free
+
+    def add(self, member: Member) -> None:
+        self.members[member.rank] = member
+        if member.state is MemberState.ACTIVE:
+            self.active += 1
+
+    def remove(self, rank: int) -> None:
+        member = self.members.pop(rank, None)
+        if member is not None and member.state is MemberState.ACTIVE:
+            self.active -= 1
+        self._next_free = min(self._next_free, rank)
+        if member is not None and self.elastic:  # rare: count the rest again
+            self._latest, self._from_latest = -1, 0
+            for other in self.members.values():
+                self._count(other)
+
+    def end(self, member: Member, state: MemberState) -> None:
+        """Mark an active member as left or failed."""
+        if member.state is MemberState.ACTIVE:
+            self.active -= 1
+            if state is MemberState.FAILED:
+                self.failed += 1
+        member.state = state
+
+    def peers(self) -> list[str]:
+        return [self.members[r].address for r in range(self.world_size)]
+
+    def addresses(self, ranks: object) -> dict[int, str]:
+        """The addresses of ``ranks`` (a list of member ranks of this complete round)."""
+        if not isinstance(ranks, list) or len(ranks) > 65_536:
+            raise RendezvousError("ranks must be a list of at most 65536 integers")
+        found = {}
+        for rank in ranks:
+            member = self.members.get(rank) if isinstance(rank, int) else None
+            if member is None:
+                raise RendezvousError(f"rank {rank!r:.40} is not a member of this round")
+            found[rank] = member.address
+        return found
