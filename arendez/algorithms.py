@@ -91,11 +91,18 @@ def choose(collective: str, nbytes: int, size: int, link: str | None = None) -> 
     (``costmodel``); shared-memory links and the other collectives keep the measured size rule.
     """
     forced = forced_algorithm()
+    tcp = costmodel.tcp_link() if not forced and link == "tcp" else None
+    return _rule(collective, nbytes, size, link, forced, tcp)
+
+
+def _rule(
+    collective: str, nbytes: int, size: int, link: str | None, forced: str | None, tcp: costmodel.Link | None
+) -> str:
     if forced:
         return forced
-    if collective == "all_reduce" and link == "tcp" and size > 1:
+    if collective == "all_reduce" and link == "tcp" and size > 1 and tcp is not None:
         lanes = len(_lanes(max(1, nbytes // 4), 4, size, lane_bytes=TCP_LANE_BYTES))
-        return costmodel.choose_all_reduce(nbytes, size, costmodel.tcp_link(), lanes)
+        return costmodel.choose_all_reduce(nbytes, size, tcp, lanes)
     power_of_two = not size & (size - 1)
     if nbytes <= SMALL_BYTES or (size == 2 and collective == "broadcast"):
         if collective == "all_reduce" and size > 8:  # (direct would connect every pair)
@@ -104,6 +111,36 @@ def choose(collective: str, nbytes: int, size: int, link: str | None = None) -> 
     if collective == "all_reduce" and size > 2 and power_of_two:
         return "rhd"
     return "ring"
+
+
+class Chooser:
+    """``choose`` for one world: the tuning variables read once (at init), choices remembered
+    (a collective in a training loop asks the same question every step)."""
+
+    MEMO = 4096
+
+    def __init__(self) -> None:
+        self.forced = forced_algorithm()
+        self.tcp = costmodel.tcp_link()
+        self._memo: dict[tuple[str, int, int, str | None], str] = {}
+
+    def __call__(self, collective: str, nbytes: int, size: int, link: str | None = None) -> str:
+        key = (collective, nbytes, size, link)
+        found = self._memo.get(key)
+        if found is None:
+            if len(self._memo) >= self.MEMO:
+                self._memo.clear()
+            found = self._memo[key] = _rule(collective, nbytes, size, link, self.forced, self.tcp)
+        return found
+
+
+def _choose_for(comm: Comm, collective: str, nbytes: int, size: int, link: str | None = None) -> str:
+    """``choose`` through ``comm``'s world when it has one (``Comm.choose``), else from the
+    environment now."""
+    chooser = getattr(comm, "choose", None)
+    if chooser is not None:
+        return str(chooser(collective, nbytes, size, link))
+    return choose(collective, nbytes, size, link)
 
 
 def chose(comm: Comm, algorithm: str) -> str:
@@ -186,6 +223,13 @@ def _combine_in_rank_order(
 ) -> None:
     """``out = c0 op c1 op ... op c(n-1)``, the same on every rank (contribution ``rank`` is
     ``mine``)."""
+    if comm.size == 2 and out is mine:  # (the common case, without the general bookkeeping)
+        theirs = received[1 - comm.rank]
+        if comm.rank == 0:
+            ufunc(mine, theirs, out=out)
+        else:
+            ufunc(theirs, mine, out=out)
+        return
     parts = [mine if p == comm.rank else received[p] for p in range(comm.size)]
     if out is mine and comm.rank == 0:
         acc = out
@@ -205,7 +249,7 @@ async def all_reduce(comm: Comm, x: Array, op: ReduceOp, algorithm: str | None =
     if comm.size > 1 and x.size:
         link = link_kind(comm)
         lane_bytes = TCP_LANE_BYTES if link == "tcp" else LANE_BYTES
-        algo = chose(comm, algorithm or choose("all_reduce", x.nbytes, comm.size, link))
+        algo = chose(comm, algorithm or _choose_for(comm, "all_reduce", x.nbytes, comm.size, link))
         if algo == "direct":
             await _direct_all_reduce(comm, x, ufunc)
         elif algo == "rdb":
@@ -393,7 +437,7 @@ async def reduce(comm: Comm, x: Array, dst: int, op: ReduceOp, algorithm: str | 
     ufunc = ufunc_for(op, x.dtype)
     n = comm.size
     if n > 1 and x.size:
-        algo = chose(comm, algorithm or choose("reduce", x.nbytes, n))
+        algo = chose(comm, algorithm or _choose_for(comm, "reduce", x.nbytes, n))
         if algo == "ring":
             await _ring_reduce(comm, x, dst, ufunc)
         elif comm.rank == dst:
@@ -433,7 +477,7 @@ async def reduce_scatter(
     if n == 1:
         np.copyto(out, inputs[0])
     elif out.size:
-        algo = chose(comm, algorithm or choose("reduce_scatter", out.nbytes * n, n))
+        algo = chose(comm, algorithm or _choose_for(comm, "reduce_scatter", out.nbytes * n, n))
         if algo == "ring":
             lanes = _lanes(out.size, out.itemsize, 1)
 
@@ -462,7 +506,7 @@ async def broadcast(comm: Comm, x: Array, src: int, algorithm: str | None = None
     n, r = comm.size, comm.rank
     if n == 1 or not x.size:
         return
-    algo = chose(comm, algorithm or choose("broadcast", x.nbytes, n))
+    algo = chose(comm, algorithm or _choose_for(comm, "broadcast", x.nbytes, n))
     if algo != "ring":
         if r == src:
             await wait_all([comm.send(p, 0, x) for p in others(comm)])
@@ -493,7 +537,7 @@ async def all_gather(comm: Comm, blocks: list[Array], algorithm: str | None = No
     n, r = comm.size, comm.rank
     if n == 1:
         return
-    algo = chose(comm, algorithm or choose("all_gather", blocks[r].nbytes * n, n))
+    algo = chose(comm, algorithm or _choose_for(comm, "all_gather", blocks[r].nbytes * n, n))
     if algo != "ring":
         peers = others(comm)
         recvs = [comm.recv_into(p, 0, blocks[p]) for p in peers]

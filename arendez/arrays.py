@@ -42,8 +42,21 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
 }
 
 
+_CHECKED: dict[tuple[ReduceOp, np.dtype[Any]], np.ufunc] = {}
+
+
 def ufunc_for(op: ReduceOp, dtype: np.dtype[Any]) -> np.ufunc:
     """The numpy ufunc that combines two contributions, after checking it fits ``dtype``."""
+    found = _CHECKED.get((op, dtype))
+    if found is not None:
+        return found
+    ufunc = _check_ufunc(op, dtype)
+    if len(_CHECKED) < 1024:
+        _CHECKED[(op, dtype)] = ufunc
+    return ufunc
+
+
+def _check_ufunc(op: ReduceOp, dtype: np.dtype[Any]) -> np.ufunc:
     if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dtype.kind not in "iub":
         raise ValueError(f"ReduceOp.{op.name} needs an integer or bool array, got {dtype}")
     if op is ReduceOp.AVG and dtype.kind not in "fc":

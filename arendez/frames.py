@@ -265,6 +265,14 @@ _BY_KIND: dict[int, tuple[type[Frame], tuple[str, ...], tuple[Any, ...]]] = {
 assert len(_BY_KIND) == len(_CLASSES), "two frame classes share a kind"
 
 
+_DATA = int(Kind.DATA)
+
+
+def data_header(gid: int, seq: int, tag: int, seg: int, fp: str) -> list[Any]:
+    """``encode(Data(gid, seq, tag, seg, fp))`` without making the frame (the hot path)."""
+    return [_DATA, gid, seq, tag, seg, fp]
+
+
 def encode(frame: Frame) -> list[Any]:
     """The msgpack-ready header of ``frame``: ``[kind, *fields]``."""
     _, names, _ = _BY_KIND[frame.KIND]
@@ -273,6 +281,16 @@ def encode(frame: Frame) -> list[Any]:
 
 def decode(header: Any) -> Frame:
     """The frame a peer's header describes; ``ProtocolError`` if it is not a valid one."""
+    if type(header) is list and len(header) == 6 and header[0] == _DATA:  # (the hot path)
+        _, gid, seq, tag, seg, fp = header
+        if (
+            type(gid) is int
+            and type(seq) is int
+            and type(tag) is int
+            and type(seg) is int
+            and type(fp) is str
+        ):
+            return Data(gid, seq, tag, seg, fp)
     if isinstance(header, dict) and "error" in header:  # a transport-level refusal (handshake)
         return Error(ErrorCode.PROTOCOL.value, f"{header.get('error')}: {header.get('message')}")
     if not isinstance(header, list) or not header or type(header[0]) is not int:

@@ -67,7 +67,29 @@ class Op:
         self.keys: list[Key] = []
         self._held: dict[int, Callable[[], None]] = {}  # id(view) -> how to give it back
         self._waiting: set[asyncio.Future[Any]] = set()  # what fail() must wake
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.deadline = 0.0  # loop time its deadline passes (``ProcessGroup.run`` sets it)
+        self.limit = 0.0
+        self.expiring = False
+        self.ended = False
+        self._done: asyncio.Future[None] | None = None
+
+    @property
+    def done(self) -> asyncio.Future[None]:
+        """Resolves once the collective has ended here (made on demand: most are never awaited)."""
+        if self._done is None:
+            self._done = asyncio.get_running_loop().create_future()
+            if self.ended:
+                self._done.set_result(None)
+        return self._done
+
+    def _end(self) -> None:
+        self.ended = True
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    def choose(self, collective: str, nbytes: int, size: int, link: str | None = None) -> str:
+        """The algorithm for this message (``algorithms.Chooser`` of the world)."""
+        return self.world.chooser(collective, nbytes, size, link)
 
     def fail(self, exc: BaseException) -> None:
         if self.error is not None:
@@ -134,11 +156,11 @@ class Op:
         if self._send_shm(self.group.ranks[peer], conn, tag, raw):
             return None  # copied: the caller may reuse ``data`` at once
         if raw.nbytes <= wire.MAX_SEGMENT:
-            conn.send(frames.encode(frames.Data(gid, self.seq, tag, 0, self.fp)), raw if raw.nbytes else None)
+            conn.send(frames.data_header(gid, self.seq, tag, 0, self.fp), raw if raw.nbytes else None)
         else:
             for seg, start in enumerate(range(0, raw.nbytes, wire.MAX_SEGMENT)):
                 part = raw[start : start + wire.MAX_SEGMENT]
-                conn.send(frames.encode(frames.Data(gid, self.seq, tag, seg, self.fp)), part)
+                conn.send(frames.data_header(gid, self.seq, tag, seg, self.fp), part)
         fut: asyncio.Future[None] | None = conn.drain_future()
         if fut is not None:
             self._wait_on(fut)
@@ -196,8 +218,7 @@ class Op:
         The algorithm choice depends on it, so both ends of a pair must agree: host keys are
         compared the same way on both, and init has every peer's hello before it returns.
         """
-        me, same = self.world.rank, self.world.shm.same_host
-        return "shm" if all(g == me or g in same for g in self.group.ranks) else "tcp"
+        return self.group.link_kind()
 
     def scratch(self, nbytes: int) -> Array:
         return self.world.pool.take(nbytes)
@@ -251,9 +272,23 @@ class ProcessGroup:
     early_keys: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
     poisoned: dict[int, ArendezError] = field(default_factory=dict)  # seqs failed before they start
 
+    # (size of the same-host set the link kind was computed for, the kind)
+    _link: tuple[int, str] = field(default=(-1, ""), init=False, repr=False)
+    _watchdog: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
+    _watch_at: float = field(default=0.0, init=False, repr=False)
+
     @property
     def rank(self) -> int:
         return self.ranks.index(self.world.rank)
+
+    def link_kind(self) -> str:
+        """``"shm"`` if every member said hello from this host (shared memory on), else ``"tcp"``
+        (``Op.link_kind``; recomputed only when the same-host set changes)."""
+        same = self.world.shm.same_host
+        if self._link[0] != len(same):
+            me = self.world.rank
+            self._link = (len(same), "shm" if all(g == me or g in same for g in self.ranks) else "tcp")
+        return self._link[1]
 
     @property
     def size(self) -> int:
@@ -299,9 +334,10 @@ class ProcessGroup:
         failed = self.poisoned.pop(seq, None)
         if failed is not None:
             op.fail(failed)
-        loop = asyncio.get_running_loop()
         limit = self.timeout if timeout is None else timeout
-        timer = loop.call_later(limit, self._expire, op, limit)
+        op.limit = limit
+        op.deadline = asyncio.get_running_loop().time() + limit
+        self._arm(op.deadline)
         try:
             op._check()
             if entry is not None:
@@ -324,7 +360,6 @@ class ProcessGroup:
             op.fail(exc)
             raise
         finally:
-            timer.cancel()
             if entry is not None:  # (before its receives are closed: they say whom it missed)
                 flight.end(entry, op)
             del self.active[seq]
@@ -333,8 +368,37 @@ class ProcessGroup:
                 self.world.divert(lambda h, _: isinstance(h, frames.Data) and h.gid == gid and h.seq == seq)
             self.world.mail.close(op.keys)  # (what came but was never taken is given back)
             op.release_all()
-            if not op.done.done():
-                op.done.set_result(None)
+            op._end()
+
+    def _arm(self, deadline: float) -> None:
+        """Make the group's one deadline timer fire by ``deadline`` (one timer per group, not
+        one per collective: most end long before theirs)."""
+        if self._watchdog is None or deadline < self._watch_at:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            self._watch_at = deadline
+            self._watchdog = asyncio.get_running_loop().call_at(deadline, self._watch)
+
+    def _watch(self) -> None:
+        """Expire the collectives whose deadline passed; re-arm for the next one."""
+        self._watchdog = None
+        now = asyncio.get_running_loop().time()
+        upcoming: float | None = None
+        for op in list(self.active.values()):
+            if op.expiring:
+                continue
+            if op.deadline <= now:
+                op.expiring = True
+                self._expire(op, op.limit)
+            elif upcoming is None or op.deadline < upcoming:
+                upcoming = op.deadline
+        if upcoming is not None:
+            self._arm(upcoming)
+
+    def _disarm(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def _first_dead_member(self) -> int:
         """The member whose loss most likely broke a connection (-1 if none is known dead)."""
@@ -411,4 +475,5 @@ class ProcessGroup:
         for keys in self.early_keys.values():  # frames of collectives this rank never started
             self.world.mail.drop(keys)
         self.early_keys.clear()
+        self._disarm()
         self.destroyed = True

@@ -210,7 +210,7 @@ async def _tcp_world(
         )
         advertise = os.environ.get("ARENDEZ_ADVERTISE_ADDR") or _local_address(store, where.host)
         port = await mesh.listen(os.environ.get("ARENDEZ_LISTEN_ADDR") or advertise, 0)
-        address = f"[{advertise}]:{port}" if ":" in advertise else f"{advertise}:{port}"
+        address = mesh.advertised(f"[{advertise}]:{port}" if ":" in advertise else f"{advertise}:{port}")
         offsets = neighbour_offsets(where.world_size)
         if where.min_size:  # elastic: the size is known once the round closes
             member = await store.join(

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from . import frames, shm
+from .algorithms import Chooser
 from .errors import (
     ArendezError,
     CollectiveCancelledError,
@@ -57,6 +58,7 @@ class World:
         self.dead: dict[int, str] = {}  # ranks gone for good, with why
         self.failed: dict[int, str] = {}  # the subset that died rather than left
         self.stats = Stats()
+        self.chooser = Chooser()  # (reads ARENDEZ_ALGORITHM and the link variables now, once)
         self.mail = Mailbox(self.stats)
         self.p2p = P2PMatcher(self.stats)
         self.progress = Progress(self.send_control)

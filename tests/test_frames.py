@@ -70,3 +70,16 @@ def test_remote_errors_are_typed_by_a_stable_code():
 def test_a_transport_refusal_becomes_an_error_frame():
     got = frames.decode({"error": "AuthenticationError", "message": "wrong token"})
     assert isinstance(got, frames.Error) and got.code == "protocol" and "wrong token" in got.message
+
+
+def test_the_data_fast_path_encodes_and_decodes_as_the_general_one():
+    """``data_header`` builds what ``encode(Data(...))`` does, and ``decode``'s shortcut for data
+    frames returns the same frame and still refuses bad fields by name."""
+    fields = (1, 2, 3, 4, "all_reduce|<f4|10|SUM")
+    assert frames.data_header(*fields) == frames.encode(frames.Data(*fields))
+    wire = msgpack.unpackb(msgpack.packb(frames.data_header(*fields)))
+    assert frames.decode(wire) == frames.Data(*fields)
+    with pytest.raises(ProtocolError, match="Data frame: bad seq True"):
+        frames.decode([int(frames.Kind.DATA), 1, True, 3, 4, "fp"])
+    with pytest.raises(ProtocolError, match="Data frame: bad fp 5"):
+        frames.decode([int(frames.Kind.DATA), 1, 2, 3, 4, 5])

@@ -33,6 +33,7 @@ from typing import Any
 from .. import frames, transport, wire
 from ..errors import AuthenticationError, LimitError, ProtocolError, RendezvousError
 from ..settings import env_int
+from . import local
 
 log = logging.getLogger("arendez.tcp")
 
@@ -78,6 +79,13 @@ class ListenerLimits:
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def _remote_host(conn: transport.Connection) -> str:
+    """Where an accepted connection comes from, for the per-host limit."""
+    if isinstance(conn.peer, tuple | list) and conn.peer:
+        return str(conn.peer[0])
+    return "local" if conn.peer is not None else "?"  # (a Unix socket's peer has no address)
 
 
 def _resolve(fut: asyncio.Future[None], _: object) -> None:
@@ -192,6 +200,9 @@ class Mesh:
         self._handshake_timeout = handshake_timeout or self.limits.handshake_seconds
         self._pending: collections.Counter[str] = collections.Counter()  # by remote host
         self._listener: asyncio.Server | None = None
+        self._local_listener: asyncio.Server | None = None
+        #: the abstract Unix socket this rank also listens on (``local``), if any
+        self.local_name: str | None = None
         self._round: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._tasks: set[asyncio.Task[None]] = set()
         self._route: FrameRouter | None = None
@@ -211,16 +222,29 @@ class Mesh:
         self._connected = asyncio.Event()  # set whenever a connection is adopted
 
     async def listen(self, host: str, port: int = 0) -> int:
-        """Open the listener; return its port."""
+        """Open the listener (and, same-host peers, a local socket: ``local``); return its port."""
         loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(
-            lambda: self._accepted(transport.Connection(_HELLO_LIMITS, max_queued=HELLO_FRAMES)),
-            host,
-            port,
-            ssl=self._server_ssl,
-        )
+        self._listener = await loop.create_server(self._new_connection, host, port, ssl=self._server_ssl)
         port_: int = self._listener.sockets[0].getsockname()[1]
+        if self._uses_local_sockets():
+            name = local.new_name()
+            try:
+                self._local_listener = await local.listen(name, self._new_connection)
+                self.local_name = name
+            except OSError as exc:  # (a platform or sandbox without them: TCP serves)
+                log.debug("no local socket listener: %s", exc)
         return port_
+
+    def advertised(self, tcp_address: str) -> str:
+        """The address to publish for this rank: ``tcp_address`` and the local socket's name."""
+        return local.advertise(tcp_address, self.local_name)
+
+    def _uses_local_sockets(self) -> bool:
+        # (off under TLS: a TLS user asked for every stream to be encrypted and verified)
+        return local.enabled() and self._server_ssl is None and self._client_ssl is None
+
+    def _new_connection(self) -> transport.Connection:
+        return self._accepted(transport.Connection(_HELLO_LIMITS, max_queued=HELLO_FRAMES))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -250,7 +274,7 @@ class Mesh:
         try:
             async with asyncio.timeout(self._handshake_timeout):
                 await asyncio.shield(conn._made)
-                host = str(conn.peer[0]) if conn.peer else "?"
+                host = _remote_host(conn)
                 refused = self._refusal(host)
                 if refused is not None:
                     host = ""
@@ -411,33 +435,27 @@ class Mesh:
     async def _connect(self, peer: int, address: str) -> transport.Connection | None:
         """Connect to ``peer`` and shake hands; ``None`` if its own dial to us wins.
 
-        A refusal means its listener is gone (the rank too), and a failed handshake that it
-        is not the rank we want: both raise. Anything else (a saturated listener, a peer whose
+        Its local socket first, if it has one in our network namespace (``local``), else TCP.
+        A refusal over TCP means its listener is gone (the rank too), and a failed handshake that
+        it is not the rank we want: both raise. Anything else (a saturated listener, a peer whose
         event loop is busy for a long step) is retried until the caller's deadline.
         """
-        host, port = split_address(address)
+        tcp_address, name = local.parse(address)
+        if name is not None and self._uses_local_sockets():
+            try:
+                conn = await local.connect(name, timeout=self._handshake_timeout)
+            except (OSError, TimeoutError) as exc:  # not in our namespace (another host): TCP
+                log.debug("no local socket to rank %d (%s); dialing %s", peer, exc, tcp_address)
+            else:
+                return await self._shake(peer, address, conn)
+        host, port = split_address(tcp_address)
         delay = 0.02
         while True:  # (bounded by connect's deadline)
             try:
                 conn = await transport.open_connection(
                     host, port, ssl=self._client_ssl, timeout=self._handshake_timeout
                 )
-                try:
-                    hello = {"rank": self.rank, "round": self.nonce}
-                    # Once it answers it has adopted the connection: giving up before that could
-                    # break a connection the peer already counts as up (its own handshake
-                    # deadline guards it), so wait for the answer to the caller's deadline.
-                    await transport.client_handshake(conn, self._token, hello, self._dial_timeout)
-                    answer, _ = await conn.recv(self._dial_timeout)
-                    if not isinstance(answer, dict) or answer.get("rank") != peer:
-                        raise ProtocolError(f"{address} is not rank {peer}: {answer!r:.80}")
-                except BaseException:
-                    conn.abort()
-                    raise
-                if answer.get("duplicate"):
-                    conn.close()
-                    return None
-                return conn
+                return await self._shake(peer, address, conn)
             except LimitError as exc:  # the peer is busy with other (maybe hostile) connections
                 self._dial_errors[peer] = str(exc)
                 log.debug("dial to rank %d at %s: %s; retrying", peer, address, exc)
@@ -451,6 +469,28 @@ class Mesh:
                 log.debug("dial to rank %d at %s: %s; retrying", peer, address, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    async def _shake(
+        self, peer: int, address: str, conn: transport.Connection
+    ) -> transport.Connection | None:
+        """Our hello on a new connection to ``peer``; the connection, or ``None`` if the peer
+        keeps its own dial to us instead (a duplicate)."""
+        try:
+            hello = {"rank": self.rank, "round": self.nonce}
+            # Once it answers it has adopted the connection: giving up before that could
+            # break a connection the peer already counts as up (its own handshake
+            # deadline guards it), so wait for the answer to the caller's deadline.
+            await transport.client_handshake(conn, self._token, hello, self._dial_timeout)
+            answer, _ = await conn.recv(self._dial_timeout)
+            if not isinstance(answer, dict) or answer.get("rank") != peer:
+                raise ProtocolError(f"{address} is not rank {peer}: {answer!r:.80}")
+        except BaseException:
+            conn.abort()
+            raise
+        if answer.get("duplicate"):
+            conn.close()
+            return None
+        return conn
 
     def _adopt(self, peer: int, conn: transport.Connection) -> None:
         assert self._route is not None and self._sink is not None
@@ -498,8 +538,9 @@ class Mesh:
 
     def _stop(self) -> None:
         self._closing = True
-        if self._listener is not None:
-            self._listener.close()
+        for listener in (self._listener, self._local_listener):
+            if listener is not None:
+                listener.close()
         for task in list(self._tasks):
             task.cancel()
         if self._batch is not None:
@@ -524,7 +565,8 @@ class Mesh:
             self._round.cancel()
         deadline = asyncio.get_running_loop().time() + timeout
         await asyncio.gather(*(c.wait_closed(timeout) for c in conns), return_exceptions=True)
-        if self._listener is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(deadline):
-                    await self._listener.wait_closed()
+        for listener in (self._listener, self._local_listener):
+            if listener is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(deadline):
+                        await listener.wait_closed()

@@ -12,14 +12,14 @@ async def algorithm_choice(rank: int, world_size: int, nbytes: int) -> dict[str,
     from arendez import algorithms
 
     seen: list[tuple[str | None, str]] = []
-    real = algorithms.choose
+    real = algorithms.Chooser.__call__  # (the world's chooser: what a collective asks)
 
-    def spy(collective: str, n: int, size: int, link: str | None = None) -> str:
-        picked = real(collective, n, size, link)
+    def spy(self: Any, collective: str, n: int, size: int, link: str | None = None) -> str:
+        picked = real(self, collective, n, size, link)
         seen.append((link, picked))
         return picked
 
-    algorithms.choose = spy  # type: ignore[assignment]
+    algorithms.Chooser.__call__ = spy  # type: ignore[method-assign]
     x = np.full(nbytes // 4, rank + 1, np.float32)
     await dist.all_reduce(x)
     return {

@@ -1,0 +1,81 @@
+"""Same-host peer links over Unix sockets in Linux's abstract namespace.
+
+A message between two processes costs about half as much CPU and latency over a Unix socket
+as over loopback TCP (measured here: 8 B round trip 27-33 us vs 59-66 us; the TCP stack runs
+twice per message, once for each end, in the sender's context). So each rank also listens on
+an abstract Unix socket and advertises its name after its TCP address
+(``host:port#local=NAME``); a dialer tries that name first and falls back to TCP.
+
+Abstract names live in the network namespace, so a peer in another container or another
+(emulated) host is simply not found there, and the TCP address serves. Nothing is left in
+the filesystem, and the name dies with the socket. The connection is then authenticated
+exactly as a TCP one (token and round nonce in the hello), so reaching the name proves
+nothing by itself. ``ARENDEZ_LOCAL_SOCKETS=0`` turns the shortcut off (TCP only, as
+``ARENDEZ_SHM=0`` turns off shared memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import sys
+from collections.abc import Callable
+
+from .. import transport
+
+#: What separates the TCP address from the local socket's name in an advertised address.
+MARK = "#local="
+
+
+def enabled() -> bool:
+    """Whether this process offers and tries local sockets (Linux, not turned off)."""
+    return sys.platform.startswith("linux") and os.environ.get("ARENDEZ_LOCAL_SOCKETS", "1") != "0"
+
+
+def new_name() -> str:
+    """A fresh abstract socket name (random: another rank cannot guess it to squat on it)."""
+    return f"arendez-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def advertise(tcp_address: str, name: str | None) -> str:
+    """The address a rank publishes: its TCP address, and its local socket's name if any."""
+    return f"{tcp_address}{MARK}{name}" if name else tcp_address
+
+
+def parse(address: str) -> tuple[str, str | None]:
+    """``(tcp_address, local name or None)`` of an advertised address."""
+    tcp, mark, name = address.partition(MARK)
+    return tcp, (name or None) if mark else None
+
+
+async def listen(
+    name: str, factory: Callable[[], asyncio.BaseProtocol], backlog: int = 1024
+) -> asyncio.Server:
+    """Listen on abstract socket ``name``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return await asyncio.get_running_loop().create_unix_server(factory, sock=sock)
+
+
+async def connect(name: str, *, timeout: float) -> transport.Connection:
+    """Connect to abstract socket ``name``; ``OSError`` if nothing listens there in our
+    network namespace."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        async with asyncio.timeout(timeout):
+            await loop.sock_connect(sock, "\0" + name)
+            _, conn = await loop.create_unix_connection(transport.Connection, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
+    return conn
