@@ -67,6 +67,8 @@ class Stats:
     shm_full: int = 0
     #: peer connections this rank opened or accepted (tcp: on first use, not all pairs)
     connections: int = 0
+    #: the part of ``connections`` over a same-host Unix socket (``transports.local``)
+    local_connections: int = 0
 
 
 class Outcome(enum.Enum):

@@ -142,6 +142,8 @@ class World:
     def on_connected(self, peer: int) -> None:
         """A connection to ``peer`` is up (dialed or accepted): offer it shared memory."""
         self.stats.connections += 1
+        if self.mesh is not None and self.mesh.is_local(peer):
+            self.stats.local_connections += 1
         self.shm_control.hello(peer)
 
     async def send_p2p(self, dst: int, gid: int, tag: int, fp: str, raw: memoryview, timeout: float) -> None:

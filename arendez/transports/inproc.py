@@ -123,6 +123,10 @@ class InprocLinks:
         """The link to ``peer`` (all are made when the job forms)."""
         return self.conns.get(peer)
 
+    def is_local(self, peer: int) -> bool:
+        """In-process links are no sockets."""
+        return False
+
     def send(self, peer: int, frame: frames.Frame, payload: memoryview | None = None) -> InprocLink:
         """Send ``frame`` to ``peer``; ``KeyError`` if there is no link to it."""
         link = self.conns[peer]

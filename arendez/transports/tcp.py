@@ -77,7 +77,8 @@ class ListenerLimits:
 
 
 def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
+    """``(host, port)`` of an advertised peer address (its local socket name, if any, dropped)."""
+    host, _, port = local.parse(address)[0].rpartition(":")
     return host.strip("[]"), int(port)
 
 
@@ -238,6 +239,11 @@ class Mesh:
     def advertised(self, tcp_address: str) -> str:
         """The address to publish for this rank: ``tcp_address`` and the local socket's name."""
         return local.advertise(tcp_address, self.local_name)
+
+    def is_local(self, peer: int) -> bool:
+        """Whether the connection to ``peer`` is a same-host Unix socket."""
+        conn = self.conns.get(peer)
+        return conn is not None and not isinstance(conn.peer, tuple | list)
 
     def _uses_local_sockets(self) -> bool:
         # (off under TLS: a TLS user asked for every stream to be encrypted and verified)

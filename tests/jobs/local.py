@@ -1,0 +1,21 @@
+"""Rank code for tests/test_local_sockets.py: which links a small all_reduce went over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import arendez as dist
+
+
+async def links_after_all_reduce(rank: int, world_size: int) -> dict[str, Any]:
+    x = np.full(3, rank + 1, np.float32)
+    await dist.all_reduce(x)
+    stats = dist.transport_stats()
+    return {
+        "sum": x.tolist(),
+        "connections": stats.connections,
+        "local": stats.local_connections,
+        "advertised_local": "#local=" in dist.current_world().address,
+    }

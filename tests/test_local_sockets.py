@@ -1,0 +1,67 @@
+"""Same-host peers talk over abstract Unix sockets (``arendez.transports.local``), with TCP as
+the fallback: off by ``ARENDEZ_LOCAL_SOCKETS=0``, and whenever the name is not reachable (a peer
+in another network namespace: ``test_multihost`` runs ranks in separate namespaces)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from arendez.transports import local
+from tests.harness import run_function
+from tests.jobs import local as local_jobs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("setting", "expect_local"), [("1", True), ("0", False)])
+def test_ranks_of_one_host_connect_over_unix_sockets_unless_turned_off(
+    arendez_server: Any, setting: str, expect_local: bool
+) -> None:
+    out = run_function(
+        local_jobs.links_after_all_reduce,
+        2,
+        f"{arendez_server.url}/local{setting}",
+        env={"ARENDEZ_LOCAL_SOCKETS": setting},
+    )
+    for res in out:
+        assert res["sum"] == [3.0, 3.0, 3.0]
+        assert res["connections"] == 1
+        assert res["local"] == (1 if expect_local else 0)
+        assert res["advertised_local"] is expect_local
+
+
+def test_advertised_addresses_parse_back() -> None:
+    assert local.parse(local.advertise("10.0.0.1:4567", "arendez-1-ab")) == ("10.0.0.1:4567", "arendez-1-ab")
+    assert local.parse(local.advertise("[::1]:80", None)) == ("[::1]:80", None)
+
+
+@pytest.mark.timeout(10)
+async def test_a_name_nobody_listens_on_is_an_os_error_at_once() -> None:
+    """What the mesh falls back to TCP on: connecting to an unknown name fails, not hangs."""
+    with pytest.raises(OSError):
+        await local.connect(local.new_name(), timeout=5)
+
+
+@pytest.mark.timeout(10)
+async def test_a_listener_accepts_and_its_name_dies_with_it() -> None:
+    name = local.new_name()
+    accepted: list[Any] = []
+
+    class Recorder(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            accepted.append(transport)
+
+    server = await local.listen(name, Recorder)
+    conn = await local.connect(name, timeout=5)
+    for _ in range(100):
+        if accepted:
+            break
+        await asyncio.sleep(0.01)
+    assert len(accepted) == 1
+    conn.close()
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(OSError):
+        await local.connect(name, timeout=5)
