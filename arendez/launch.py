@@ -42,8 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit status: without --max-restarts/--min-nproc, 0 when every rank exits 0, else the "
         "status of the first rank to fail (128+N for signal N; the others are terminated). Elastic: "
         "0 when the script finished (exit 0) on at least --min-nproc ranks and no rank failed after "
-        "the first one finished (failed ranks that were restarted, or that the others went on "
-        "without, do not count); else the status of the first failure that was not recovered "
+        "the first one finished (failed ranks that were restarted, ranks that the others went on "
+        "without, and replacements that fail after the job finished without them, do not count); "
+        "else the status of the first failure that was not recovered "
         "(restarts used up and fewer than --min-nproc ranks left, or a failure after a rank "
         "finished), or 1. 128+N when the launcher got signal N; 2 for a usage error.",
     )
@@ -240,8 +241,10 @@ async def _supervise(ranks: list[children.Child], el: _Elastic) -> int:
                     continue
                 lost[slot] = code
                 why = "a rank had already finished" if finished else "no restarts left"
+                if finished and restarted[slot]:  # (a replacement that most likely came too late)
+                    why += "; a replacement: not counted"
                 _say(f"rank {slot} failed with exit code {code} ({why}); the job goes on without it")
-                if finished and unrecovered is None:
+                if finished and unrecovered is None and not restarted[slot]:
                     unrecovered = code
             if len(waits) + len(finished) < el.min_nproc:
                 first = next(iter(lost.values()), 1)

@@ -2,10 +2,11 @@
 
 Three backends, for every requested world size, in the same run (in this order):
 
-- ``arendez``: the default, ranks run with ``ARENDEZ_SHM=1`` (set explicitly, so an outer
-  environment cannot change it): payloads between ranks on this host go through shared memory;
-- ``arendez-tcp``: the same server, rank code and method, but ranks run with ``ARENDEZ_SHM=0``:
-  every byte over loopback TCP, as gloo;
+- ``arendez``: the default, ranks run with ``ARENDEZ_SHM=1`` and ``ARENDEZ_LOCAL_SOCKETS=1`` (set
+  explicitly, so an outer environment cannot change it): payloads between ranks on this host go
+  through shared memory, frames over Unix sockets;
+- ``arendez-tcp``: the same server, rank code and method, but ranks run with ``ARENDEZ_SHM=0`` and
+  ``ARENDEZ_LOCAL_SOCKETS=0``: every byte over loopback TCP, as gloo;
 - ``gloo``: ``torch.distributed`` with the gloo backend (skipped when torch is not importable).
 
 ::
@@ -80,6 +81,7 @@ def _child_env(backend: str, algorithm: str | None) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     if backend in ARENDEZ_SHM_ENV:
         env["ARENDEZ_SHM"] = ARENDEZ_SHM_ENV[backend]  # explicit: the outer environment does not leak in
+        env["ARENDEZ_LOCAL_SOCKETS"] = ARENDEZ_SHM_ENV[backend]  # arendez-tcp: TCP only, as gloo
         if algorithm:
             env["ARENDEZ_ALGORITHM"] = algorithm
     return env

@@ -261,3 +261,20 @@ def test_job_url_and_exit_code() -> None:
     with pytest.raises(ValueError, match="arendez://"):
         job_url("tcp://h:1", None)
     assert (exit_code(3), exit_code(-signal.SIGKILL)) == (3, 128 + signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("original", "status"), [(False, 0), (True, 5)])
+def test_a_late_replacement_failing_after_the_job_finished_does_not_count(
+    launcher: list[subprocess.Popen[str]], original: bool, status: int
+) -> None:
+    """Elastic: the job finished on the other ranks while slot 1's replacement was still on its
+    way: its failure is reported, not counted (0); an original rank failing after the others
+    finished still sets the status (5)."""
+    args = ["--nproc", "3", "--max-restarts", "1", "--min-nproc", "2", "--finish-timeout", "10"]
+    script = [str(SCRIPTS / "late_replacement.py"), *(["--original"] if original else [])]
+    launcher.append(proc := _launch(*args, *script))
+    _, err = proc.communicate(timeout=50)
+    assert proc.returncode == status, err
+    assert "rank 1 failed with exit code 5 (a rank had already finished" in err
+    assert ("a replacement: not counted" in err) is not original
