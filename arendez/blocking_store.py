@@ -31,6 +31,7 @@ from .errors import (
     StoreTimeoutError,
 )
 from .store_wire import STORE_PROTOCOL, HeaderReader, frame
+from .transports import local
 
 _REPLY_LIMIT = 64 << 20  # replies carry values in their header (server bound: 1 MiB by default)
 _TIMEVAL = struct.Struct("@ll")
@@ -88,12 +89,18 @@ class BlockingStore:
     def _ensure(self) -> socket.socket:
         if self._sock is not None:
             return self._sock
+        sock = None
+        if self._ssl is None:  # the server's local socket if it is on this host (transports.local)
+            sock = local.first_blocking(local.server_candidates(self.host, self.port), self._connect_timeout)
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout)
+            if sock is None:
+                sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
+            if sock is not None:
+                sock.close()
             raise StoreError(f"store at {self.host}:{self.port} unreachable: {exc}") from None
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self.host)
             self._sock = sock

@@ -21,6 +21,7 @@ from typing import Any
 
 from . import transport, wire
 from .errors import ArendezError, AuthenticationError, RendezvousError
+from .transports import local
 
 log = logging.getLogger("arendez.lease")
 
@@ -95,9 +96,17 @@ class LeaseKeeper:
         self._thread.join(timeout)
 
     def _open(self) -> _FrameSocket:
-        sock = socket.create_connection(self._where, timeout=OPEN_TIMEOUT)
+        sock = None
+        if self._ssl is None:  # the server's local socket if it is on this host (transports.local)
+            sock = local.first_blocking(local.server_candidates(*self._where), OPEN_TIMEOUT)
+        if sock is None:
+            sock = socket.create_connection(self._where, timeout=OPEN_TIMEOUT)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except BaseException:
+                sock.close()
+                raise
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(OPEN_TIMEOUT)  # the handshake, under a storm of connecting ranks
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self._where[0])

@@ -33,6 +33,7 @@ from .errors import (
     StoreTimeoutError,
 )
 from .store_wire import STORE_PROTOCOL, frame
+from .transports import local
 
 log = logging.getLogger("arendez.store")
 
@@ -140,10 +141,20 @@ class Store:
             raise
         return self
 
-    async def _open(self) -> transport.Connection:
-        conn = await transport.open_connection(
+    async def _open_stream(self) -> transport.Connection:
+        """The server's local socket if it is on this host (``transports.local``), else TCP."""
+        if self._ssl is None:
+            for name in local.server_candidates(self.host, self.port):
+                try:
+                    return await local.connect(name, timeout=_OPEN_TIMEOUT, limits=_REPLY_LIMITS)
+                except (OSError, TimeoutError):
+                    continue
+        return await transport.open_connection(
             self.host, self.port, ssl=self._ssl, timeout=_OPEN_TIMEOUT, limits=_REPLY_LIMITS
         )
+
+    async def _open(self) -> transport.Connection:
+        conn = await self._open_stream()
         try:
             welcome = await transport.client_handshake(conn, self._token, {"job": self.job}, _OPEN_TIMEOUT)
             if welcome.get("store") != STORE_PROTOCOL:

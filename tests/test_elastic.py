@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.elastic_run import EXAMPLE, Run, check_training
+from tests.elastic_run import ARGS, EXAMPLE, STEPS, Run, check_training
 from tests.harness import _env, start_server
 
 
@@ -53,14 +53,16 @@ def test_sigstop_survivors_reform_and_the_stopped_rank_comes_back(runs: list[Run
 
 @pytest.mark.timeout(120)
 def test_two_failures_in_a_row(runs: list[Run]) -> None:
-    runs.append(run := Run("--nproc", "4", "--max-restarts", "2", "--min-nproc", "2"))
+    steps = 2 * STEPS  # (time enough for the second replacement to start and join under load)
+    args = [*ARGS[:1], str(steps), *ARGS[2:]]
+    runs.append(run := Run("--nproc", "4", "--max-restarts", "2", "--min-nproc", "2", example_args=args))
     run.wait_for(r"^\[rank 0\] step 20 loss", timeout=40)
     run.signal_slot(1, signal.SIGKILL)
     run.wait_for(r"re-formed as rank \d of 3 in", n=3, timeout=10)
     run.signal_slot(3, signal.SIGKILL)  # right after the first re-form, before the replacement
     run.wait_for(r"restart 2 of 2", timeout=10)
     assert run.finish() == 0, run.text()[-3000:]
-    check_training(run, 4)
+    check_training(run, 4, steps)
 
 
 @pytest.mark.timeout(120)

@@ -5,6 +5,7 @@ in another network namespace: ``test_multihost`` runs ranks in separate namespac
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import pytest
@@ -65,3 +66,51 @@ async def test_a_listener_accepts_and_its_name_dies_with_it() -> None:
     await server.wait_closed()
     with pytest.raises(OSError):
         await local.connect(name, timeout=5)
+
+
+def test_store_clients_try_the_server_name_only_for_addresses_of_this_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert local.server_name("0.0.0.0", 29400) == "arendez-server/*:29400"
+    assert local.server_name("localhost", 29400) == "arendez-server/127.0.0.1:29400"
+    assert local.server_name("store.example", 29400) is None  # (clients could not match a name)
+    assert local.server_candidates("127.0.0.1", 1) == ["arendez-server/127.0.0.1:1", "arendez-server/*:1"]
+    assert local.server_candidates("192.0.2.7", 1) == []  # (TEST-NET-1: not ours)
+    assert local.server_candidates("store.example", 1) == []
+    monkeypatch.setenv("ARENDEZ_LOCAL_SOCKETS", "0")
+    assert local.server_candidates("127.0.0.1", 1) == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("setting", ["1", "0"])
+async def test_store_clients_on_the_servers_host_use_its_local_socket(
+    monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    """The async and the blocking client (and so the lease keeper and ``TCPStore``) reach a
+    server on this host over its Unix socket; the server counts them as host ``local``."""
+    from arendez_server import Server, ServerConfig
+
+    from arendez.blocking_store import BlockingStore
+    from arendez.store import Store
+
+    monkeypatch.setenv("ARENDEZ_LOCAL_SOCKETS", setting)
+    server = Server(ServerConfig(host="127.0.0.1", port=0))
+    await server.start()
+    store = Store("127.0.0.1", server.port, "j")
+    try:
+        await store.connect(10)
+        await store.set("k", "v")
+
+        def blocking() -> tuple[bytes, int]:
+            with BlockingStore("127.0.0.1", server.port, "j") as client:
+                assert client._sock is not None
+                return client.get("k", timeout=5), client._sock.family
+
+        value, family = await asyncio.get_running_loop().run_in_executor(None, blocking)
+        assert value == b"v"
+        expected_host = "local" if setting == "1" else "127.0.0.1"
+        assert set(server.admission.per_host) == {expected_host}
+        assert (family == socket.AF_UNIX) is (setting == "1")
+    finally:
+        await store.close()
+        await server.close()
