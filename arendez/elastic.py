@@ -148,7 +148,12 @@ def joiners_waiting() -> int:
 
     Ranks learn it at slightly different times: fold it into a collective (e.g. one more element
     of the gradient all_reduce) so that every rank decides to ``reform`` at the same step."""
-    return _current()[1].waiting
+    world, info = _current()
+    store, links = getattr(world, "store", None), getattr(world, "mesh", None)
+    nonce = getattr(links, "nonce", None)
+    if store is not None and nonce is not None and hasattr(store, "joining"):
+        return int(store.joining.get(nonce, info.waiting))
+    return info.waiting
 
 
 def survivors() -> int:

@@ -24,7 +24,7 @@ from .registry import DEFAULT_TIMEOUT, default_group, install, resolve, seconds,
 from .rendezvous import Plan, is_loopback, plan
 from .rendezvous import int_env as env_int
 from .store import Store
-from .transports import inproc
+from .transports import inproc, local
 from .transports.tcp import Mesh
 from .world import World
 
@@ -289,8 +289,10 @@ def _local_address(store: Store, server_host: str) -> str:
     if is_loopback(server_host):
         return "127.0.0.1"
     sockname = store.sockname()
-    if sockname:
+    if isinstance(sockname, tuple) and sockname:
         return str(sockname[0])
+    if sockname is not None and local.server_candidates(server_host, store.port):
+        return server_host  # (over the server's local socket: its address is ours)
     return socket.gethostbyname(socket.gethostname())
 
 

@@ -102,6 +102,9 @@ class Store:
         self.host, self.port, self.job = host, port, job
         self.timeout = timeout
         self.on_event: EventHandler | None = None
+        #: Elastic: how many ranks wait to join, by the round (nonce) the server said it to;
+        #: kept here as it arrives, so news that races a re-form is not lost.
+        self.joining: dict[bytes, int] = {}
         self._token = token
         self._ssl = ssl
         self._heartbeat_interval = heartbeat_interval
@@ -281,6 +284,8 @@ class Store:
             elif "event" in header:
                 if header["event"] == "server_shutdown":
                     self._server_leaving = True
+                elif header["event"] == "joining":
+                    self._note_joining(header.get("round"), header.get("waiting"))
                 if self.on_event is not None:
                     self.on_event(header)
             elif "error" in header:  # the server is about to drop us for a protocol error
@@ -589,6 +594,8 @@ class Store:
                 self._stop_lease()
                 raise
         found = answer.get("peers")
+        if "joining" in answer:  # (unless newer news for the round came first)
+            self.joining.setdefault(bytes(answer["nonce"]), int(answer["joining"]))
         m = self._membership = Membership(
             int(answer["rank"]),
             int(answer["world_size"]),
@@ -599,6 +606,12 @@ class Store:
             int(answer.get("survivors", 0)),
         )
         return m
+
+    def _note_joining(self, round_: Any, waiting: Any) -> None:
+        if isinstance(round_, bytes) and isinstance(waiting, int) and not isinstance(waiting, bool):
+            if len(self.joining) >= 16 and round_ not in self.joining:
+                self.joining.clear()  # (old rounds' news: bounded)
+            self.joining[round_] = waiting
 
     async def addresses(self, ranks: Iterable[int], timeout: float | None = None) -> dict[int, str]:
         """The addresses the given ranks of our round joined with (after ``join``)."""

@@ -326,8 +326,20 @@ class Connection(asyncio.BufferedProtocol):
         if self._transport is not None:
             self._transport.abort()
 
-    async def wait_closed(self, timeout: float) -> None:
-        """Close gracefully within ``timeout``, aborting if the peer does not let go."""
+    async def wait_closed(self, timeout: float, *, linger: float = 0.0) -> None:
+        """Close gracefully within ``timeout``, aborting if the peer does not let go.
+
+        With ``linger``, first half-close (our queued bytes, then end of stream) and give the
+        peer up to ``linger`` seconds to read everything and close its end: a peer that writes
+        to us meanwhile (handing back shared memory, say) gets no broken pipe that would cost
+        it the bytes still unread in its socket (a Unix socket fails such a write at once)."""
+        transport = self._transport
+        if linger > 0 and transport is not None and not transport.is_closing() and transport.can_write_eof():
+            with contextlib.suppress(OSError, RuntimeError):
+                transport.write_eof()
+                async with asyncio.timeout(min(linger, timeout)):
+                    await asyncio.shield(self.closed)
+                return
         self.close()
         try:
             async with asyncio.timeout(timeout):

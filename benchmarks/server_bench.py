@@ -15,6 +15,11 @@ Two measurements, each run against both servers in turn:
   The arendez ranks then hold their membership for ``--hold`` s and count every failure event
   the server sent (must be 0: all ranks are healthy).
 
+arendez clients on the server's host reach it over a Unix socket (``arendez.transports.local``);
+the ``BlockingStore, TCP only`` and ``arendez, TCP only`` columns run the same clients with
+``ARENDEZ_LOCAL_SOCKETS=0``: loopback TCP, as TCPStore's clients use, and what a client on
+another host pays.
+
 Run it in a private network namespace (TCPStore reverse-resolves its peers and stalls on the
 resolver otherwise): ``--netns`` re-executes the script under ``unshare -n`` with loopback up.
 """
@@ -249,8 +254,17 @@ class Servers:
             p.wait(10)
 
 
+#: Cases that run another case's worker over TCP only (``ARENDEZ_LOCAL_SOCKETS=0``): what the
+#: server costs a client on another host, and a like-for-like wire with TCPStore's.
+TCP_ONLY = {"blocking-tcp": "blocking", "arendez-tcp": "arendez"}
+
+
 def _spawn(kind: str, *args: Any) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    backend, _, role = kind.rpartition("-")
+    if backend in TCP_ONLY:
+        kind = f"{TCP_ONLY[backend]}-{role}"
+        env["ARENDEZ_LOCAL_SOCKETS"] = "0"
     return subprocess.Popen(
         [PY, __file__, "--worker", kind, *map(str, args)],
         stdin=subprocess.PIPE,
@@ -288,7 +302,7 @@ def rendezvous(
     job = f"rdzv-{backend}-{world}-{time.monotonic_ns()}"
     per = [world // procs + (1 if i < world % procs else 0) for i in range(procs)]
     workers = [
-        _spawn(f"{backend}-ranks", servers.port(backend), job, world, n, hold if backend == "arendez" else 0)
+        _spawn(f"{backend}-ranks", servers.port(backend), job, world, n, hold if backend != "tcpstore" else 0)
         for n in per
         if n
     ]
@@ -360,7 +374,7 @@ def main() -> int:
         for run in range(1, args.repeat + 1):
             for clients in args.clients:
                 for depth in (1, args.depth):
-                    for backend in ("tcpstore", "blocking", "arendez"):
+                    for backend in ("tcpstore", "blocking", "blocking-tcp", "arendez"):
                         if backend != "arendez" and depth != 1:
                             continue
                         r = ops(servers, backend, clients, depth, args.seconds, args.ops_procs)
@@ -372,7 +386,7 @@ def main() -> int:
                             file=sys.stderr,
                         )
         for world in args.worlds:
-            for backend in ("arendez", "tcpstore"):
+            for backend in ("arendez", "arendez-tcp", "tcpstore"):
                 if backend == "tcpstore" and world > args.tcpstore_max_world:
                     continue
                 r = rendezvous(servers, backend, world, args.procs, args.hold, args.case_timeout)
@@ -388,10 +402,10 @@ def main() -> int:
 
 def table(rows: dict[str, Any]) -> str:
     out = [
-        "| clients | run | TCPStore ops/s | arendez BlockingStore | ratio | arendez async (1 in flight) "
-        "| ratio | arendez async (pipelined) | ratio |"
+        "| clients | run | TCPStore ops/s | arendez BlockingStore | ratio | BlockingStore, TCP only | ratio "
+        "| arendez async (1 in flight) | ratio | arendez async (pipelined) | ratio |"
     ]
-    out.append("|---|---|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
     by = {(r["backend"], r["clients"], r["depth"], r.get("run", 1)): r["ops_per_s"] for r in rows["ops"]}
     for clients, run in sorted({(r["clients"], r.get("run", 1)) for r in rows["ops"]}):
         t = by.get(("tcpstore", clients, 1, run))
@@ -401,22 +415,30 @@ def table(rows: dict[str, Any]) -> str:
             None,
         )
         b1 = by.get(("blocking", clients, 1, run))
-        cells = [f"{t or 0:,.0f}", f"{b1 or 0:,.0f}", _ratio(b1, t), f"{a1 or 0:,.0f}", _ratio(a1, t)]
+        bt = by.get(("blocking-tcp", clients, 1, run))
+        cells = [f"{t or 0:,.0f}", f"{b1 or 0:,.0f}", _ratio(b1, t), f"{bt or 0:,.0f}", _ratio(bt, t)]
+        cells += [f"{a1 or 0:,.0f}", _ratio(a1, t)]
         cells += [f"{ap or 0:,.0f}", _ratio(ap, t)]
         out.append(f"| {clients} | {run} | " + " | ".join(cells) + " |")
     if not rows["rendezvous"]:
         return "\n".join(out)
     out.append("")
-    out.append("| N | TCPStore | arendez | TCPStore/arendez | arendez ranks declared failed |")
-    out.append("|---|---|---|---|---|")
+    out.append(
+        "| N | TCPStore | arendez | TCPStore/arendez | arendez, TCP only | TCPStore/that "
+        "| arendez ranks declared failed |"
+    )
+    out.append("|---|---|---|---|---|---|---|")
     rz = {(r["backend"], r["world"]): r for r in rows["rendezvous"]}
     for world in sorted({r["world"] for r in rows["rendezvous"]}):
-        t, a = rz.get(("tcpstore", world)), rz.get(("arendez", world))
+        t, a, at = rz.get(("tcpstore", world)), rz.get(("arendez", world)), rz.get(("arendez-tcp", world))
         ts = t["seconds"] if t else None
         as_ = a["seconds"] if a else None
+        ats = at["seconds"] if at else None
         fmt = lambda s: f"{s * 1000:,.0f} ms" if s else "failed/not run"  # noqa: E731
+        declared = "—" if a is None else str(a["declared_failed"] + (at["declared_failed"] if at else 0))
         out.append(
-            f"| {world} | {fmt(ts)} | {fmt(as_)} | {_ratio(ts, as_)} | {a['declared_failed'] if a else '—'} |"
+            f"| {world} | {fmt(ts)} | {fmt(as_)} | {_ratio(ts, as_)} | {fmt(ats)} | {_ratio(ts, ats)} "
+            f"| {declared} |"
         )
     return "\n".join(out)
 

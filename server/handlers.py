@@ -282,6 +282,9 @@ async def _join(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list
     answer: dict[str, Any] = {"rank": rank, "world_size": round_.world_size, "nonce": round_.nonce}
     if round_.elastic:
         answer.update(generation=round_.generation, survivors=round_.survivors)
+        forming = job.forming  # ranks that came while this round closed wait for the next one
+        if forming is not None and forming is not round_ and forming.members:
+            answer["joining"] = len(forming.members)
     offsets = h.get("neighbours")
     if offsets is not None:  # the addresses of rank + offset (mod world_size), in the answer
         if not isinstance(offsets, list) or len(offsets) > 64 or not all(isinstance(o, int) for o in offsets):

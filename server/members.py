@@ -103,8 +103,8 @@ class Members:
         forming = job.forming
         if forming is None or not forming.elastic:
             return
-        event = wire.encode({"event": "joining", "waiting": len(forming.members)})
-        for nonce in list(job.rounds):
+        for nonce in list(job.rounds):  # (the round named: news racing a re-form is not lost)
+            event = wire.encode({"event": "joining", "waiting": len(forming.members), "round": nonce})
             for session in self.sessions.get((job.name, nonce), ()):
                 if session.conn.is_open:
                     session.send_encoded(event)

@@ -179,3 +179,38 @@ def test_the_blocking_facade_reforms_too(arendez_server: ServerProcess) -> None:
         outs.append(json.loads(out.strip().splitlines()[-1]))
     for got in outs:
         assert got["after"] == [got["before"], 2] and got["w"] == [1.0, 1.0, 1.0] and got["waiting"] == 0
+
+
+@pytest.mark.timeout(30)
+async def test_ranks_waiting_to_join_are_news_to_the_running_round_by_its_nonce(
+    arendez_server: ServerProcess,
+) -> None:
+    """The server names the round its ``joining`` news is for, and the client keeps it by round
+    as it arrives (news that races a re-form is not dropped for want of a world to note it in)."""
+    from arendez.store import Store
+
+    host, port = arendez_server.url.removeprefix("arendez://").rsplit(":", 1)
+    stores = [Store(host, int(port), "joining") for _ in range(3)]
+    try:
+        for store in stores:
+            await store.connect(10)
+
+        async def join(store: Store, i: int) -> Any:
+            return await store.join(3, -1, f"a{i}", 10, peers=False, min_size=2, settle=0.05)
+
+        first = await asyncio.gather(join(stores[0], 0), join(stores[1], 1))
+        assert {m.world_size for m in first} == {2}
+        nonce = first[0].nonce
+        late = asyncio.create_task(join(stores[2], 2))  # waits in the next round (min 2)
+        for _ in range(200):
+            if all(s.joining.get(nonce) == 1 for s in stores[:2]):
+                break
+            await asyncio.sleep(0.01)
+        assert [s.joining.get(nonce) for s in stores[:2]] == [1, 1]
+        assert not stores[2].joining  # (it is the one waiting)
+        late.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await late
+    finally:
+        for store in stores:
+            await store.close()

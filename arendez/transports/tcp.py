@@ -50,6 +50,8 @@ def _error_header(exc: BaseException) -> Any:
 
 #: The largest frame a connection may send before its handshake (a peer's hello is ~120 bytes).
 HELLO_MAX = 1024
+#: Seconds a closing mesh waits for each peer to read what it sent and close its end.
+LINGER_SECONDS = 1.0
 #: Frames an accepted connection may queue before its handshake is checked (its hello).
 HELLO_FRAMES = 2
 
@@ -570,7 +572,8 @@ class Mesh:
         if not self._round.done():
             self._round.cancel()
         deadline = asyncio.get_running_loop().time() + timeout
-        await asyncio.gather(*(c.wait_closed(timeout) for c in conns), return_exceptions=True)
+        linger = min(LINGER_SECONDS, timeout)  # (peers read all we sent, then both ends close)
+        await asyncio.gather(*(c.wait_closed(timeout, linger=linger) for c in conns), return_exceptions=True)
         for listener in (self._listener, self._local_listener):
             if listener is not None:
                 with contextlib.suppress(TimeoutError):
