@@ -108,7 +108,7 @@ async def test_store_clients_on_the_servers_host_use_its_local_socket(
 
         value, family = await asyncio.get_running_loop().run_in_executor(None, blocking)
         assert value == b"v"
-        expected_host = "local" if setting == "1" else "127.0.0.1"
+        expected_host = "localhost (Unix socket)" if setting == "1" else "127.0.0.1"
         assert set(server.admission.per_host) == {expected_host}
         assert (family == socket.AF_UNIX) is (setting == "1")
     finally:

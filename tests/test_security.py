@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import arendez as dist
+from arendez.transports.tcp import split_address
 from tests.harness import collect, raw_frame, read_until_closed, run_ranks, server, spawn_rank, wait_for_files
 from tests.jobs import collectives as collectives_jobs
 from tests.jobs import failures as failures_jobs
@@ -55,7 +56,7 @@ def test_token_job_and_stranger_cannot_join_the_mesh(token_server, tmp_path):
     procs = [spawn_rank(failures_jobs.guarded_job, r, 2, url, str(tmp_path)) for r in range(2)]
     try:
         wait_for_files(tmp_path, "addr-*", 2, 20)
-        host, port = (tmp_path / "addr-0").read_text().rsplit(":", 1)
+        host, port = split_address((tmp_path / "addr-0").read_text())
         # a stranger without the token: challenged, refused, disconnected
         with socket.create_connection((host, int(port))) as sock:
             sock.recv(65536)
