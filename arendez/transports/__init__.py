@@ -13,7 +13,7 @@ the frames.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, Protocol
 
 from .. import frames
@@ -55,6 +55,6 @@ class Links(Protocol):
         """Whether the link to ``peer`` is a same-host Unix socket."""
         ...
 
-    async def close(self, timeout: float) -> None: ...
+    async def close(self, timeout: float, gone: Collection[int] = ()) -> None: ...
 
     def abort(self) -> None: ...

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -133,7 +133,7 @@ class InprocLinks:
         link.send(frames.encode(frame), payload)
         return link
 
-    async def close(self, timeout: float) -> None:
+    async def close(self, timeout: float, gone: Collection[int] = ()) -> None:
         """Close every link (the peers see it after what was sent before)."""
         self._closing = True
         for link in self.conns.values():

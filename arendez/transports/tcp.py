@@ -26,7 +26,7 @@ import functools
 import logging
 import ssl as _ssl
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -564,16 +564,20 @@ class Mesh:
             conn.abort()
         self.conns.clear()
 
-    async def close(self, timeout: float) -> None:
-        """Close the listener and every connection (flushing first) within ``timeout``."""
+    async def close(self, timeout: float, gone: Collection[int] = ()) -> None:
+        """Close the listener and every connection (flushing first) within ``timeout``; peers
+        not in ``gone`` (known dead) get to read to the end first (``LINGER_SECONDS``)."""
         self._stop()
-        conns = list(self.conns.values())
+        conns = [(peer not in gone, conn) for peer, conn in self.conns.items()]
         self.conns.clear()
         if not self._round.done():
             self._round.cancel()
         deadline = asyncio.get_running_loop().time() + timeout
         linger = min(LINGER_SECONDS, timeout)  # (peers read all we sent, then both ends close)
-        await asyncio.gather(*(c.wait_closed(timeout, linger=linger) for c in conns), return_exceptions=True)
+        await asyncio.gather(
+            *(c.wait_closed(timeout, linger=linger if alive else 0.0) for alive, c in conns),
+            return_exceptions=True,
+        )
         for listener in (self._listener, self._local_listener):
             if listener is not None:
                 with contextlib.suppress(TimeoutError):
