@@ -83,11 +83,12 @@ def test_store_clients_try_the_server_name_only_for_addresses_of_this_machine(
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("setting", ["1", "0"])
-async def test_store_clients_on_the_servers_host_use_its_local_socket(
+async def test_blocking_store_clients_on_the_servers_host_use_its_local_socket(
     monkeypatch: pytest.MonkeyPatch, setting: str
 ) -> None:
-    """The async and the blocking client (and so the lease keeper and ``TCPStore``) reach a
-    server on this host over its Unix socket; the server counts them as host ``local``."""
+    """The blocking client (and so ``TCPStore`` and the lease keeper) reaches a server on this
+    host over its Unix socket, which the server counts as host ``localhost (Unix socket)``; the
+    event-loop ``Store`` keeps TCP (see ``Store._open_stream``)."""
     from arendez_server import Server, ServerConfig
 
     from arendez.blocking_store import BlockingStore
@@ -100,17 +101,41 @@ async def test_store_clients_on_the_servers_host_use_its_local_socket(
     try:
         await store.connect(10)
         await store.set("k", "v")
+        assert set(server.admission.per_host) == {"127.0.0.1"}
 
-        def blocking() -> tuple[bytes, int]:
+        def blocking() -> tuple[bytes, int, set[str]]:
             with BlockingStore("127.0.0.1", server.port, "j") as client:
                 assert client._sock is not None
-                return client.get("k", timeout=5), client._sock.family
+                return client.get("k", timeout=5), client._sock.family, set(server.admission.per_host)
 
-        value, family = await asyncio.get_running_loop().run_in_executor(None, blocking)
+        value, family, hosts = await asyncio.get_running_loop().run_in_executor(None, blocking)
         assert value == b"v"
-        expected_host = "localhost (Unix socket)" if setting == "1" else "127.0.0.1"
-        assert set(server.admission.per_host) == {expected_host}
         assert (family == socket.AF_UNIX) is (setting == "1")
+        local_host = "localhost (Unix socket)"
+        assert hosts == ({"127.0.0.1", local_host} if setting == "1" else {"127.0.0.1"})
     finally:
         await store.close()
+        await server.close()
+
+
+@pytest.mark.timeout(30)
+async def test_local_clients_past_the_per_host_limit_are_refused_by_its_name() -> None:
+    from arendez_server import Server, ServerConfig
+
+    from arendez.blocking_store import BlockingStore
+    from arendez.errors import LimitError
+
+    server = Server(ServerConfig(host="127.0.0.1", port=0, max_connections_per_host=1))
+    await server.start()
+
+    def two_clients() -> str:
+        with BlockingStore("127.0.0.1", server.port, "j"), pytest.raises(LimitError) as refused:
+            BlockingStore("127.0.0.1", server.port, "j", connect_timeout=5).connect()
+        return str(refused.value)
+
+    try:
+        message = await asyncio.get_running_loop().run_in_executor(None, two_clients)
+        assert "localhost (Unix socket) already has 1 connections" in message
+        assert "--max-connections-per-host" in message
+    finally:
         await server.close()

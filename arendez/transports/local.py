@@ -15,9 +15,9 @@ nothing by itself. ``ARENDEZ_LOCAL_SOCKETS=0`` turns the shortcut off (TCP only,
 ``ARENDEZ_SHM=0`` turns off shared memory).
 
 The store server takes the name ``arendez-server/IP:PORT`` (``*`` for a wildcard address); a
-client whose server address is an IP address of this machine (or ``localhost``) tries that
-name, and the wildcard one, before TCP. Host names are not resolved for this, and TLS never
-takes the shortcut.
+blocking client (``BlockingStore``, ``TCPStore``, the lease keeper) whose server address is an IP
+address of this machine (or ``localhost``) tries that name, and the wildcard one, before TCP.
+Host names are not resolved for this, and TLS never takes the shortcut.
 """
 
 from __future__ import annotations
