@@ -99,7 +99,8 @@ def markdown(
         f"**{head}**",
         "",
         "arendez: the default, shared memory between ranks on this host (ARENDEZ_SHM=1); "
-        "arendez-tcp: arendez with ARENDEZ_SHM=0: every byte over loopback TCP, as gloo. "
+        "arendez-tcp: arendez with ARENDEZ_SHM=0 and ARENDEZ_LOCAL_SOCKETS=0: "
+        "every byte over loopback TCP, as gloo. "
         "Latency: median over iterations of the max over ranks. Bus bandwidth in GB/s (nccl-tests). "
         "Ratios a/g are arendez/gloo, tcp/g arendez-tcp/gloo: latency < 1 and bandwidth > 1 mean "
         "that arendez backend is faster. all_gather size = gathered output. Other load "
