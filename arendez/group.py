@@ -45,6 +45,8 @@ log = logging.getLogger("arendez.group")
 T = TypeVar("T")
 Array = np.ndarray[Any, Any]
 
+#: Deadlines this close to now count as passed (event-loop timers round to the millisecond).
+TIMER_SLACK = 0.001
 #: How long a timed-out collective waits for peers to report their progress.
 DIAGNOSE_SECONDS = 1.0
 
@@ -382,7 +384,7 @@ class ProcessGroup:
     def _watch(self) -> None:
         """Expire the collectives whose deadline passed; re-arm for the next one."""
         self._watchdog = None
-        now = asyncio.get_running_loop().time()
+        now = asyncio.get_running_loop().time() + TIMER_SLACK  # (a timer may fire a tick early)
         upcoming: float | None = None
         for op in list(self.active.values()):
             if op.expiring:

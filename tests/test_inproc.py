@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
@@ -65,3 +66,29 @@ async def test_a_collective_with_a_rank_that_never_comes_times_out_naming_it():
             return f"missing {exc.missing}"
 
     assert await testing.run_ranks(3, rank) == ["missing [2]", "missing [2]", "skipped"]
+
+
+@pytest.mark.timeout(20)
+async def test_a_short_deadline_fires_while_a_longer_one_is_pending():
+    """One deadline timer per group: a collective started later with a shorter timeout still
+    expires on time (the group's timer is brought forward, not left at the longer deadline)."""
+
+    async def rank(r: int) -> str:
+        if r == 1:
+            await asyncio.sleep(3.0)  # in no collective until both of rank 0's have ended
+            return "idle"
+        long = asyncio.create_task(dist.barrier(timeout=30))
+        await asyncio.sleep(0)
+        started = asyncio.get_running_loop().time()
+        try:
+            await dist.barrier(timeout=0.2)
+            return "no error"
+        except dist.CollectiveTimeoutError:
+            took = asyncio.get_running_loop().time() - started
+            return "timed out in time" if took < 2.0 else f"timed out after {took:.1f}s"
+        finally:
+            long.cancel()
+            with contextlib.suppress(BaseException):
+                await long
+
+    assert (await testing.run_ranks(2, rank))[0] == "timed out in time"
