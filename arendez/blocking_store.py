@@ -89,16 +89,11 @@ class BlockingStore:
     def _ensure(self) -> socket.socket:
         if self._sock is not None:
             return self._sock
-        sock = None
-        if self._ssl is None:  # the server's local socket if it is on this host (transports.local)
-            sock = local.first_blocking(local.server_candidates(self.host, self.port), self._connect_timeout)
-        try:
-            if sock is None:
-                sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:  # (TLS never takes the server's local socket)
+            sock = local.open_blocking(
+                self.host, self.port, self._connect_timeout, local_ok=self._ssl is None
+            )
         except OSError as exc:
-            if sock is not None:
-                sock.close()
             raise StoreError(f"store at {self.host}:{self.port} unreachable: {exc}") from None
         try:
             if self._ssl is not None:

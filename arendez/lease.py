@@ -96,16 +96,7 @@ class LeaseKeeper:
         self._thread.join(timeout)
 
     def _open(self) -> _FrameSocket:
-        sock = None
-        if self._ssl is None:  # the server's local socket if it is on this host (transports.local)
-            sock = local.first_blocking(local.server_candidates(*self._where), OPEN_TIMEOUT)
-        if sock is None:
-            sock = socket.create_connection(self._where, timeout=OPEN_TIMEOUT)
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except BaseException:
-                sock.close()
-                raise
+        sock = local.open_blocking(*self._where, OPEN_TIMEOUT, local_ok=self._ssl is None)
         try:
             sock.settimeout(OPEN_TIMEOUT)  # the handshake, under a storm of connecting ranks
             if self._ssl is not None:

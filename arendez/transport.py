@@ -69,6 +69,11 @@ def _lowat_socket(transport: asyncio.BaseTransport) -> Any:
     return sock
 
 
+#: How a connection over a same-host Unix socket names the host at its other end (it has no
+#: address): per-host limits and their messages.
+LOCAL_HOST = "localhost (Unix socket)"
+
+
 class Connection(asyncio.BufferedProtocol):
     """One framed stream. Frames queue up for ``recv`` until a handler is installed."""
 
@@ -99,6 +104,15 @@ class Connection(asyncio.BufferedProtocol):
         self._transport.set_write_buffer_limits(high=0)
         if not self._made.done():
             self._made.set_result(None)
+
+    @property
+    def remote_host(self) -> str:
+        """The IP address of the other end; ``LOCAL_HOST`` over a Unix socket, ``"?"`` before
+        the connection is made."""
+        peer = self.peer
+        if isinstance(peer, tuple | list) and peer:
+            return str(peer[0])
+        return "?" if peer is None else LOCAL_HOST
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._decoder.get_buffer()

@@ -48,10 +48,6 @@ log = logging.getLogger("arendez.server")
 HELLO_MAX = 1024
 
 
-#: How clients over the server's local socket (``transports.local``) are counted and named.
-LOCAL_HOST = "localhost (Unix socket)"
-
-
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -166,7 +162,7 @@ class Server:
     # -- connections -----------------------------------------------------------------------
     def _made(self, conn: ServerConnection) -> None:
         """A client connected: count it, refuse it by a limit's name, or challenge it."""
-        conn.host = host = str(conn.peer[0]) if isinstance(conn.peer, tuple) else LOCAL_HOST
+        conn.host = host = conn.remote_host
         self.admission.add(conn)
         conn.set_handlers(lambda header, payload: self._on_hello(conn, header), lambda exc: self._lost(conn))
         if self._closing:

@@ -149,11 +149,19 @@ def connect_blocking(name: str, timeout: float) -> socket.socket:
     return sock
 
 
-def first_blocking(names: list[str], timeout: float) -> socket.socket | None:
-    """A connection to the first of ``names`` that answers, or None."""
-    for name in names:
-        try:
-            return connect_blocking(name, timeout)
-        except OSError:
-            continue
-    return None
+def open_blocking(host: str, port: int, timeout: float, *, local_ok: bool = True) -> socket.socket:
+    """A blocking connection to the store server at ``host:port``: its local socket if it is on
+    this host (and ``local_ok``), else TCP with ``TCP_NODELAY``; ``OSError`` if neither answers."""
+    if local_ok:
+        for name in server_candidates(host, port):
+            try:
+                return connect_blocking(name, timeout)
+            except OSError:
+                continue
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

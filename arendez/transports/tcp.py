@@ -84,13 +84,6 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _remote_host(conn: transport.Connection) -> str:
-    """Where an accepted connection comes from, for the per-host limit."""
-    if isinstance(conn.peer, tuple | list) and conn.peer:
-        return str(conn.peer[0])
-    return "local" if conn.peer is not None else "?"  # (a Unix socket's peer has no address)
-
-
 def _resolve(fut: asyncio.Future[None], _: object) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -245,7 +238,7 @@ class Mesh:
     def is_local(self, peer: int) -> bool:
         """Whether the connection to ``peer`` is a same-host Unix socket."""
         conn = self.conns.get(peer)
-        return conn is not None and not isinstance(conn.peer, tuple | list)
+        return conn is not None and conn.remote_host == transport.LOCAL_HOST
 
     def _uses_local_sockets(self) -> bool:
         # (off under TLS: a TLS user asked for every stream to be encrypted and verified)
@@ -282,7 +275,7 @@ class Mesh:
         try:
             async with asyncio.timeout(self._handshake_timeout):
                 await asyncio.shield(conn._made)
-                host = _remote_host(conn)
+                host = conn.remote_host
                 refused = self._refusal(host)
                 if refused is not None:
                     host = ""
