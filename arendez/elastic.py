@@ -98,7 +98,6 @@ def settle_seconds(env: Mapping[str, str] | None = None) -> float:
 class _Info:
     generation: int
     survivors: int
-    waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,13 +125,6 @@ def is_elastic(world: Any) -> bool:
     return world in _worlds
 
 
-def note_joining(world: Any, waiting: int) -> None:
-    """The server's ``joining`` event: ``waiting`` ranks wait in the next round."""
-    info = _worlds.get(world)
-    if info is not None:
-        info.waiting = waiting
-
-
 def _current() -> tuple[Any, _Info]:
     from .registry import current_world
 
@@ -148,12 +140,8 @@ def joiners_waiting() -> int:
 
     Ranks learn it at slightly different times: fold it into a collective (e.g. one more element
     of the gradient all_reduce) so that every rank decides to ``reform`` at the same step."""
-    world, info = _current()
-    store, links = getattr(world, "store", None), getattr(world, "mesh", None)
-    nonce = getattr(links, "nonce", None)
-    if store is not None and nonce is not None and hasattr(store, "joining"):
-        return int(store.joining.get(nonce, info.waiting))
-    return info.waiting
+    world, _ = _current()  # (an elastic world always has an arendez Store and a mesh)
+    return int(world.store.joining.get(world.mesh.nonce, 0))  # (kept by round: Store.joining)
 
 
 def survivors() -> int:

@@ -311,9 +311,7 @@ def _on_server_event(world: World, event: dict[str, Any]) -> None:
     """The server's word on ranks this one may never have connected to."""
     kind = event.get("event")
     rank = event.get("rank")
-    if kind == "joining" and isinstance(event.get("waiting"), int):
-        elastic.note_joining(world, event["waiting"])
-    elif kind == "rank_failed" and isinstance(rank, int):
+    if kind == "rank_failed" and isinstance(rank, int):
         world.peer_lost(rank, f"declared failed by the server ({event.get('reason')})")
     elif kind == "rank_left" and isinstance(rank, int) and rank not in _connected(world):
         # (a connected rank says goodbye on its connection, after its last frame)

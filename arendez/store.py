@@ -143,17 +143,14 @@ class Store:
             raise
         return self
 
-    async def _open_stream(self) -> transport.Connection:
-        """TCP, even to a server on this host: the blocking clients take its local socket
-        (``transports.local``), but a storm of thousands of event-loop clients joining at once
-        was measured slower over it (1,024 ranks: 0.94-1.11 s against 0.63-0.65 s over TCP;
-        not yet understood), and it is the joins that this client exists for."""
-        return await transport.open_connection(
+    async def _open(self) -> transport.Connection:
+        # TCP, even to a server on this host: the blocking clients take its local socket
+        # (``transports.local``), but a storm of thousands of event-loop clients joining at once
+        # was measured slower over it (1,024 ranks: 0.94-1.11 s against 0.63-0.65 s over TCP; not
+        # yet understood), and it is the joins that this client exists for.
+        conn = await transport.open_connection(
             self.host, self.port, ssl=self._ssl, timeout=_OPEN_TIMEOUT, limits=_REPLY_LIMITS
         )
-
-    async def _open(self) -> transport.Connection:
-        conn = await self._open_stream()
         try:
             welcome = await transport.client_handshake(conn, self._token, {"job": self.job}, _OPEN_TIMEOUT)
             if welcome.get("store") != STORE_PROTOCOL:
@@ -343,56 +340,51 @@ class Store:
 
     # -- requests --------------------------------------------------------------------------
     async def _call(self, op: str, timeout: float | None = None, wait: bool = False, **fields: Any) -> Any:
+        """A request in the map form ``{"op", "id", ...}``; ``wait``: the server may wait, and is
+        told how long (``timeout``)."""
+
+        def encode(rid: int, left: float | None) -> list[bytes | memoryview]:
+            fields["op"] = op
+            fields["id"] = rid
+            if left is not None:
+                fields["timeout"] = left
+            return wire.encode(fields)
+
+        return await self._request(op, timeout, wait, encode)
+
+    async def _ask(self, op: str, timeout: float | None, wait: bool, *args: Any) -> Any:
+        """A key-value operation in the compact form ``[op, id, *args]`` (``store_wire``);
+        ``wait``: the server may wait, and is told how long (appended to ``args``)."""
+
+        def encode(rid: int, left: float | None) -> list[bytes | memoryview]:
+            tail = () if left is None else (left,)
+            return [frame(self._packer.pack([op, rid, *args, *tail]))]
+
+        return await self._request(op, timeout, wait, encode)
+
+    async def _request(
+        self,
+        op: str,
+        timeout: float | None,
+        wait: bool,
+        encode: Callable[[int, float | None], list[bytes | memoryview]],
+    ) -> Any:
+        """Send ``encode(id, seconds the server may wait or None)`` and await its answer, within
+        the call's budget (one sweep timer for all calls: ``_arm_sweep``)."""
         loop = self._loop or asyncio.get_running_loop()
         budget = self.timeout if timeout is None else float(timeout)
         deadline = loop.time() + (budget if wait else min(budget, _CALL_TIMEOUT))
         conn = self._conn
         if conn is None or not conn.is_open:
-            conn = await self._wait_connected(deadline)
+            await self._wait_connected(deadline)
         rid = next(self._ids)
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending[rid] = fut
-        fields["op"] = op
-        fields["id"] = rid
-        if wait:
-            fields["timeout"] = max(0.0, deadline - loop.time())
+        left = max(0.0, deadline - loop.time()) if wait else None
         expiry = self._expiry[rid] = deadline + (_REPLY_SLACK if wait else 0.0)
         if self._sweep_at is None or expiry < self._sweep_at:
             self._arm_sweep(loop, expiry)
-        self._send(wire.encode(fields))
-        try:
-            return await fut
-        except _NoAnswer:
-            raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
-        finally:
-            self._pending.pop(rid, None)
-            self._expiry.pop(rid, None)
-
-    async def _ask(self, op: str, timeout: float | None, wait: bool, *args: Any) -> Any:
-        """A key-value operation in the compact form ``[op, id, *args]`` (``store_wire``);
-        ``wait``: the server may wait, and is told how long (appended to ``args``)."""
-        loop = self._loop or asyncio.get_running_loop()
-        budget = self.timeout if timeout is None else float(timeout)
-        now = loop.time()
-        deadline = now + (budget if wait else min(budget, _CALL_TIMEOUT))
-        conn = self._conn
-        if conn is None or not conn.is_open:
-            await self._wait_connected(deadline)
-            now = loop.time()
-        rid = next(self._ids)
-        fut: asyncio.Future[Any] = loop.create_future()
-        self._pending[rid] = fut
-        if wait:
-            args = (*args, max(0.0, deadline - now))
-            deadline += _REPLY_SLACK
-        self._expiry[rid] = deadline
-        if self._sweep_at is None or deadline < self._sweep_at:
-            self._arm_sweep(loop, deadline)
-        data = frame(self._packer.pack([op, rid, *args]))
-        if self._corked:
-            self._out.append(data)
-        else:
-            self._write([data])
+        self._send(encode(rid, left))
         try:
             return await fut
         except _NoAnswer:
