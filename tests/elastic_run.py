@@ -86,6 +86,15 @@ class Run:
         with self._cond:
             return sum(1 for ln in self.lines if re.search(pattern, ln))
 
+    def world_rank(self, slot: int) -> int:
+        """The rank slot ``slot``'s process last said it holds (slots and ranks differ once a
+        world formed without a late starter, or re-formed)."""
+        said = re.compile(rf"^\[rank {slot}\] (?:re-formed as )?rank (\d+) of \d+")
+        with self._cond:
+            ranks = [int(m.group(1)) for ln in self.lines if (m := said.search(ln))]
+        assert ranks, f"slot {slot} never said its rank:\n" + "\n".join(self.lines[-40:])
+        return ranks[-1]
+
     def wait_for(self, pattern: str, n: int = 1, timeout: float = 30.0) -> None:
         """Until ``n`` output lines match ``pattern``; AssertionError with the output if not."""
         deadline = time.monotonic() + timeout

@@ -75,8 +75,9 @@ def test_server_restarted_during_a_reform(runs: list[Run]) -> None:
         run.wait_for(r"^\[rank 0\] step 30 loss", timeout=40)
         srv.proc.kill()
         srv.proc.wait(5)
+        killed = run.world_rank(2)  # (2, unless the world formed before slot 1 started)
         run.signal_slot(2, signal.SIGKILL)
-        run.wait_for(r"rank 2 failed during all_reduce", n=2, timeout=10)
+        run.wait_for(rf"rank {killed} failed during all_reduce", n=2, timeout=10)
         time.sleep(1.0)  # the survivors are re-forming against no server
         assert run.count(r"re-formed as") == 0
         srv = start_server(port=port)
