@@ -86,6 +86,23 @@ class RankFailedError(ArendezError):
         self.args = (f"rank {self.rank} failed during {self.collective}: {self.reason}; then {later}",)
 
 
+class WaitTimeoutError(ArendezError, TimeoutError):
+    """``Work.wait(timeout)`` returned before the call finished. The call goes on (as with
+    torch's gloo): wait again for its result; destroying the group ends it."""
+
+    def __init__(self, what: str, timeout: float) -> None:
+        self.timeout = timeout
+        super().__init__(
+            f"{what} did not finish within {timeout:g}s; it goes on (wait again for its result, "
+            "or destroy the group to end it)"
+        )
+
+
+class CallCancelledError(ArendezError):
+    """A blocking call's coroutine was cancelled on the loop thread (the process is shutting
+    down, or the loop was stopped) before it finished."""
+
+
 class CollectiveTimeoutError(ArendezError, TimeoutError):
     """A collective did not finish before its deadline; names the ranks that never arrived."""
 
@@ -113,6 +130,7 @@ class CollectiveTimeoutError(ArendezError, TimeoutError):
 __all__ = [
     "ArendezError",
     "AuthenticationError",
+    "CallCancelledError",
     "CollectiveCancelledError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -124,4 +142,5 @@ __all__ = [
     "RendezvousError",
     "StoreError",
     "StoreTimeoutError",
+    "WaitTimeoutError",
 ]

@@ -18,13 +18,15 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from .errors import CallCancelledError
+
 T = TypeVar("T")
 
 log = logging.getLogger("arendez")
 
 #: How long the exit of a process may spend closing a world it left up (``LoopThread.stop``).
 EXIT_SECONDS = 5.0
-#: How long a ``Work.wait`` that timed out waits for the cancelled call to wind down.
+#: How long ``Completion.cancel`` waits for the cancelled call to wind down.
 CANCEL_GRACE_SECONDS = 5.0
 
 
@@ -53,7 +55,7 @@ class Completion:
     thread releases it once the result or error is stored.
     """
 
-    __slots__ = ("_done", "_error", "_lock", "_on_done", "_result", "_task")
+    __slots__ = ("_coro", "_done", "_error", "_lock", "_loop", "_on_done", "_result", "_task")
 
     def __init__(self, on_done: Callable[[Completion], None] | None = None) -> None:
         self._lock = _thread.allocate_lock()
@@ -63,16 +65,29 @@ class Completion:
         self._error: BaseException | None = None
         self._on_done = on_done
         self._task: asyncio.Task[None] | None = None  # set on the loop thread when it starts
+        self._coro: Coroutine[Any, Any, Any] | None = None  # until the task first runs it
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def cancel(self, grace: float = CANCEL_GRACE_SECONDS) -> bool:
         """Cancel the coroutine on its loop, as ``task.cancel()`` would inside it (a collective
         tells its peers, its buffers are let go), and wait up to ``grace`` seconds for that to
-        finish; True if it has ended."""
-        task = self._task
-        if not self._done and task is not None:
+        finish; True if it has ended. Works at once after ``start`` too (calls reach the loop in
+        order, so the task exists by then, though it may not have run yet)."""
+        if not self._done and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # (a loop already closed)
-                task.get_loop().call_soon_threadsafe(task.cancel)
+                self._loop.call_soon_threadsafe(self._cancel_task)
         return self.wait(grace)
+
+    def _cancel_task(self) -> None:  # on the loop thread
+        task = self._task
+        if self._done or task is None:
+            return
+        if self._coro is not None and self._loop is not None:
+            # not run yet: let its first step start the call (a collective takes its place in the
+            # group's sequence, so its peers hear of the cancel rather than wait for it), then cancel
+            self._loop.call_soon(self._cancel_task)
+            return
+        task.cancel()
 
     def _finish(self, result: Any, error: BaseException | None) -> None:
         self._result, self._error = result, error
@@ -176,7 +191,8 @@ class LoopThread:
             raise RuntimeError("a blocking arendez call was made from the arendez loop thread itself")
         done = Completion(on_done)
         coro = fn(*args, **(kwargs or {}))  # building a coroutine runs none of its code
-        self.loop().call_soon_threadsafe(_begin, done, coro)
+        done._loop = self.loop()
+        done._loop.call_soon_threadsafe(_begin, done, coro)
         return done
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
@@ -206,17 +222,23 @@ async def _wind_down(timeout: float) -> None:
 
 
 def _begin(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
+    done._coro = coro
     done._task = asyncio.get_running_loop().create_task(_drive(done, coro))
 
 
 async def _drive(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
     """Await ``coro`` and store its outcome in the same step it finishes (no done-callback turn)."""
+    done._coro = None  # (it runs now: a cancel from here on ends it inside)
     try:
         result = await coro
+    except asyncio.CancelledError:
+        # the waiting thread gets an error it can catch with ``except Exception``
+        done._finish(None, CallCancelledError("the call was cancelled before it finished"))
+        raise  # the task still ends cancelled
     except BaseException as exc:
         done._finish(None, exc)
         if not isinstance(exc, Exception):
-            raise  # cancellation and exits still end the task as they would
+            raise  # exits still end the task as they would
     else:
         done._finish(result, None)
 

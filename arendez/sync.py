@@ -55,15 +55,21 @@ class Work:
         self._done = done
 
     def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
-        """Block until the call is done; re-raises its error. After ``timeout`` seconds the call
-        is cancelled, as an asyncio cancel would (its peers get ``CollectiveCancelledError``,
-        its buffers are not written any more), and this raises ``TimeoutError``."""
+        """Block until the call is done; re-raises its error. After ``timeout`` seconds raises
+        ``WaitTimeoutError`` (a ``TimeoutError``) and the call goes on, as with torch's gloo:
+        a later ``wait()`` returns once it finishes."""
         limit = None if timeout is None else seconds(timeout, 0.0)
         if not self._done.wait(limit):
-            self._done.cancel()
-            raise TimeoutError(f"the call did not finish within {limit:g}s and was cancelled")
+            raise WaitTimeoutError("the call", limit or 0.0)  # noqa: F405
         self._done.result()
         return True
+
+    def cancel(self, grace: float = 5.0) -> bool:
+        """Cancel the call as an asyncio ``task.cancel()`` would (an arendez extension: its
+        peers get ``CollectiveCancelledError`` naming this rank, its buffers are not written any
+        more; ``wait()`` then raises ``CallCancelledError``); True once it has ended, within
+        ``grace`` seconds."""
+        return self._done.cancel(grace)
 
     def is_completed(self) -> bool:
         return self._done.done()

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 import arendez
 
-from .errors import CollectiveTimeoutError, RendezvousError
+from .errors import RendezvousError, WaitTimeoutError
 from .loop import Completion, shared
 from .torchstore import ServerStore, arendez_rendezvous, close_stores, seconds
 from .torchsub import Direct
@@ -140,12 +140,13 @@ class Work(_TorchWork):  # type: ignore[misc]
         return self._future
 
     def wait(self, timeout: Any = None) -> bool:
-        """Block until done (without the GIL); re-raise the arendez error (e.g. ``RankFailedError``)."""
+        """Block until done (without the GIL); re-raise the arendez error (e.g. ``RankFailedError``).
+        After ``timeout`` raises ``WaitTimeoutError`` (a ``RuntimeError``) and the call goes on,
+        as with gloo: a later ``wait()`` returns once it finishes."""
         assert self._done is not None
         limit = seconds(timeout)
-        if not self._done.wait(limit):  # cancelled on every rank, as an asyncio cancel would
-            self._done.cancel()
-            raise CollectiveTimeoutError("Work.wait (cancelled)", limit or 0.0)
+        if not self._done.wait(limit):
+            raise WaitTimeoutError("Work.wait: the call", limit or 0.0)
         if self._done.error is not None:
             raise self._done.error
         return True
