@@ -41,6 +41,9 @@ EventHandler = Callable[[dict[str, Any]], None]
 #: Extra time a blocking request waits for the server's answer past its own timeout.
 _REPLY_SLACK = 2.0
 _CALL_TIMEOUT = 30.0
+#: How long ``leave`` waits for a lost server to come back (destroy should not sit out its
+#: whole timeout for a best-effort goodbye to a dead server).
+LEAVE_OFFLINE_SECONDS = 1.0
 #: Connect + handshake budget of one attempt: generous, since a server busy with a storm of
 #: thousands of connecting ranks answers late, and aborting then retrying only adds to it
 #: (a refused or unreachable server fails at once regardless).
@@ -613,12 +616,16 @@ class Store:
             self._lease = None
 
     async def leave(self, timeout: float = 2.0) -> None:
-        """Leave the round (best effort: a store that is gone is not an error here)."""
+        """Leave the round (best effort: a store that is gone is not an error here). While the
+        connection is down (the server died or restarts) this waits at most
+        ``LEAVE_OFFLINE_SECONDS`` for it to come back, not the whole ``timeout``."""
         if self._membership is None:
             return
         self._membership = None
         self._left = True
         self._stop_lease()
+        if self._conn is None:
+            timeout = min(timeout, LEAVE_OFFLINE_SECONDS)
         with contextlib.suppress(StoreError):
             await self._call("leave", timeout)
 
