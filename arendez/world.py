@@ -327,7 +327,7 @@ class World:
         self.shm_control.drop(peer)
         if not left:
             self.failed[peer] = reason
-        (log.info if left else log.warning)("rank %d: peer rank %d %s", self.rank, peer, reason)
+        (log.info if left else log.warning)("rank %d: peer rank %d: %s", self.rank, peer, reason)
         for group in list(self.groups.values()):
             if peer in group.ranks:
                 for op in list(group.active.values()):
