@@ -305,9 +305,13 @@ class Store:
             return
         me = self._membership.rank if self._membership is not None else None
         for entry in ranks:
-            if not isinstance(entry, list) or len(entry) != 3 or entry[0] == me:
+            if not isinstance(entry, list) or len(entry) != 3:
                 continue
             rank, failed, reason = entry
+            if rank == me:  # (the news of our own failure reaches us once we run again)
+                if failed:
+                    self.on_event({"event": "self_failed", "rank": rank, "reason": reason})
+                continue
             self.on_event({"event": "rank_failed" if failed else "rank_left", "rank": rank, "reason": reason})
 
     def _fail_pending(self, exc: BaseException) -> None:
