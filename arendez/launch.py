@@ -238,6 +238,29 @@ async def _first_failure(ranks: Sequence[children.Child], notes: Sequence[str] =
             fut.cancel()
 
 
+async def _unreachable(url: str, timeout: float = 2.0) -> str | None:
+    """Why the arendez server of ``url`` cannot be reached (a TCP connect), or None if it can."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "arendez" or parts.hostname is None:
+        return None  # (etcd: its client says what is wrong)
+    try:
+        port = parts.port or 0
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), timeout)
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    except TimeoutError:
+        return f"no answer in {timeout:g} s"
+    writer.close()
+    return None
+
+
+async def _explain_unreachable(url: str) -> None:
+    """After a failed run against ``--server``: say so if that server cannot be reached."""
+    why = await _unreachable(url)
+    if why is not None:
+        _say(f"the server at {url} cannot be reached ({why}): the ranks could not join")
+
+
 @dataclass
 class _Elastic:
     """What the elastic supervisor needs to start a rank again in its slot."""
@@ -428,6 +451,8 @@ async def _run(args: argparse.Namespace) -> int:
         if elastic is not None:
             supervised = await _unless(stop, asyncio.ensure_future(_supervise(ranks, elastic)))
             if supervised is not None:
+                if supervised.result() != 0 and args.server:
+                    await _explain_unreachable(url)
                 return supervised.result()
         outcome = await _unless(stop, asyncio.ensure_future(_first_failure(ranks, notes)))
         if stop.is_set():
@@ -444,6 +469,8 @@ async def _run(args: argparse.Namespace) -> int:
         first = f"rank {failure.rank} failed with exit code {code}, the first to fail{why}"
         _say(f"{first}; terminating the other ranks")
         await children.stop(ranks, signal.SIGTERM, args.grace, kill_now)
+        if args.server:
+            await _explain_unreachable(url)
         return code
     except (RuntimeError, ValueError, OSError) as exc:
         _say(str(exc))

@@ -161,6 +161,30 @@ def test_the_rank_that_failed_first_is_blamed_not_the_first_to_exit(
 
 
 @pytest.mark.timeout(60)
+def test_an_unreachable_server_is_named_early_and_at_the_end(launcher: list[subprocess.Popen[str]]) -> None:
+    """Nothing listens at --server (a bound port that never listens): each rank says so once,
+    seconds before its 6 s join timeout, and the launcher ends naming the address (QA item 14:
+    silence until the timeout)."""
+    with socket.socket() as idle:
+        idle.bind(("127.0.0.1", 0))  # refused, and no one else can take it meanwhile
+        url = f"arendez://127.0.0.1:{idle.getsockname()[1]}/j"
+        args = ["--server", url, "--nproc", "2", str(SCRIPTS / "short_timeout.py"), "6"]
+        launcher.append(proc := _launch(*args))
+        _, err = proc.communicate(timeout=40)
+    assert proc.returncode == 1, err
+    host_port = url[len("arendez://") : -len("/j")]
+    for k in range(2):
+        mine = [ln for ln in _lines(err) if ln.startswith(f"[rank {k}] ")]
+        said = [i for i, ln in enumerate(mine) if f"cannot reach the store at {host_port}" in ln]
+        assert len(said) == 1, err  # once, not a flood
+        left = re.search(r"retrying until the timeout \((\d+) s left\)", mine[said[0]])
+        assert left and int(left.group(1)) >= 2, mine[said[0]]  # said early, not at the deadline
+    assert re.search(rf"StoreError: store at {host_port} unreachable until the deadline", err), err
+    last = _lines(err)[-1]
+    assert last.startswith(f"arendez-run: the server at {url} cannot be reached (ConnectionRefusedError"), err
+
+
+@pytest.mark.timeout(60)
 def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(
     tmp_path: Path, launcher: list[subprocess.Popen[str]]
 ) -> None:
