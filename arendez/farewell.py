@@ -27,7 +27,7 @@ import weakref
 from types import FrameType
 from typing import Any
 
-from . import frames
+from . import errorfile, frames
 from .settings import env_int
 from .transports.tcp import Mesh
 from .world import World
@@ -104,6 +104,7 @@ def _goodbye(world: World, why: str | None) -> list[int]:
     failed = {r: reason for r, reason in world.failed.items() if r != world.rank}
     if why is not None:  # last: the sender names itself, and why it ended
         failed[world.rank] = why
+        errorfile.record(why)  # before the peers hear of it (arendez-run's blame)
     world.closed = True
     return world.mesh.farewell(frames.Bye(failed), budget)
 
