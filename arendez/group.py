@@ -47,8 +47,11 @@ Array = np.ndarray[Any, Any]
 
 #: Deadlines this close to now count as passed (event-loop timers round to the millisecond).
 TIMER_SLACK = 0.001
-#: How long a timed-out collective waits for peers to report their progress.
+#: How long before its deadline a collective asks its peers how far they got (at most this, and
+#: at most a tenth of its timeout), so that it raises at its deadline with the answer, not after.
 DIAGNOSE_SECONDS = 1.0
+#: The least time peers get to answer that question (a very short timeout raises this much late).
+DIAGNOSE_MIN_SECONDS = 0.05
 
 __all__ = ["GroupMember", "Op", "ProcessGroup", "Stats"]
 
@@ -70,6 +73,7 @@ class Op:
         self._held: dict[int, Callable[[], None]] = {}  # id(view) -> how to give it back
         self._waiting: set[asyncio.Future[Any]] = set()  # what fail() must wake
         self.deadline = 0.0  # loop time its deadline passes (``ProcessGroup.run`` sets it)
+        self.watch_at = 0.0  # loop time to ask the peers' progress: a little before the deadline
         self.limit = 0.0
         self.expiring = False
         self.ended = False
@@ -339,7 +343,8 @@ class ProcessGroup:
         limit = self.timeout if timeout is None else timeout
         op.limit = limit
         op.deadline = asyncio.get_running_loop().time() + limit
-        self._arm(op.deadline)
+        op.watch_at = op.deadline - min(DIAGNOSE_SECONDS, limit / 10)
+        self._arm(op.watch_at)
         try:
             op._check()
             if entry is not None:
@@ -382,18 +387,18 @@ class ProcessGroup:
             self._watchdog = asyncio.get_running_loop().call_at(deadline, self._watch)
 
     def _watch(self) -> None:
-        """Expire the collectives whose deadline passed; re-arm for the next one."""
+        """Expire the collectives whose deadline is near (``Op.watch_at``); re-arm for the next."""
         self._watchdog = None
         now = asyncio.get_running_loop().time() + TIMER_SLACK  # (a timer may fire a tick early)
         upcoming: float | None = None
         for op in list(self.active.values()):
             if op.expiring:
                 continue
-            if op.deadline <= now:
+            if op.watch_at <= now:
                 op.expiring = True
                 self._expire(op, op.limit)
-            elif upcoming is None or op.deadline < upcoming:
-                upcoming = op.deadline
+            elif upcoming is None or op.watch_at < upcoming:
+                upcoming = op.watch_at
         if upcoming is not None:
             self._arm(upcoming)
 
@@ -411,8 +416,12 @@ class ProcessGroup:
 
     def _expire(self, op: Op, limit: float) -> None:
         async def diagnose() -> None:
+            loop = asyncio.get_running_loop()
             peers = [g for g in self.ranks if g != self.world.rank]
-            progress, asked = await self.world.progress.ask(self.gid, peers, min(DIAGNOSE_SECONDS, limit))
+            answer_by = max(op.deadline - loop.time(), DIAGNOSE_MIN_SECONDS)
+            progress, asked = await self.world.progress.ask(self.gid, peers, answer_by)
+            if op.deadline > loop.time():  # answered early: the collective may still finish
+                await asyncio.sleep(op.deadline - loop.time())
             missing = [g for g in asked if g in progress and progress[g] <= op.seq]
             silent = [g for g in asked if g not in progress]
             op.fail(CollectiveTimeoutError(f"{op.name} (seq {op.seq})", limit, missing, silent))
