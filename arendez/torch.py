@@ -21,6 +21,10 @@ CPU collective and DDP on arendez. How it is wired:
   while arendez's ``new_group`` must be entered by every rank of the world, so subgroup
   collectives run over arendez point-to-point messages (``arendez.torchsub``: direct exchange,
   one message per pair; fine for the small control groups subgroups usually are).
+- Group names: torch keeps a group's name on its C++ backends, which a Python group has none of,
+  so the group keeps the name itself; device meshes (DTensor, FSDP2) look groups up by name.
+- Tensors arendez cannot carry as they are (non-contiguous; bfloat16 in a reduction) travel as
+  contiguous (float32) copies that are copied back into the caller's tensors (``_Stage``).
 - ``arendez://`` init and the torch ``Store`` kept on an arendez server: ``arendez.torchstore``.
 - ``destroy_process_group()`` calls ``shutdown()``, which destroys the arendez world (drain, then
   close); the rank hosting the embedded server keeps it up until the others have left.
