@@ -10,6 +10,8 @@ import functools
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -88,6 +90,14 @@ class Child:
     stderr: asyncio.StreamReader
     pipes: list[asyncio.BaseTransport]
     pumps: list[asyncio.Task[None]] = field(default_factory=list)
+    #: Wall-clock time at which the process ended (None while it runs), noted by a thread
+    #: blocked on it: an exit is timed as it happens, not when our loop gets to it.
+    ended: float | None = None
+
+    def _time_exit(self) -> None:
+        with contextlib.suppress(OSError):  # (already reaped by asyncio: it ended just now)
+            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)  # leaves it to asyncio
+        self.ended = time.time()
 
     def signal(self, sig: int) -> bool:
         """Send ``sig`` to the child's whole process group; False when the group is gone."""
@@ -143,7 +153,9 @@ async def spawn(name: str, argv: Sequence[str], env: dict[str, str]) -> Child:
     finally:
         for w in ends:
             os.close(w)
-    return Child(name, proc, readers[0], readers[1], pipes)
+    child = Child(name, proc, readers[0], readers[1], pipes)
+    threading.Thread(target=child._time_exit, name=f"exit of {name}", daemon=True).start()
+    return child
 
 
 async def until(event: asyncio.Event, timeout: float) -> None:

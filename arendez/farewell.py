@@ -27,7 +27,7 @@ import weakref
 from types import FrameType
 from typing import Any
 
-from . import frames
+from . import errorfile, frames
 from .settings import env_int
 from .transports.tcp import Mesh
 from .world import World
@@ -48,16 +48,32 @@ def register(world: World) -> None:
     _worlds.add(world)
     owner = asyncio.current_task()
     _watchers[id(world)] = asyncio.get_running_loop().create_task(_watch(world, owner))
-    if _installed:
-        return
-    _installed = True
-    atexit.register(_at_exit)
-    if threading.current_thread() is threading.main_thread():
-        try:
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, _on_sigterm)
-        except ValueError:  # pragma: no cover - not the main interpreter
-            pass
+    if not _installed:
+        _installed = True
+        atexit.register(_at_exit)
+    install_sigterm_handler()
+
+
+_sigterm_installed = False
+
+
+def install_sigterm_handler() -> bool:
+    """Say goodbye on SIGTERM, then die of it, if the process has no handler of its own (only
+    from the main thread: ``arendez.sync`` and the torch backend call this from the caller's
+    thread, since their worlds are built on the loop thread); True if ours is in place."""
+    global _sigterm_installed
+    if _sigterm_installed:
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return False
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # pragma: no cover - not the main interpreter
+        return False
+    _sigterm_installed = True
+    return True
 
 
 async def forget(world: World) -> None:
@@ -88,6 +104,7 @@ def _goodbye(world: World, why: str | None) -> list[int]:
     failed = {r: reason for r, reason in world.failed.items() if r != world.rank}
     if why is not None:  # last: the sender names itself, and why it ended
         failed[world.rank] = why
+        errorfile.record(why)  # before the peers hear of it (arendez-run's blame)
     world.closed = True
     return world.mesh.farewell(frames.Bye(failed), budget)
 
@@ -119,8 +136,34 @@ def _at_exit() -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    why = "its process was terminated (SIGTERM)"
     try:
-        say_last_words("its process was terminated (SIGTERM)")
+        _say_on_loop_thread(why) or say_last_words(why)
     finally:  # then die of the signal, as without this handler
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+
+def _say_on_loop_thread(why: str) -> bool:
+    """Run the goodbye on the loop thread of ``arendez.sync`` / the torch backend, where the
+    worlds' sockets are written (not from the signal's thread, which could cut into a frame the
+    loop is writing); True once said there, False if there is no such thread or it did not
+    answer within the goodbye budget."""
+    from .loop import shared
+
+    loop = shared.running_loop()
+    if loop is None or shared.in_loop_thread():
+        return False
+    said = threading.Event()
+
+    def say() -> None:
+        try:
+            say_last_words(why)
+        finally:
+            said.set()
+
+    try:
+        loop.call_soon_threadsafe(say)
+    except RuntimeError:  # (the loop is closed)
+        return False
+    return said.wait(env_int("ARENDEZ_FAREWELL_MS", DEFAULT_BUDGET_MS, minimum=0) / 1000 + 0.5)

@@ -423,7 +423,7 @@ class ProcessGroup:
 
     def mismatch(self, seq: int, mine: str, theirs: str, peer: int) -> None:
         """Fail collective ``seq`` here and tell every other member why."""
-        message = f"collective #{seq}: this rank runs {mine}, rank {peer} runs {theirs}"
+        message = f"collective #{seq}: rank {self.world.rank} runs {mine}, rank {peer} runs {theirs}"
         self.poison(seq, message, tell=True)
 
     def poison(self, seq: int, message: str, *, tell: bool) -> None:

@@ -23,14 +23,17 @@ import contextlib
 import functools
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
+import time
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from . import children, validate
+from . import children, errorfile, validate
 
 T = TypeVar("T")
 
@@ -107,12 +110,21 @@ def job_url(server: str, job: str | None) -> str:
 
 
 def rank_env(
-    base: dict[str, str], url: str, rank: int, nproc: int, min_nproc: int | None = None, restart: int = 0
+    base: dict[str, str],
+    url: str,
+    rank: int,
+    nproc: int,
+    min_nproc: int | None = None,
+    restart: int = 0,
+    error_file: str | None = None,
 ) -> dict[str, str]:
-    """The environment of local rank ``rank`` of ``nproc`` (elastic: of ``min_nproc``..``nproc``)."""
+    """The environment of local rank ``rank`` of ``nproc`` (elastic: of ``min_nproc``..``nproc``);
+    the rank notes its failure in ``error_file`` (``arendez.errorfile``)."""
     env = dict(base)
-    for name in ("MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK"):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK", errorfile.ENV):
         env.pop(name, None)
+    if error_file is not None:
+        env[errorfile.ENV] = error_file
     env.update(
         ARENDEZ_URL=url,
         RANK=str(rank),
@@ -152,30 +164,101 @@ async def _server_url(server: children.Child, timeout: float = 30.0) -> str:
     return text.rsplit(" ", 1)[-1]
 
 
-async def _first_failure(ranks: Sequence[children.Child]) -> tuple[int, int] | None:
-    """Wait for the ranks: (rank, returncode) of the first to fail, or None when all succeed."""
-    reaped: list[tuple[int, int]] = []  # in the order the exits were observed
+#: Seconds to wait, once a rank failed, for the rank that noted an earlier failure to end.
+SETTLE = 2.0
+
+
+@dataclass(frozen=True)
+class Blame:
+    """The rank that failed first: its exit status and, if it noted one, why."""
+
+    rank: int
+    returncode: int
+    why: str | None
+
+
+def _earliest(
+    ranks: Sequence[children.Child], reaped: dict[int, int], notes: Sequence[str], now: float
+) -> tuple[int, str | None] | None:
+    """The rank whose failure came first: by its own note (``arendez.errorfile``) or its exit,
+    whichever is earlier; ranks that ended with 0 did not fail."""
+    best: tuple[float, int, str | None] | None = None
+    for rank, child in enumerate(ranks):
+        if reaped.get(rank) == 0:
+            continue
+        note = errorfile.read(notes[rank]) if notes else None
+        times = [note.time] if note is not None else []
+        if reaped.get(rank, 0) != 0:
+            times.append(child.ended or now)
+        if times and (best is None or min(times) < best[0]):
+            best = (min(times), rank, note.why if note is not None else None)
+    return None if best is None else best[1:]
+
+
+async def _first_failure(ranks: Sequence[children.Child], notes: Sequence[str] = ()) -> Blame | None:
+    """Wait for the ranks: the one that failed first, or None when all succeed.
+
+    Not simply the first to exit: the ranks that fail on the news of a failure may end before
+    the rank that failed. Once any rank failed, the one with the earliest failure (``_earliest``)
+    gets up to ``SETTLE`` seconds to end and is blamed.
+    """
+    loop = asyncio.get_running_loop()
+    reaped: dict[int, int] = {}
     changed = asyncio.Event()
 
     def on_exit(rank: int, fut: asyncio.Future[int]) -> None:
         if not fut.cancelled():
-            reaped.append((rank, fut.result()))
+            reaped[rank] = fut.result()
             changed.set()
 
     waits = [asyncio.ensure_future(r.proc.wait()) for r in ranks]
     for rank, fut in enumerate(waits):
         fut.add_done_callback(functools.partial(on_exit, rank))
     try:
-        while len(reaped) < len(ranks):
+        while not any(reaped.values()):
+            if len(reaped) == len(ranks):
+                return None
             await changed.wait()
             changed.clear()
-            failed = [(rank, rc) for rank, rc in reaped if rc != 0]
-            if failed:
-                return failed[0]
-        return None
+        deadline = loop.time() + SETTLE
+        while True:
+            first = _earliest(ranks, reaped, notes, time.time())
+            assert first is not None  # a rank failed
+            rank, why = first
+            if rank in reaped:
+                return Blame(rank, reaped[rank], why)
+            if loop.time() >= deadline:  # it noted a failure but does not end: blame the exits
+                exited = _earliest(ranks, reaped, (), time.time())
+                assert exited is not None
+                return Blame(exited[0], reaped[exited[0]], None)
+            await children.until(changed, deadline - loop.time())
+            changed.clear()
     finally:
         for fut in waits:
             fut.cancel()
+
+
+async def _unreachable(url: str, timeout: float = 2.0) -> str | None:
+    """Why the arendez server of ``url`` cannot be reached (a TCP connect), or None if it can."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "arendez" or parts.hostname is None:
+        return None  # (etcd: its client says what is wrong)
+    try:
+        port = parts.port or 0
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), timeout)
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    except TimeoutError:
+        return f"no answer in {timeout:g} s"
+    writer.close()
+    return None
+
+
+async def _explain_unreachable(url: str) -> None:
+    """After a failed run against ``--server``: say so if that server cannot be reached."""
+    why = await _unreachable(url)
+    if why is not None:
+        _say(f"the server at {url} cannot be reached ({why}): the ranks could not join")
 
 
 @dataclass
@@ -338,6 +421,8 @@ async def _run(args: argparse.Namespace) -> int:
     server: children.Child | None = None
     ranks: list[children.Child] = []
     watchdog = await _Watchdog.start(args.grace)
+    notedir = tempfile.mkdtemp(prefix="arendez-run-")
+    notes = [os.path.join(notedir, f"rank-{rank}.json") for rank in range(args.nproc)]
     try:
         base = dict(os.environ)
         if args.server:
@@ -358,7 +443,7 @@ async def _run(args: argparse.Namespace) -> int:
             if elastic is not None:
                 ranks.append(await elastic.start(rank, 0))
                 continue
-            env = rank_env(base, url, rank, args.nproc)
+            env = rank_env(base, url, rank, args.nproc, error_file=notes[rank])
             child = await children.spawn(f"rank {rank}", [sys.executable, *target, *args.args], env)
             watchdog.watch(child)
             child.pump(f"[rank {rank}] ".encode())
@@ -366,8 +451,10 @@ async def _run(args: argparse.Namespace) -> int:
         if elastic is not None:
             supervised = await _unless(stop, asyncio.ensure_future(_supervise(ranks, elastic)))
             if supervised is not None:
+                if supervised.result() != 0 and args.server:
+                    await _explain_unreachable(url)
                 return supervised.result()
-        outcome = await _unless(stop, asyncio.ensure_future(_first_failure(ranks)))
+        outcome = await _unless(stop, asyncio.ensure_future(_first_failure(ranks, notes)))
         if stop.is_set():
             signum = received[0]
             _say(f"got {signal.Signals(signum).name}; forwarding it to {len(ranks)} rank(s)")
@@ -377,10 +464,13 @@ async def _run(args: argparse.Namespace) -> int:
         failure = outcome.result()
         if failure is None:
             return 0
-        rank, rc = failure
-        code = exit_code(rc)
-        _say(f"rank {rank} failed with exit code {code}; terminating the other ranks")
+        code = exit_code(failure.returncode)
+        why = f" ({failure.why})" if failure.why else ""
+        first = f"rank {failure.rank} failed with exit code {code}, the first to fail{why}"
+        _say(f"{first}; terminating the other ranks")
         await children.stop(ranks, signal.SIGTERM, args.grace, kill_now)
+        if args.server:
+            await _explain_unreachable(url)
         return code
     except (RuntimeError, ValueError, OSError) as exc:
         _say(str(exc))
@@ -393,6 +483,7 @@ async def _run(args: argparse.Namespace) -> int:
             await children.stop([server], signal.SIGTERM, args.grace, kill_now)
             await children.drain([server])
         await watchdog.done()
+        shutil.rmtree(notedir, ignore_errors=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
 

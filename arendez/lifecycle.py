@@ -313,6 +313,8 @@ def _on_server_event(world: World, event: dict[str, Any]) -> None:
     rank = event.get("rank")
     if kind == "rank_failed" and isinstance(rank, int):
         world.peer_lost(rank, f"declared failed by the server ({event.get('reason')})")
+    elif kind == "self_failed":
+        world.expelled(f"this rank was declared failed by the server ({event.get('reason')})")
     elif kind == "rank_left" and isinstance(rank, int) and rank not in _connected(world):
         # (a connected rank says goodbye on its connection, after its last frame)
         world.peer_lost(rank, "it left the job (the server says)", left=True)

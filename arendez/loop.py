@@ -153,6 +153,13 @@ class LoopThread:
                 atexit.register(self.stop)
             return self._loop
 
+    def running_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop if its thread runs it now (never starts one)."""
+        loop, thread = self._loop, self._thread
+        if loop is None or loop.is_closed() or thread is None or not thread.is_alive():
+            return None
+        return loop
+
     def stop(self, timeout: float = EXIT_SECONDS) -> None:
         """Wind the loop down before the interpreter does (runs at exit): a world still up is
         closed (with one warning that ``destroy_process_group`` was not called), the tasks left

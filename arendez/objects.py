@@ -19,6 +19,11 @@ def _pack(obj: Any) -> bytes:
         return packed
     except TypeError as exc:
         raise TypeError(f"object collectives carry msgpack-serialisable values only: {exc}") from None
+    except OverflowError:
+        raise ValueError(
+            "object collectives carry msgpack values: integers must lie in -2**63..2**64-1 "
+            "(send a larger one as a string)"
+        ) from None
 
 
 def _unpack(data: bytes) -> Any:

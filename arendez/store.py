@@ -41,10 +41,16 @@ EventHandler = Callable[[dict[str, Any]], None]
 #: Extra time a blocking request waits for the server's answer past its own timeout.
 _REPLY_SLACK = 2.0
 _CALL_TIMEOUT = 30.0
+#: How long ``leave`` waits for a lost server to come back (destroy should not sit out its
+#: whole timeout for a best-effort goodbye to a dead server).
+LEAVE_OFFLINE_SECONDS = 1.0
 #: Connect + handshake budget of one attempt: generous, since a server busy with a storm of
 #: thousands of connecting ranks answers late, and aborting then retrying only adds to it
 #: (a refused or unreachable server fails at once regardless).
 _OPEN_TIMEOUT = 20.0
+#: Seconds of failed first connects before a client says so (a server starting alongside is
+#: refused for a moment; one that is not there should not go unmentioned until the timeout).
+_UNREACHABLE_WARN_AFTER = 2.0
 #: Replies carry values in their header: allow well past the server's default 1 MiB value bound.
 _REPLY_LIMITS = wire.Limits(max_header=64 << 20, max_payload=0)
 
@@ -121,6 +127,7 @@ class Store:
         self._lease: _lease.LeaseKeeper | None = None
         self._last_error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._connect_by: float | None = None  # loop time at which the first connect gives up
         self._expiry: dict[int, float] = {}  # loop time at which each pending call gives up
         self._sweep: asyncio.TimerHandle | None = None
         self._sweep_at: float | None = None
@@ -137,7 +144,8 @@ class Store:
         loop = self._loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._maintain()))
         try:
-            await self._wait_connected(loop.time() + (timeout or self.timeout))
+            self._connect_by = loop.time() + (timeout or self.timeout)
+            await self._wait_connected(self._connect_by)
         except BaseException:
             await self.close()
             raise
@@ -185,6 +193,8 @@ class Store:
     async def _maintain(self) -> None:
         delay = 0.05
         ever = False
+        loop = asyncio.get_running_loop()
+        warn_at: float | None = loop.time() + _UNREACHABLE_WARN_AFTER  # None: said (or connected)
         while not self._closed:
             self._server_leaving = False  # a notice on the next connection may come inside _open
             try:
@@ -206,6 +216,16 @@ class Store:
             except Exception as exc:  # unreachable, or a broken peer: try again
                 self._last_error = exc
                 log.debug("store %s:%s unreachable: %s", self.host, self.port, exc)
+                if not ever and warn_at is not None and loop.time() >= warn_at:
+                    warn_at = None
+                    left = max(0.0, (self._connect_by or loop.time()) - loop.time())
+                    log.warning(
+                        "cannot reach the store at %s:%s (%s); retrying until the timeout (%.0f s left)",
+                        self.host,
+                        self.port,
+                        self._last_error_text,
+                        left,
+                    )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
@@ -302,9 +322,13 @@ class Store:
             return
         me = self._membership.rank if self._membership is not None else None
         for entry in ranks:
-            if not isinstance(entry, list) or len(entry) != 3 or entry[0] == me:
+            if not isinstance(entry, list) or len(entry) != 3:
                 continue
             rank, failed, reason = entry
+            if rank == me:  # (the news of our own failure reaches us once we run again)
+                if failed:
+                    self.on_event({"event": "self_failed", "rank": rank, "reason": reason})
+                continue
             self.on_event({"event": "rank_failed" if failed else "rank_left", "rank": rank, "reason": reason})
 
     def _fail_pending(self, exc: BaseException) -> None:
@@ -613,12 +637,16 @@ class Store:
             self._lease = None
 
     async def leave(self, timeout: float = 2.0) -> None:
-        """Leave the round (best effort: a store that is gone is not an error here)."""
+        """Leave the round (best effort: a store that is gone is not an error here). While the
+        connection is down (the server died or restarts) this waits at most
+        ``LEAVE_OFFLINE_SECONDS`` for it to come back, not the whole ``timeout``."""
         if self._membership is None:
             return
         self._membership = None
         self._left = True
         self._stop_lease()
+        if self._conn is None:
+            timeout = min(timeout, LEAVE_OFFLINE_SECONDS)
         with contextlib.suppress(StoreError):
             await self._call("leave", timeout)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import arendez as api  # the public async API only
 
-from . import compat, flightrec
+from . import compat, farewell, flightrec
 from .errors import *  # noqa: F403 - the same error names as the async API
 from .loop import Completion, shared
 from .registry import seconds
@@ -108,7 +108,8 @@ _init_process_group = _blocking(api.init_process_group)  # (a world left up is c
 
 @functools.wraps(api.init_process_group)
 def init_process_group(*args: Any, **kwargs: Any) -> Any:
-    flightrec.install_signal_handler()  # (from this thread: the loop thread cannot install it)
+    flightrec.install_signal_handler()  # (from this thread: the loop thread cannot install them)
+    farewell.install_sigterm_handler()
     return _init_process_group(*args, **kwargs)
 
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 import arendez
 
+from . import farewell
 from .errors import RendezvousError, WaitTimeoutError
 from .loop import Completion, shared
 from .torchstore import ServerStore, arendez_rendezvous, close_stores, seconds
@@ -540,6 +541,7 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupArendez:
         else:
             store.wait([key], datetime.timedelta(seconds=timeout))
             url = store.get(key).decode()
+    farewell.install_sigterm_handler()  # (from torch's thread: the loop thread cannot)
     try:
         shared.call(arendez.init_process_group, "tcp", url, world_size=size, rank=rank, timeout=timeout)
     except BaseException:

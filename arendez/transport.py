@@ -421,6 +421,14 @@ async def open_connection(
     return conn
 
 
+def endpoint(peer: Any) -> str:
+    """``host:port`` for an address tuple (``[v6]:port``), else the peer as text."""
+    if isinstance(peer, tuple | list) and len(peer) >= 2:
+        host = str(peer[0])
+        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+    return str(peer)
+
+
 def answer_challenge(
     challenge: Any, token: str | None, hello: dict[str, Any], peer: Any
 ) -> tuple[dict[str, Any], bytes]:
@@ -428,6 +436,7 @@ def answer_challenge(
 
     Returns the reply frame and the nonce the acceptor must answer with its own proof.
     """
+    peer = endpoint(peer)
     if isinstance(challenge, dict) and "error" in challenge and "hello" not in challenge:
         raise remote_error(challenge, ProtocolError)  # refused before the handshake (a limit)
     if not isinstance(challenge, dict) or challenge.get("hello") != "arendez":
@@ -435,9 +444,14 @@ def answer_challenge(
     if challenge.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"{peer} speaks protocol {challenge.get('v')}, not {PROTOCOL_VERSION}")
     if challenge.get("auth") and not token:
-        raise AuthenticationError(f"{peer} requires a token and none was given")
+        raise AuthenticationError(
+            f"{peer} requires a token and none was given (the URL's token@, or ARENDEZ_TOKEN)"
+        )
     if token and not challenge.get("auth"):
-        raise AuthenticationError(f"{peer} does not check the token: refusing to trust it")
+        raise AuthenticationError(
+            f"{peer} runs without a token but this side has one: refusing to trust an endpoint "
+            "that does not check it (give the server the same token, or drop it here)"
+        )
     if not isinstance(challenge.get("nonce"), bytes):
         raise ProtocolError(f"{peer} sent a malformed challenge")
     nonce = os.urandom(16)
@@ -450,6 +464,7 @@ def answer_challenge(
 
 def check_welcome(welcome: Any, token: str | None, nonce: bytes, peer: Any) -> dict[str, Any]:
     """Sans-I/O second half: the acceptor's answer must carry its proof (when there is a token)."""
+    peer = endpoint(peer)
     if not isinstance(welcome, dict):
         raise ProtocolError(f"{peer} sent a malformed handshake")
     if "error" in welcome:
@@ -457,7 +472,7 @@ def check_welcome(welcome: Any, token: str | None, nonce: bytes, peer: Any) -> d
     if token:
         proof = welcome.get("proof")
         if not isinstance(proof, bytes) or not hmac.compare_digest(_proof(token, nonce, b"server"), proof):
-            raise AuthenticationError(f"{peer} could not prove it knows the token")
+            raise AuthenticationError(f"{peer} could not prove it knows the token (a different token?)")
     return welcome
 
 

@@ -243,7 +243,9 @@ class World:
             for rank, reason in frame.failed.items():
                 if rank == peer:
                     self.peer_lost(rank, reason)
-                elif rank != self.rank:
+                elif rank == self.rank:  # it went on without us: say so, do not blame it
+                    self.expelled(f"rank {peer} saw this rank fail: {reason}")
+                else:
                     self.peer_lost(rank, f"{reason} (reported by rank {peer})")
             self.peer_lost(peer, "it left: it destroyed its process group, or its process ended", left=True)
         elif isinstance(frame, frames.Query):
@@ -315,6 +317,18 @@ class World:
             async with asyncio.timeout_at(deadline):
                 await self._peers_gone.wait()
 
+    def expelled(self, why: str) -> None:
+        """The others count this rank as failed (the server declared it while the process was
+        stopped or its loop stalled): the collectives running here fail naming this rank and
+        why, rather than the peer that then left."""
+        if self.closed:
+            return
+        log.warning("rank %d: %s", self.rank, why)
+        for group in list(self.groups.values()):
+            for op in list(group.active.values()):
+                if not isinstance(op.error, RankFailedError):
+                    op.fail(RankFailedError(self.rank, op.name, why))
+
     def peer_lost(self, peer: int, reason: str, *, left: bool = False) -> None:
         """``peer`` died, left or was declared failed: fail everything that depends on it."""
         if peer in self.dead or peer == self.rank:
@@ -327,7 +341,7 @@ class World:
         self.shm_control.drop(peer)
         if not left:
             self.failed[peer] = reason
-        (log.info if left else log.warning)("rank %d: peer rank %d %s", self.rank, peer, reason)
+        (log.info if left else log.warning)("rank %d: peer rank %d: %s", self.rank, peer, reason)
         for group in list(self.groups.values()):
             if peer in group.ranks:
                 for op in list(group.active.values()):

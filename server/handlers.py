@@ -266,9 +266,10 @@ async def _join(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list
             ) from None
         missing = sorted(set(range(round_.world_size)) - set(joined))
         shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+        refused = "; joins refused meanwhile: " + "; ".join(round_.refused) if round_.refused else ""
         raise RendezvousError(
             f"job {s.job!r}: only {len(joined)} of {round_.world_size} ranks joined in time "
-            f"(missing: {len(missing)} rank(s): {shown})"
+            f"(missing: {len(missing)} rank(s): {shown}){refused}"
         ) from None
     except asyncio.CancelledError:
         job.withdraw(round_, rank)

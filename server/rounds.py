@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 from arendez.errors import RendezvousError
 
+#: Refused joins a forming round remembers for its timeout message.
+REFUSALS_KEPT = 4
+
 
 class MemberState(enum.Enum):
     ACTIVE = "active"
@@ -84,6 +87,15 @@ class Round:
     _from_latest: int = 0  # ... how many joiners came from it
     settled: bool = False  # elastic, while forming: its settle time passed
     failed: int = 0  # members declared failed (counted as they are)
+    #: Why joins to this round were refused while it formed (the first few): the members left
+    #: waiting hear of them if the round then times out.
+    refused: list[str] = field(default_factory=list)
+
+    def refuse(self, why: str) -> RendezvousError:
+        """The error refusing a join to this round, remembered (at most ``REFUSALS_KEPT``)."""
+        if len(self.refused) < REFUSALS_KEPT:
+            self.refused.append(why)
+        return RendezvousError(why)
 
     @property
     def elastic(self) -> bool:

@@ -44,21 +44,21 @@ class Job(KeyValueStore):
         if forming is None:
             forming = self.forming = Round(world_size)
         elif forming.elastic:
-            raise RendezvousError(
+            raise forming.refuse(
                 f"job {self.name!r} is forming an elastic world of {forming.min_size}..{forming.world_size} "
                 f"ranks, this rank asked for a fixed world of {world_size}"
             )
         elif world_size != forming.world_size:
-            raise RendezvousError(
+            raise forming.refuse(
                 f"job {self.name!r} is forming a world of {forming.world_size}, "
-                f"this rank asked for {world_size}"
+                f"{f'rank {rank}' if rank != -1 else 'a rank'} asked for {world_size}"
             )
         if rank == -1:
             rank = forming.free_rank()
         elif not isinstance(rank, int) or not 0 <= rank < world_size:
             raise RendezvousError(f"rank {rank!r} is outside 0..{world_size - 1}")
         elif rank in forming.members:
-            raise RendezvousError(f"rank {rank} of job {self.name!r} has already joined")
+            raise forming.refuse(f"rank {rank} of job {self.name!r} has already joined")
         forming.add(Member(rank, address, now, lease=lease))
         if forming.complete:
             for member in forming.members.values():  # leases start now: early joiners waited

@@ -129,3 +129,15 @@ def test_init_method_urls_are_validated():
     assert (p.transport, p.job, p.rank, p.world_size) == ("file", "/tmp/x", 0, 2)
     with pytest.raises(dist.RendezvousError, match="RANK"):
         plan("env://", -1, -1, {"MASTER_ADDR": "h", "MASTER_PORT": "1", "RANK": "x", "WORLD_SIZE": "2"})
+
+
+@pytest.mark.timeout(10)
+async def test_object_collectives_refuse_what_msgpack_cannot_carry_by_name() -> None:
+    await dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+    objs: list[object] = [None]
+    with pytest.raises(ValueError, match=r"integers must lie in -2\*\*63\.\.2\*\*64-1"):
+        await dist.all_gather_object(objs, {"big": 2**70})
+    with pytest.raises(TypeError, match="msgpack-serialisable values only"):
+        await dist.all_gather_object(objs, object())
+    await dist.all_gather_object(objs, ("a", 1))  # a tuple comes back as a list (msgpack has no tuple)
+    assert objs == [["a", 1]]

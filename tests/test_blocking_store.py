@@ -102,5 +102,9 @@ def test_token_is_checked(tmp_path):
             assert st.get("a") == b"b"
         with pytest.raises(AuthenticationError):
             BlockingStore("127.0.0.1", srv.port, "t", token="wrong").connect()
-        with pytest.raises(AuthenticationError):
+        with pytest.raises(AuthenticationError, match=rf"127\.0\.0\.1:{srv.port} requires a token and none"):
             BlockingStore("127.0.0.1", srv.port, "t").connect()
+    with server() as srv:  # a token given to a server that checks none
+        refused = rf"127\.0\.0\.1:{srv.port} runs without a token"
+        with pytest.raises(AuthenticationError, match=refused):
+            BlockingStore("127.0.0.1", srv.port, "t", token="tok-1").connect()

@@ -7,6 +7,7 @@ The rank code (``tests/conformance.py``) is the same for all three; only the run
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -68,6 +69,9 @@ def test_mismatch_raises_on_every_rank(run: Runner, kind: str) -> None:
     for res in run(conformance.mismatch, 3, kind):
         assert res.startswith("CollectiveMismatchError"), res
         assert res.endswith("next sum 3")
+        if kind == "op":  # both ranks named with what each runs, true on every rank
+            said = dict(re.findall(r"rank (\d) runs (all_reduce|broadcast)", res))
+            assert len(said) == 2 and all((r == "1") == (c == "broadcast") for r, c in said.items()), res
 
 
 @pytest.mark.timeout(60)

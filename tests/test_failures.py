@@ -53,13 +53,30 @@ def test_kill_9_during_all_reduce_fails_every_survivor_fast(arendez_server, tmp_
 
 @pytest.mark.timeout(60)
 def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
-    """SIGSTOP keeps the sockets open: only the server's lease can tell."""
-    killed_at, results = _kill_during_all_reduce(arendez_server.url, tmp_path, 3, 2, signal.SIGSTOP, 1000)
+    """SIGSTOP keeps the sockets open: only the server's lease can tell. Resumed, the stopped
+    rank's own error names itself as the one declared failed, not a survivor that left."""
+    url = f"{arendez_server.url}/stop-{tmp_path.name}"
+    procs = [
+        spawn_rank(failures_jobs.reduce_until_failure, r, 3, url, str(tmp_path), 1000, 40.0) for r in range(3)
+    ]
+    try:
+        wait_for_files(tmp_path, "ready-*", 3)
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        results = collect(procs[:2], 20)
+        os.kill(procs[2].pid, signal.SIGCONT)
+        (resumed,) = collect(procs[2:], 20)
+    finally:
+        procs[2].kill()
+        procs[2].wait()
     for res in results:
         out = res.value
         assert out["error"] == "RankFailedError" and out["rank_named"] == 2, out
         assert "declared failed by the server" in out["message"]
-        assert out["at"] - killed_at < 4.0, f"detected after {out['at'] - killed_at:.2f}s"
+        assert out["at"] - stopped_at < 4.0, f"detected after {out['at'] - stopped_at:.2f}s"
+    out = resumed.value
+    assert out["error"] == "RankFailedError" and out["rank_named"] == 2, out
+    assert "declared failed by the server" in out["message"], out
 
 
 @pytest.mark.timeout(60)

@@ -65,3 +65,38 @@ def test_a_rank_that_ends_without_destroy_says_how(arendez_server, tmp_path, how
         "sigterm": "terminated (SIGTERM)",
     }[how]
     assert words in out["message"], out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["idle", "busy"])
+def test_a_blocking_api_rank_ended_by_sigterm_says_so(where: str) -> None:
+    """``arendez.sync`` builds its world on the loop thread, where no signal handler can be
+    installed; its ``init_process_group`` installs the SIGTERM goodbye from the caller's thread,
+    and the goodbye is written on the loop thread, in plain Python code or inside a collective."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    script = str(Path(__file__).parent / "scripts" / "sync_sigterm.py")
+    procs = [
+        subprocess.Popen([sys.executable, script, str(r), port, where], stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.5 if where == "idle" else 1.0)  # (busy: rank 1 is inside its all_reduce)
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(10) == -signal.SIGTERM
+        out, _ = procs[0].communicate(timeout=30)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    outcome = json.loads(out.strip().splitlines()[-1])
+    assert outcome["error"] == "RankFailedError" and outcome["ranks"] == [1], outcome
+    assert "its process was terminated (SIGTERM)" in outcome["message"], outcome

@@ -3,6 +3,7 @@ missing ones."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import pytest
@@ -24,3 +25,30 @@ async def test_a_rank_alone_counts_itself_and_names_the_missing() -> None:
     ):
         await dist.init_process_group(init_method=url, world_size=3, rank=0, timeout=1.0)
     assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(30)
+async def test_a_round_that_times_out_names_the_joins_it_refused(arendez_server) -> None:
+    """A rank with the wrong world size, or a second rank 0, is refused at once; the rank left
+    waiting hears of both when its round times out, not only that a rank is missing."""
+    stores = [
+        await dist.Store("127.0.0.1", arendez_server.port, "refusals", timeout=10).connect() for _ in range(3)
+    ]
+    try:
+        waiting = asyncio.ensure_future(stores[0].join(2, 0, "127.0.0.1:1", timeout=2.0))
+        await asyncio.sleep(0.3)
+        with pytest.raises(dist.RendezvousError, match=r"forming a world of 2, rank 1 asked for 3"):
+            await stores[1].join(3, 1, "127.0.0.1:2", timeout=2.0)
+        with pytest.raises(dist.RendezvousError, match=r"rank 0 of job 'refusals' has already joined"):
+            await stores[2].join(2, 0, "127.0.0.1:3", timeout=2.0)
+        with pytest.raises(dist.RendezvousError) as timed_out:
+            await waiting
+        message = str(timed_out.value)
+        assert "only 1 of 2 ranks joined in time (missing: 1 rank(s): 1)" in message, message
+        assert "joins refused meanwhile: " in message, message
+        assert "rank 1 asked for 3" in message and "rank 0 of job 'refusals' has already joined" in message, (
+            message
+        )
+    finally:
+        for store in stores:
+            await store.close()

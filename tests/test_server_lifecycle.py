@@ -30,6 +30,27 @@ async def test_sigterm_stops_accepting_tells_clients_and_exits_zero():
     await store.close()
 
 
+@pytest.mark.timeout(60)
+def test_destroy_does_not_wait_out_its_timeout_for_a_dead_server(tmp_path):
+    """The server is killed for good: the ranks' collectives go on, and destroy (30 s group
+    timeout) gives up its goodbye to the server after about a second."""
+    srv = start_server()
+    url = f"{srv.url}/gone"
+    procs = [spawn_rank(store_jobs.destroy_after_server_died, r, 2, url, str(tmp_path)) for r in range(2)]
+    try:
+        wait_for_files(tmp_path, "ready-*", 2)
+        srv.proc.kill()
+        srv.proc.wait()
+        (tmp_path / "killed").write_text("1")
+        results = collect(procs, 40)
+    finally:
+        srv.stop()
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.value["sum"] == 2.0
+        assert res.value["destroy_seconds"] < 5.0, res.value  # (was the whole 30 s)
+
+
 @pytest.mark.timeout(90)
 def test_job_survives_server_kill_and_restart(tmp_path):
     srv = start_server()

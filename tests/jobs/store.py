@@ -96,3 +96,21 @@ async def server_outage(rank: int, ws: int, url: str, out_dir: str) -> dict[str,
     await dist.barrier()
     await dist.destroy_process_group()
     return {"sums": sums, "during": during, "after": float(x[0])}
+
+
+async def destroy_after_server_died(rank: int, ws: int, url: str, out_dir: str) -> dict[str, Any]:
+    """The server dies for good mid-job: collectives go on, and destroy (group timeout 30 s)
+    does not sit out its timeout saying goodbye to the dead server."""
+    from pathlib import Path
+
+    await join(url, ws, rank)
+    Path(out_dir, f"ready-{rank}").write_text("1")
+    deadline = time.monotonic() + 30
+    while not Path(out_dir, "killed").exists():
+        assert time.monotonic() < deadline, "no kill"
+        await asyncio.sleep(0.05)
+    x = np.ones(1000)
+    await dist.all_reduce(x)
+    started = time.monotonic()
+    await dist.destroy_process_group()
+    return {"sum": float(x[0]), "destroy_seconds": time.monotonic() - started}
