@@ -21,6 +21,10 @@ CPU collective and DDP on arendez. How it is wired:
   while arendez's ``new_group`` must be entered by every rank of the world, so subgroup
   collectives run over arendez point-to-point messages (``arendez.torchsub``: direct exchange,
   one message per pair; fine for the small control groups subgroups usually are).
+- Group names: torch keeps a group's name on its C++ backends, which a Python group has none of,
+  so the group keeps the name itself; device meshes (DTensor, FSDP2) look groups up by name.
+- Tensors arendez cannot carry as they are (non-contiguous; bfloat16 in a reduction) travel as
+  contiguous (float32) copies that are copied back into the caller's tensors (``_Stage``).
 - ``arendez://`` init and the torch ``Store`` kept on an arendez server: ``arendez.torchstore``.
 - ``destroy_process_group()`` calls ``shutdown()``, which destroys the arendez world (drain, then
   close); the rank hosting the embedded server keeps it up until the others have left.
@@ -71,6 +75,7 @@ _OPS = {  # keyed by torch's op kind (a dict hit, not a name lookup per call)
     _KIND.BXOR: arendez.ReduceOp.BXOR,
 }
 _RAW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: it travels as its bits
+_WIDEN = (torch.bfloat16,)  # ... and is reduced as float32
 
 
 def _op(opts: Any) -> arendez.ReduceOp:
@@ -171,6 +176,41 @@ class Work(_TorchWork):  # type: ignore[misc]
         return int(self._done._result) if self._done is not None else -1
 
 
+class _Stage:
+    """Stand-ins arendez can carry for the caller's tensors of one call.
+
+    A non-contiguous tensor travels as a contiguous copy; in a reduction, bfloat16 (which numpy
+    cannot reduce) travels as a float32 copy. Stand-ins for outputs are copied back into the
+    caller's tensors when the call succeeds, so torch's in-place semantics hold.
+    """
+
+    __slots__ = ("back", "widen")
+
+    def __init__(self, widen: bool = False) -> None:
+        self.widen = widen
+        self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, t: torch.Tensor, out: bool = True) -> torch.Tensor:
+        """The tensor to hand arendez for ``t`` (``out``: the call writes it)."""
+        carried = t
+        if self.widen and t.dtype in _WIDEN:
+            carried = t.to(torch.float32, memory_format=torch.contiguous_format)
+        elif not t.is_contiguous():
+            carried = t.contiguous()
+        if out and carried is not t:
+            self.back.append((t, carried))
+        return _raw(carried)
+
+    def all(self, ts: Sequence[torch.Tensor], out: bool = True) -> list[torch.Tensor]:
+        return [self(t, out) for t in ts]
+
+    async def run(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        result = await fn(*args)
+        for t, carried in self.back:
+            t.copy_(carried)
+        return result
+
+
 class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     """One torch process group backed by arendez; the default group maps onto arendez's world."""
 
@@ -181,26 +221,55 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         self._server: Any = None
         self._job = ""
         self._closed = False
+        self._name = ""
+        self._desc = ""
 
     def getBackendName(self) -> str:
         return BACKEND
 
-    def _global(self, group_rank: int) -> int:
+    # torch keeps a group's name on its C++ backends, which a Python group has none of; device
+    # meshes (DTensor, FSDP2) find groups by these names (torch's registry maps name -> group)
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        """The name torch gave this group (``"0"`` for the default group)."""
+        return self._name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        """torch's description of this group (``"default_pg"``, ``"undefined"``...)."""
+        return self._desc
+
+    def _global(self, group_rank: int, arg: str) -> int:
+        if not 0 <= group_rank < len(self._ranks):
+            raise ValueError(
+                f"{arg}={group_rank} is not a rank of this group: it must be in [0, {len(self._ranks) - 1}]"
+            )
         return self._ranks[group_rank]
 
-    def _run(self, value: Any, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:
+    def _run(
+        self, value: Any, stage: _Stage, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any
+    ) -> Work:
+        if stage.back:
+            return Work(value)._start(stage.run, fn, *args)
         return Work(value)._start(fn, *args)
 
-    # -- reductions ------------------------------------------------------------------------
+    # -- reductions (bfloat16 is reduced as float32) -------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        op = _op(opts or dist.AllreduceOptions())
+        op, stage = _op(opts or dist.AllreduceOptions()), _Stage(widen=True)
+        t = stage(tensors[0])
         if self._engine:
-            return self._run(tensors, self._engine.all_reduce, tensors[0], op)
-        return self._run(tensors, arendez.all_reduce, tensors[0], op)
+            return self._run(tensors, stage, self._engine.all_reduce, t, op)
+        return self._run(tensors, stage, arendez.all_reduce, t, op)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         op = _op(opts or dist.AllreduceCoalescedOptions())
-        return self._run(tensors, self._coalesced, tensors, op)
+        return self._run(tensors, _Stage(), self._coalesced, tensors, op)
 
     async def _coalesced(self, tensors: list[torch.Tensor], op: arendez.ReduceOp) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -208,115 +277,133 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
             by_dtype.setdefault(t.dtype, []).append(t)
         for group in by_dtype.values():  # one collective per dtype, over a flat copy
             flat = torch.cat([t.reshape(-1) for t in group])
+            stage = _Stage(widen=True)
+            carried = stage(flat)
             if self._engine:
-                await self._engine.all_reduce(flat, op)
+                await stage.run(self._engine.all_reduce, carried, op)
             else:
-                await arendez.all_reduce(flat, op)
+                await stage.run(arendez.all_reduce, carried, op)
             offset = 0
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
-        op, root = _op(opts), self._global(opts.rootRank)
+        op, root, stage = _op(opts), self._global(opts.rootRank, "dst"), _Stage(widen=True)
+        t = stage(tensors[0])
         if self._engine:
-            return self._run(tensors, self._engine.reduce, tensors[0], root, op)
-        return self._run(tensors, arendez.reduce, tensors[0], root, op)
+            return self._run(tensors, stage, self._engine.reduce, t, root, op)
+        return self._run(tensors, stage, arendez.reduce, t, root, op)
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
     ) -> Work:
-        op = _op(opts)
+        op, stage = _op(opts), _Stage(widen=True)
+        out, ins = stage(outputs[0]), stage.all(inputs[0], out=False)
         if self._engine:
-            return self._run(outputs, self._engine.reduce_scatter, outputs[0], inputs[0], op)
-        return self._run(outputs, arendez.reduce_scatter, outputs[0], inputs[0], op)
+            return self._run(outputs, stage, self._engine.reduce_scatter, out, ins, op)
+        return self._run(outputs, stage, arendez.reduce_scatter, out, ins, op)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
-        op = _op(opts)
+        op, stage = _op(opts), _Stage(widen=True)
+        out, x = stage(output), stage(input, out=False)
         if self._engine:
-            parts = list(input.reshape(-1).chunk(self.size()))
-            return self._run([output], self._engine.reduce_scatter, output, parts, op)
-        return self._run([output], arendez.reduce_scatter_tensor, output, input, op)
+            parts = list(x.reshape(-1).chunk(self.size()))
+            return self._run([output], stage, self._engine.reduce_scatter, out, parts, op)
+        return self._run([output], stage, arendez.reduce_scatter_tensor, out, x, op)
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> Work:
-        op = _op(opts)
+        op, stage = _op(opts), _Stage(widen=True)
+        outs, ins = stage.all(outputs), stage.all(inputs, out=False)
 
         async def each() -> None:
-            for out, x in zip(outputs, inputs, strict=True):
+            for out, x in zip(outs, ins, strict=True):
                 if self._engine:
                     await self._engine.reduce_scatter(out, list(x.reshape(-1).chunk(self.size())), op)
                 else:
                     await arendez.reduce_scatter_tensor(out, x, op)
 
-        return self._run(outputs, each)
+        return self._run(outputs, stage, each)
 
-    # -- data movement ---------------------------------------------------------------------
+    # -- data movement (bfloat16 moves as its bits) --------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
-        root = self._global(opts.rootRank)
+        root, stage = self._global(opts.rootRank, "src"), _Stage()
+        t = stage(tensors[0])
         if self._engine:
-            return self._run(tensors, self._engine.broadcast, _raw(tensors[0]), root)
-        return self._run(tensors, arendez.broadcast, _raw(tensors[0]), root)
+            return self._run(tensors, stage, self._engine.broadcast, t, root)
+        return self._run(tensors, stage, arendez.broadcast, t, root)
 
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
-        outs, x = [_raw(t) for t in outputs[0]], _raw(inputs[0])
+        stage = _Stage()
+        outs, x = stage.all(outputs[0]), stage(inputs[0], out=False)
         if self._engine:
-            return self._run(outputs, self._engine.all_gather, outs, x)
-        return self._run(outputs, arendez.all_gather, outs, x)
+            return self._run(outputs, stage, self._engine.all_gather, outs, x)
+        return self._run(outputs, stage, arendez.all_gather, outs, x)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+        stage = _Stage()
+        out, x = stage(output), stage(input, out=False)
         if self._engine:
-            outs = list(_raw(output).reshape(-1).chunk(self.size()))
-            return self._run([output], self._engine.all_gather, outs, _raw(input))
-        return self._run([output], arendez.all_gather_into_tensor, _raw(output), _raw(input))
+            outs = list(out.reshape(-1).chunk(self.size()))
+            return self._run([output], stage, self._engine.all_gather, outs, x)
+        return self._run([output], stage, arendez.all_gather_into_tensor, out, x)
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
-        async def each() -> None:
-            for out, x in zip(outputs, inputs, strict=True):
-                if self._engine:
-                    await self._engine.all_gather(list(_raw(out).reshape(-1).chunk(self.size())), _raw(x))
-                else:
-                    await arendez.all_gather_into_tensor(_raw(out), _raw(x))
+        stage = _Stage()
+        outs, ins = stage.all(outputs), stage.all(inputs, out=False)
 
-        return self._run(outputs, each)
+        async def each() -> None:
+            for out, x in zip(outs, ins, strict=True):
+                if self._engine:
+                    await self._engine.all_gather(list(out.reshape(-1).chunk(self.size())), x)
+                else:
+                    await arendez.all_gather_into_tensor(out, x)
+
+        return self._run(outputs, stage, each)
 
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
-        async def each() -> None:
-            for outs, x in zip(outputs, inputs, strict=True):
-                raw = [_raw(t) for t in outs]
-                if self._engine:
-                    await self._engine.all_gather(raw, _raw(x))
-                else:
-                    await arendez.all_gather(raw, _raw(x))
+        stage = _Stage()
+        outs, ins = [stage.all(o) for o in outputs], stage.all(inputs, out=False)
 
-        return self._run(outputs, each)
+        async def each() -> None:
+            for raw, x in zip(outs, ins, strict=True):
+                if self._engine:
+                    await self._engine.all_gather(raw, x)
+                else:
+                    await arendez.all_gather(raw, x)
+
+        return self._run(outputs, stage, each)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:
-        root = self._global(opts.rootRank)
-        outs = [_raw(t) for t in outputs[0]] if outputs else None
+        root, stage = self._global(opts.rootRank, "dst"), _Stage()
+        outs = stage.all(outputs[0]) if outputs else None
+        x = stage(inputs[0], out=False)
         if self._engine:
-            return self._run(outputs, self._engine.gather, _raw(inputs[0]), outs, root)
-        return self._run(outputs, arendez.gather, _raw(inputs[0]), outs, root)
+            return self._run(outputs, stage, self._engine.gather, x, outs, root)
+        return self._run(outputs, stage, arendez.gather, x, outs, root)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
-        root = self._global(opts.rootRank)
-        ins = [_raw(t) for t in inputs[0]] if inputs else None
+        root, stage = self._global(opts.rootRank, "src"), _Stage()
+        ins = stage.all(inputs[0], out=False) if inputs else None
+        out = stage(outputs[0])
         if self._engine:
-            return self._run(outputs, self._engine.scatter, _raw(outputs[0]), ins, root)
-        return self._run(outputs, arendez.scatter, _raw(outputs[0]), ins, root)
+            return self._run(outputs, stage, self._engine.scatter, out, ins, root)
+        return self._run(outputs, stage, arendez.scatter, out, ins, root)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
-        outs, ins = [_raw(t) for t in outputs], [_raw(t) for t in inputs]
+        stage = _Stage()
+        outs, ins = stage.all(outputs), stage.all(inputs, out=False)
         if self._engine:
-            return self._run(outputs, self._engine.all_to_all, outs, ins)
-        return self._run(outputs, arendez.all_to_all, outs, ins)
+            return self._run(outputs, stage, self._engine.all_to_all, outs, ins)
+        return self._run(outputs, stage, arendez.all_to_all, outs, ins)
 
     def alltoall_base(
         self,
@@ -326,15 +413,18 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> Work:
+        stage = _Stage()
+        out, x = stage(output), stage(input, out=False)
         if self._engine:
-            outs = _rows(_raw(output), output_split_sizes, self.size())
-            ins = _rows(_raw(input), input_split_sizes, self.size())
-            return self._run([output], self._engine.all_to_all, outs, ins)
+            outs = _rows(out, output_split_sizes, self.size())
+            ins = _rows(x, input_split_sizes, self.size())
+            return self._run([output], stage, self._engine.all_to_all, outs, ins)
         return self._run(
             [output],
+            stage,
             arendez.all_to_all_single,
-            _raw(output),
-            _raw(input),
+            out,
+            x,
             output_split_sizes or None,
             input_split_sizes or None,
         )
@@ -349,18 +439,21 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
     def barrier(self, opts: Any = None) -> Work:
         if self._engine:
-            return self._run(None, self._engine.barrier)
-        return self._run(None, arendez.barrier)
+            return self._run(None, _Stage(), self._engine.barrier)
+        return self._run(None, _Stage(), arendez.barrier)
 
     # -- point to point (ranks are group ranks) ----------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
-        return self._run(tensors, arendez.send, _raw(tensors[0]), self._global(dst), None, tag)
+        peer, stage = self._global(dst, "dst"), _Stage()
+        return self._run(tensors, stage, arendez.send, stage(tensors[0], out=False), peer, None, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
-        return self._run(tensors, self._recv, _raw(tensors[0]), self._global(src), tag)
+        peer, stage = self._global(src, "src"), _Stage()
+        return self._run(tensors, stage, self._recv, stage(tensors[0]), peer, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        return self._run(None, self._recv, _raw(tensors[0]), None, tag)
+        stage = _Stage()
+        return self._run(None, stage, self._recv, stage(tensors[0]), None, tag)
 
     async def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         sender = await arendez.recv(tensor, src, None, tag)

@@ -123,3 +123,80 @@ def test_kill_9_during_ddp_fails_every_survivor_within_3s(tmp_path: Any) -> None
         assert out["runtime"], out  # a RuntimeError (subclass) through torch's reducer
         assert f"rank {victim}" in out["message"], out
         assert out["at"] - killed_at < 3.0, f"detected after {out['at'] - killed_at:.2f}s: {out}"
+
+
+def _tcp() -> str:
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+@pytest.mark.timeout(90)
+def test_device_mesh_and_dtensor_ops_on_named_groups() -> None:
+    """torch finds groups by name (init_device_mesh, DTensor); each group carries the name torch gave it."""
+    ws = 2
+    results = _run("device_mesh_dtensor", ws, _tcp())
+    full = torch.arange(4.0 * ws * 3).reshape(4 * ws, 3)
+    for rank, out in enumerate(results):
+        world, mesh_group, sub = out["names"]
+        assert world and mesh_group == world and sub and sub != world, out["names"]
+        assert out["desc"] == "default_pg"
+        assert out["local"] == full[4 * rank : 4 * rank + 4].tolist()
+        assert out["full"] == full.tolist()
+        assert out["sum"] == float(full.sum())
+        assert out["partial_to_replicate"] == [float(sum(range(1, ws + 1)))] * 3
+
+
+@pytest.mark.timeout(90)
+def test_fsdp2_training_matches_single_process_reference() -> None:
+    ws, steps = 2, 2
+    results = _run("fsdp2", ws, _tcp(), steps)
+    assert results[0] == results[1], "ranks ended with different full parameters"
+    for got, ref in zip(results[0], _reference(ws, steps), strict=True):
+        assert torch.allclose(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_out_of_range_dst_or_src_is_a_value_error_naming_it() -> None:
+    ws = 2
+    for out in _run("bad_rank_args", ws, _tcp()):
+        errors = out["errors"]
+        for name, arg, value in [
+            ("send", "dst", 5),
+            ("irecv", "src", 9),
+            ("broadcast", "src", 2),
+            ("reduce", "dst", 7),
+        ]:
+            assert (
+                errors[name] == f"ValueError: {arg}={value} is not a rank of this group: it must be in [0, 1]"
+            )
+        assert out["after"] == [2.0, 2.0]  # the group still works
+
+
+@pytest.mark.timeout(90)
+def test_non_contiguous_and_bfloat16_give_gloos_results() -> None:
+    """Each call on the arendez default group and an arendez subgroup equals gloo's on the same ranks."""
+    results = _run("strided_and_bf16", 2, _tcp())
+    for rank, out in enumerate(results):
+        names = sorted({key.split("/")[0] for key in out})
+        assert len(names) == 13, names
+        # gloo refuses a non-contiguous send/recv ("input tensor has to be contiguous"); arendez copies
+        sent = [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]] if rank == 1 else None
+        assert out["send_recv/arendez"] == out["send_recv/arendez_sub"] == sent
+        for name in names:
+            if name == "send_recv":
+                continue
+            want = out[f"{name}/gloo"]
+            assert not isinstance(want, str), f"gloo failed {name}: {want}"
+            assert out[f"{name}/arendez"] == want, (rank, name, out[f"{name}/arendez"], want)
+            assert out[f"{name}/arendez_sub"] == want, (rank, name, out[f"{name}/arendez_sub"], want)
+        # transposed 3x2 of rank r is [[10r, 10r+3], [10r+1, 10r+4], [10r+2, 10r+5]]; the sum over 2 ranks:
+        assert out["all_reduce/arendez"] == [[10.0, 16.0], [12.0, 18.0], [14.0, 20.0]]
+        assert out["bf16_sum/arendez"] == [True, [4.5, 5.0, 5.5, 6.0]]
+
+
+@pytest.mark.timeout(60)
+def test_work_wait_timeout_raises_and_the_call_goes_on() -> None:
+    results = _run("wait_timeout_then_result", 2, _tcp())
+    assert results[0]["raised"] == {"runtime": True, "timeout": True}
+    for out in results:
+        assert out["t"] == [3.0, 3.0, 3.0]
+        assert out["after"] == [2.0]

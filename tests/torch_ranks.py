@@ -290,6 +290,205 @@ def _every(rank: int, ws: int, ranks: list[int], group: Any) -> list[str]:
     return done
 
 
+@scenario
+def device_mesh_dtensor(rank: int, ws: int, init: str) -> dict[str, Any]:
+    """init_device_mesh, DTensor ops (a gather and a reduction) and group names."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    _init(rank, ws, init)
+    mesh = init_device_mesh("cpu", (ws,))
+    full = torch.arange(4.0 * ws * 3).reshape(4 * ws, 3)
+    d = distribute_tensor(full, mesh, [Shard(0)])
+    partial = DTensor.from_local(torch.full((3,), float(rank + 1)), mesh, [Partial()])
+    sub = dist.new_group(list(range(ws)), backend="arendez")
+    out = {
+        "names": [dist.group.WORLD.group_name, mesh.get_group().group_name, sub.group_name],
+        "desc": dist.group.WORLD.group_desc,
+        "local": d.to_local().tolist(),
+        "full": d.full_tensor().tolist(),
+        "sum": d.sum().full_tensor().item(),
+        "partial_to_replicate": partial.redistribute(mesh, [Replicate()]).to_local().tolist(),
+    }
+    dist.destroy_process_group()
+    return out
+
+
+@scenario
+def fsdp2(rank: int, ws: int, init: str, steps: int) -> list[list[float]]:
+    """FSDP2 ``fully_shard`` training on a CPU mesh; the full parameters after ``steps``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, ws, init)
+    mesh = init_device_mesh("cpu", (ws,))
+    model = mlp()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        train_step(model, opt, *batch(step, rank))
+    params = [p.full_tensor().detach().reshape(-1).tolist() for p in model.parameters()]  # type: ignore[operator]
+    dist.destroy_process_group()
+    return params
+
+
+@scenario
+def bad_rank_args(rank: int, ws: int, init: str) -> dict[str, Any]:
+    """Out-of-range dst/src in send, irecv, broadcast, reduce: the error each raises; then a collective."""
+    _init(rank, ws, init)
+    errors = {}
+    for name, call in [
+        ("send", lambda: dist.send(torch.ones(1), dst=ws + 3)),
+        ("irecv", lambda: dist.irecv(torch.ones(1), src=ws + 7)),
+        ("broadcast", lambda: dist.broadcast(torch.ones(1), src=ws)),
+        ("reduce", lambda: dist.reduce(torch.ones(1), dst=ws + 5)),
+    ]:
+        try:
+            call()
+            errors[name] = "returned"
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return {"errors": errors, "after": t.tolist()}
+
+
+def _strided_and_bf16_cases(rank: int, ws: int) -> dict[str, Callable[[Any], Any]]:
+    """Calls on non-contiguous and bfloat16 tensors, each returning what the caller sees."""
+
+    def nc(salt: int = 0) -> torch.Tensor:
+        return (torch.arange(6.0).reshape(2, 3) + 10 * rank + salt).t()  # 3x2, non-contiguous
+
+    def bf16(scale: float) -> torch.Tensor:
+        return (torch.arange(4.0) * scale + 1.5 * (rank + 1)).to(torch.bfloat16)
+
+    def broadcast(g: Any) -> Any:
+        x = nc()
+        dist.broadcast(x, src=ws - 1, group=g)
+        return x.tolist()
+
+    def all_reduce(g: Any) -> Any:
+        x = nc()
+        dist.all_reduce(x, group=g)
+        return x.tolist()
+
+    def all_reduce_async(g: Any) -> Any:
+        x = nc()
+        work = dist.all_reduce(x, op=dist.ReduceOp.MAX, group=g, async_op=True)
+        work.wait()
+        return x.tolist()
+
+    def reduce(g: Any) -> Any:
+        x = nc()
+        dist.reduce(x, dst=0, group=g)
+        return x.tolist() if rank == 0 else None  # torch leaves other ranks' tensors unspecified
+
+    def all_gather(g: Any) -> Any:
+        outs = [torch.zeros(2, 3).t() for _ in range(ws)]  # non-contiguous outputs and input
+        dist.all_gather(outs, nc(), group=g)
+        return [o.tolist() for o in outs]
+
+    def gather(g: Any) -> Any:
+        outs = [torch.zeros(2, 3).t() for _ in range(ws)] if rank == 0 else None
+        dist.gather(nc(), outs, dst=0, group=g)
+        return None if outs is None else [o.tolist() for o in outs]
+
+    def scatter(g: Any) -> Any:
+        out = torch.zeros(2, 3).t()
+        dist.scatter(out, [nc(s) for s in range(ws)] if rank == 0 else None, src=0, group=g)
+        return out.tolist()
+
+    def send_recv(g: Any) -> Any:
+        if rank == 0:
+            dist.send(nc(), dst=1, group=g)
+            return None
+        x = torch.zeros(2, 3).t()
+        if rank == 1:
+            dist.recv(x, src=0, group=g)
+        return x.tolist()
+
+    def bf16_sum(g: Any) -> Any:
+        x = bf16(0.25)
+        dist.all_reduce(x, group=g)
+        return [x.dtype == torch.bfloat16, x.tolist()]
+
+    def bf16_max(g: Any) -> Any:
+        x = bf16(1.0)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=g)
+        return x.tolist()
+
+    def bf16_strided_sum(g: Any) -> Any:
+        x = torch.stack([bf16(0.5), bf16(2.0)]).t()
+        dist.all_reduce(x, group=g)
+        return x.tolist()
+
+    def bf16_reduce_scatter(g: Any) -> Any:
+        out = torch.zeros(2, dtype=torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            x = (torch.arange(2.0 * ws) * 0.125 + 1.5 * (rank + 1)).to(torch.bfloat16)
+            dist.reduce_scatter_tensor(out, x, group=g)
+        return out.tolist()
+
+    def fp16_sum(g: Any) -> Any:
+        x = (torch.arange(4.0) * 0.25 + rank).to(torch.float16)
+        dist.all_reduce(x, group=g)
+        return x.tolist()
+
+    return {
+        "broadcast": broadcast, "all_reduce": all_reduce, "all_reduce_async": all_reduce_async,
+        "reduce": reduce, "all_gather": all_gather, "gather": gather, "scatter": scatter,
+        "send_recv": send_recv, "bf16_sum": bf16_sum, "bf16_max": bf16_max,
+        "bf16_strided_sum": bf16_strided_sum, "bf16_reduce_scatter": bf16_reduce_scatter,
+        "fp16_sum": fp16_sum,
+    }  # fmt: skip
+
+
+@scenario
+def strided_and_bf16(rank: int, ws: int, init: str) -> dict[str, Any]:
+    """Each case on the arendez default group, an arendez subgroup and a gloo group of the same ranks."""
+    _init(rank, ws, init)
+    sub = dist.new_group(list(range(ws)), backend="arendez")
+    gloo = dist.new_group(list(range(ws)), backend="gloo")
+    out: dict[str, Any] = {}
+    for name, case in _strided_and_bf16_cases(rank, ws).items():
+        for label, group in [("arendez", None), ("arendez_sub", sub), ("gloo", gloo)]:
+            try:
+                out[f"{name}/{label}"] = case(group)
+            except Exception as exc:
+                out[f"{name}/{label}"] = f"{type(exc).__name__}: {exc}"
+            dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@scenario
+def wait_timeout_then_result(rank: int, ws: int, init: str) -> dict[str, Any]:
+    """Rank 0's ``wait(timeout)`` expires while rank 1 sleeps; the call goes on, a later wait returns."""
+    from arendez.errors import WaitTimeoutError
+
+    _init(rank, ws, init)
+    t = torch.full((3,), float(rank + 1))
+    raised = None
+    if rank == 1:
+        time.sleep(1.0)
+    work = dist.all_reduce(t, async_op=True)
+    if rank == 0:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=0.2))
+        except WaitTimeoutError as exc:
+            raised = {"runtime": isinstance(exc, RuntimeError), "timeout": isinstance(exc, TimeoutError)}
+    assert work.wait() is True
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    dist.destroy_process_group()
+    return {"raised": raised, "t": t.tolist(), "after": after.tolist()}
+
+
 def main() -> None:
     name, rank, ws, init, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
