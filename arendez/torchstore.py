@@ -18,6 +18,7 @@ import arendez
 
 from .errors import RendezvousError
 from .loop import shared
+from .rendezvous import DEFAULT_PORT
 
 _TorchStore: Any = torch._C._distributed_c10d.Store
 _ALIVE: list[Any] = []  # Python stores handed to torch (see arendez_rendezvous)
@@ -44,13 +45,14 @@ class ServerStore(_TorchStore):  # type: ignore[misc]
     def __init__(self, url: str, timeout: float) -> None:
         super().__init__()
         parsed = urllib.parse.urlsplit(url)
-        if not parsed.hostname or not parsed.port:
-            raise RendezvousError(f"{url!r} needs host and port: arendez://[token@]host:port[/job]")
+        if not parsed.hostname:
+            raise RendezvousError(f"{url!r} names no host: arendez://[token@]host[:port][/job]")
+        port = parsed.port or DEFAULT_PORT  # (as the async and blocking APIs: the server's default)
         self.url = url
         self._timeout = timeout
         token = urllib.parse.unquote(parsed.username) if parsed.username else os.environ.get("ARENDEZ_TOKEN")
         self._store: Any = shared.call(
-            _open_store, parsed.hostname, parsed.port, parsed.path.strip("/") + "/torch", token, timeout
+            _open_store, parsed.hostname, port, parsed.path.strip("/") + "/torch", token, timeout
         )
 
     def _call(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
@@ -105,8 +107,12 @@ def arendez_rendezvous(
         world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
     except ValueError:
         raise RendezvousError(f"{url}: rank and world_size must be integers") from None
-    if rank < 0 or world_size < 1:
+    if rank == -1 or world_size == -1:
         raise RendezvousError(f"{url} needs rank and world_size (arguments or RANK / WORLD_SIZE)")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
     store = ServerStore(urllib.parse.urlunsplit(parsed._replace(query="")), timeout.total_seconds())
     _ALIVE.append(store)  # torch keeps only the C++ half: the Python half must outlive this frame
     yield store, rank, world_size

@@ -200,3 +200,22 @@ def test_work_wait_timeout_raises_and_the_call_goes_on() -> None:
     for out in results:
         assert out["t"] == [3.0, 3.0, 3.0]
         assert out["after"] == [2.0]
+
+
+@pytest.mark.timeout(30)
+def test_arendez_url_arguments_are_checked_as_the_other_apis_check_them(arendez_server: Any) -> None:
+    """world_size 0 and an out-of-range rank name the argument (as the async and blocking APIs
+    do); a URL without a host is refused by name; a good one reaches the server's store."""
+    from arendez.errors import RendezvousError
+    from arendez.torchstore import ServerStore, arendez_rendezvous
+
+    with pytest.raises(ValueError, match="world_size must be at least 1, got 0"):
+        next(arendez_rendezvous("arendez://127.0.0.1:1/j?rank=0&world_size=0"))
+    with pytest.raises(ValueError, match=r"rank must be in 0\.\.1, got 2"):
+        next(arendez_rendezvous("arendez://127.0.0.1:1/j?rank=2&world_size=2"))
+    with pytest.raises(RendezvousError, match="names no host"):
+        ServerStore("arendez:///j", 1.0)
+    store = ServerStore(f"arendez://127.0.0.1:{arendez_server.port}/ports", 10.0)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    store.close()
