@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-from . import transport, validate
+from . import handshake, transport, validate
 from .errors import (
     AuthenticationError,
     LimitError,
@@ -103,10 +103,10 @@ class BlockingStore:
             peer = f"{self.host}:{self.port}"
             self._set_wait(sock, self._connect_timeout)
             challenge = self._next(sock, time.monotonic(), self._connect_timeout)
-            reply, nonce = transport.answer_challenge(challenge, self._token, {"job": self.job}, peer)
+            reply, nonce = handshake.answer_challenge(challenge, self._token, {"job": self.job}, peer)
             sock.sendall(frame(self._packer.pack(reply)))
             welcome = self._next(sock, time.monotonic(), self._connect_timeout)
-            transport.check_welcome(welcome, self._token, nonce, peer)
+            handshake.check_welcome(welcome, self._token, nonce, peer)
             if welcome.get("store") != STORE_PROTOCOL:
                 raise ProtocolError(
                     f"the store at {peer} speaks store protocol {welcome.get('store', 1)}, "

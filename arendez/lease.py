@@ -19,7 +19,7 @@ import ssl as _ssl
 import threading
 from typing import Any
 
-from . import transport, wire
+from . import handshake, transport, wire
 from .errors import ArendezError, AuthenticationError, RendezvousError
 from .transports import local
 
@@ -102,9 +102,9 @@ class LeaseKeeper:
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self._where[0])
             conn = _FrameSocket(sock)
-            reply, nonce = transport.answer_challenge(conn.recv(), self._token, {"job": ""}, self._where)
+            reply, nonce = handshake.answer_challenge(conn.recv(), self._token, {"job": ""}, self._where)
             conn.send(reply)
-            transport.check_welcome(conn.recv(), self._token, nonce, self._where)
+            handshake.check_welcome(conn.recv(), self._token, nonce, self._where)
             conn.send({"op": "lease", "id": 0, "key": self.key})
             answer = conn.recv()
             if isinstance(answer, dict) and "error" in answer:

@@ -22,8 +22,8 @@ from typing import Any
 
 import msgpack
 
+from . import handshake, transport, validate, wire
 from . import lease as _lease
-from . import transport, validate, wire
 from .errors import (
     AuthenticationError,
     LimitError,
@@ -160,7 +160,7 @@ class Store:
             self.host, self.port, ssl=self._ssl, timeout=_OPEN_TIMEOUT, limits=_REPLY_LIMITS
         )
         try:
-            welcome = await transport.client_handshake(conn, self._token, {"job": self.job}, _OPEN_TIMEOUT)
+            welcome = await handshake.client_handshake(conn, self._token, {"job": self.job}, _OPEN_TIMEOUT)
             if welcome.get("store") != STORE_PROTOCOL:
                 raise ProtocolError(
                     f"the store at {self.host}:{self.port} speaks store protocol {welcome.get('store', 1)}, "

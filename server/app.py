@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from arendez import transport, wire
+from arendez import handshake, transport, wire
 from arendez.errors import (
     ArendezError,
     AuthenticationError,
@@ -173,7 +173,7 @@ class Server:
             log.warning("%s", refused)
             conn.fail(refused, tell_peer=True)  # sent in place of the challenge
             return
-        challenge, conn.nonce = transport.make_challenge(self.config.token)
+        challenge, conn.nonce = handshake.make_challenge(self.config.token)
         conn.deadline = time.monotonic() + self.config.handshake_timeout
         self.admission.handshaking.add(conn)
         conn.send(challenge)
@@ -184,7 +184,7 @@ class Server:
             return
         self.admission.handshaking.discard(conn)
         try:
-            welcome = transport.answer_hello(hello, cfg.token, conn.nonce, {"store": STORE_PROTOCOL})
+            welcome = handshake.answer_hello(hello, cfg.token, conn.nonce, {"store": STORE_PROTOCOL})
             job = hello.get("job", "")
             if not isinstance(job, str) or len(job) > 256:
                 raise ProtocolError("job name must be a string of at most 256 characters")

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from arendez import transport
+from arendez import handshake, transport
 from arendez.errors import LimitError
 from arendez.transports import tcp
 from tests.harness import (
@@ -108,7 +108,7 @@ async def test_connections_past_the_limits_are_refused_naming_the_limit() -> Non
         # a dialer sees the refusal as an error naming the limit
         conn = await transport.open_connection("127.0.0.1", port)
         with pytest.raises(LimitError, match="ARENDEZ_PEER_MAX_PENDING_PER_HOST"):
-            await transport.client_handshake(conn, None, {"rank": 1, "round": b""}, 2.0)
+            await handshake.client_handshake(conn, None, {"rank": 1, "round": b""}, 2.0)
         conn.abort()
         # the silent ones are dropped after the pre-handshake time, and the slots free up
         loop = asyncio.get_running_loop()

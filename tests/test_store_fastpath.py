@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 import arendez as dist
-from arendez import transport
+from arendez import handshake
 from arendez.blocking_store import BlockingStore
 from arendez.errors import StoreTimeoutError
 from arendez.store_wire import STORE_PROTOCOL, HeaderReader
@@ -159,11 +159,11 @@ async def test_a_server_without_the_compact_form_is_named():
     """A server whose welcome does not announce store protocol 2 is refused by both clients."""
 
     async def old_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        challenge, _ = transport.make_challenge(None)
+        challenge, _ = handshake.make_challenge(None)
         writer.write(raw_frame(challenge))
         hlen, _ = struct.unpack("<IQ", await reader.readexactly(12))
         hello = msgpack.unpackb(await reader.readexactly(hlen))
-        writer.write(raw_frame(transport.answer_hello(hello, None, challenge["nonce"])))
+        writer.write(raw_frame(handshake.answer_hello(hello, None, challenge["nonce"])))
         await reader.read()
 
     listener = await asyncio.start_server(old_server, "127.0.0.1", 0)

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import frames, transport, wire
+from .. import frames, handshake, transport, wire
 from ..errors import AuthenticationError, LimitError, ProtocolError, RendezvousError
 from ..settings import env_int
 from . import local
@@ -196,7 +196,7 @@ class Mesh:
                     conn.fail(refused, tell_peer=True)
                     return
                 self._pending[host] += 1
-                hello = await transport.server_handshake(conn, self._token, self._handshake_timeout)
+                hello = await handshake.server_handshake(conn, self._token, self._handshake_timeout)
                 nonce = await asyncio.shield(self._round)
                 peer = hello.get("rank")
                 if hello.get("round") != nonce:
@@ -394,7 +394,7 @@ class Mesh:
             # Once it answers it has adopted the connection: giving up before that could
             # break a connection the peer already counts as up (its own handshake
             # deadline guards it), so wait for the answer to the caller's deadline.
-            await transport.client_handshake(conn, self._token, hello, self._dial_timeout)
+            await handshake.client_handshake(conn, self._token, hello, self._dial_timeout)
             answer, _ = await conn.recv(self._dial_timeout)
             if not isinstance(answer, dict) or answer.get("rank") != peer:
                 raise ProtocolError(f"{address} is not rank {peer}: {answer!r:.80}")
