@@ -30,7 +30,7 @@ from .errors import (
     StoreError,
     StoreTimeoutError,
 )
-from .store_wire import STORE_PROTOCOL, HeaderReader, frame
+from .store_wire import MAX_REQUEST, STORE_PROTOCOL, HeaderReader, check_request_size, frame
 from .transports import local
 
 _REPLY_LIMIT = 64 << 20  # replies carry values in their header (server bound: 1 MiB by default)
@@ -175,6 +175,8 @@ class BlockingStore:
         self._id += 1
         rid = self._id
         data = frame(self._packer.pack([op, rid, *args]))
+        if len(data) > MAX_REQUEST:
+            check_request_size(op, len(data))
         try:
             # the socket's timeout only has to be no longer than the call's budget: a shorter
             # one wakes a long wait up now and then (``_next`` waits on), and changes rarely

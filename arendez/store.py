@@ -32,7 +32,7 @@ from .errors import (
     StoreError,
     StoreTimeoutError,
 )
-from .store_wire import STORE_PROTOCOL, frame
+from .store_wire import MAX_REQUEST, STORE_PROTOCOL, check_request_size, frame
 
 log = logging.getLogger("arendez.store")
 
@@ -382,7 +382,10 @@ class Store:
 
         def encode(rid: int, left: float | None) -> list[bytes | memoryview]:
             tail = () if left is None else (left,)
-            return [frame(self._packer.pack([op, rid, *args, *tail]))]
+            data = frame(self._packer.pack([op, rid, *args, *tail]))
+            if len(data) > MAX_REQUEST:
+                check_request_size(op, len(data))
+            return [data]
 
         return await self._request(op, timeout, wait, encode)
 

@@ -18,11 +18,27 @@ from typing import Any
 
 import msgpack
 
-from .errors import ProtocolError
+from .errors import LimitError, ProtocolError
 from .wire import PREFIX
 
 #: Version of the store's request forms, announced in the server's welcome.
 STORE_PROTOCOL = 2
+
+#: The server's default bounds on one key, one value, and so on one request's frame (a larger
+#: frame ends the connection as a protocol error: clients refuse to send one, naming the limit).
+MAX_KEY = 4096
+MAX_VALUE = 1 << 20
+MAX_REQUEST = MAX_VALUE + MAX_KEY + 4096
+
+
+def check_request_size(op: str, nbytes: int) -> None:
+    """``LimitError`` if a request of ``nbytes`` would exceed the server's frame limit."""
+    if nbytes > MAX_REQUEST:
+        raise LimitError(
+            f"store {op} request of {nbytes} bytes exceeds the server's limit of {MAX_REQUEST} bytes "
+            f"per request (a value may hold up to {MAX_VALUE} bytes; split a larger multi_set)"
+        )
+
 
 #: Arguments of each compact operation, in order (``timeout``: seconds the server may wait).
 OPS: dict[str, tuple[str, ...]] = {

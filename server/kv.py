@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from arendez.errors import StoreError
+from arendez.errors import LimitError, StoreError
 
 from .limits import StateLimits
 
@@ -22,11 +22,13 @@ class KeyValueStore:
     nbytes: int = 0  # keys + values held
 
     def _check_key(self, key: object) -> str:
-        if not isinstance(key, str) or not key:
-            raise StoreError(f"store key must be a non-empty string, got {key!r:.80}")
+        if not isinstance(key, str):  # ("" is a key, as in torch's stores)
+            raise StoreError(f"store key must be a string, got {key!r:.80}")
         size = len(key) if key.isascii() else len(key.encode())
         if size > self.limits.max_key:
-            raise StoreError(f"store key of {size} bytes exceeds {self.limits.max_key}")
+            raise LimitError(
+                f"store key of {size} bytes exceeds the server's limit of {self.limits.max_key} bytes"
+            )
         return key
 
     def _check_value(self, value: object) -> bytes:
@@ -36,16 +38,23 @@ class KeyValueStore:
             if not isinstance(value, bytes):
                 raise StoreError(f"store value must be bytes or str, got {type(value).__name__}")
         if len(value) > self.limits.max_value:
-            raise StoreError(f"store value of {len(value)} bytes exceeds {self.limits.max_value}")
+            limit = self.limits.max_value
+            raise LimitError(f"store value of {len(value)} bytes exceeds the server's limit of {limit} bytes")
         return value
 
     def _put(self, key: str, value: bytes) -> None:
         old = self.kv.get(key)
         if old is None and len(self.kv) >= self.limits.max_keys_per_job:
-            raise StoreError(f"job {self.name!r} already holds {self.limits.max_keys_per_job} keys")
+            raise LimitError(
+                f"job {self.name!r} already holds {self.limits.max_keys_per_job} keys "
+                "(limit: arendez-server --max-keys-per-job)"
+            )
         grown = self.nbytes + len(value) - (len(old) if old is not None else -len(key))
         if grown > self.limits.max_bytes_per_job:
-            raise StoreError(f"job {self.name!r} would hold more than {self.limits.max_bytes_per_job} bytes")
+            raise LimitError(
+                f"job {self.name!r} would hold more than {self.limits.max_bytes_per_job} bytes "
+                "(limit: arendez-server --max-bytes-per-job)"
+            )
         self.kv[key] = value
         self.nbytes = grown
 

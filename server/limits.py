@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from arendez.store_wire import MAX_KEY, MAX_VALUE
+
 
 @dataclass(frozen=True)
 class StateLimits:
-    max_key: int = 4096
-    max_value: int = 1 << 20
+    max_key: int = MAX_KEY
+    max_value: int = MAX_VALUE
     max_keys_per_job: int = 100_000
     max_bytes_per_job: int = 256 << 20
     max_jobs: int = 10_000

@@ -10,7 +10,7 @@ import os
 import weakref
 from dataclasses import dataclass, field
 
-from arendez.errors import RendezvousError, StoreError
+from arendez.errors import LimitError, RendezvousError
 
 from .kv import KeyValueStore
 from .limits import StateLimits
@@ -39,7 +39,10 @@ class Job(KeyValueStore):
         complete, so the member's lease clock starts only when something can renew it.
         """
         if not isinstance(world_size, int) or not 1 <= world_size <= self.limits.max_world_size:
-            raise RendezvousError(f"world_size must be in 1..{self.limits.max_world_size}")
+            raise RendezvousError(
+                f"world_size must be in 1..{self.limits.max_world_size} "
+                "(limit: arendez-server --max-world-size)"
+            )
         forming = self.forming
         if forming is None:
             forming = self.forming = Round(world_size)
@@ -283,7 +286,9 @@ class ServerState:
         job = self.jobs.get(name)
         if job is None:
             if len(self.jobs) >= self.limits.max_jobs:
-                raise StoreError(f"server already holds {self.limits.max_jobs} jobs")
+                raise LimitError(
+                    f"server already holds {self.limits.max_jobs} jobs (limit: arendez-server --max-jobs)"
+                )
             job = self.jobs[name] = Job(name, self.limits)
         return job
 

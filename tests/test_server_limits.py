@@ -82,3 +82,48 @@ def test_limit_options_must_be_positive():
         timeout=20,
     )
     assert res.returncode == 2 and "--max-connections must be at least 1" in res.stderr
+
+
+@pytest.mark.timeout(60)
+async def test_state_limits_are_limit_errors_naming_their_option_and_fail_at_once():
+    """A full job count, a full key count and a too-large world size each name the option that
+    sets them; a rank joining a server that holds its most jobs fails at once, not at its timeout."""
+    srv = start_server("--max-jobs", "1", "--max-keys-per-job", "2", "--max-world-size", "4")
+    try:
+        first = await dist.Store("127.0.0.1", srv.port, "first", timeout=5).connect()
+        await first.set("a", "1")
+        await first.set("b", "2")
+        with pytest.raises(dist.LimitError, match="--max-keys-per-job"):
+            await first.set("c", "3")
+        with pytest.raises(dist.RendezvousError, match="--max-world-size"):
+            await first.join(5, 0, "127.0.0.1:1", timeout=2)
+        started = time.monotonic()
+        with pytest.raises(dist.LimitError, match="--max-jobs"):
+            await dist.init_process_group(init_method=f"{srv.url}/second", world_size=2, rank=0, timeout=20)
+        assert time.monotonic() - started < 5  # (the timeout is 20 s)
+        assert not dist.is_initialized()
+        await first.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_a_value_past_the_servers_limit_is_refused_by_name_and_the_client_goes_on():
+    """A 2 MiB value would end the connection as a protocol error at the server; every client
+    refuses to send it, naming the limit, and its connection stays usable. "" is a key (as in torch)."""
+    srv = start_server()
+    try:
+        store = await dist.Store("127.0.0.1", srv.port, "big", timeout=5).connect()
+        with pytest.raises(dist.LimitError, match=r"exceeds the server's limit of \d+ bytes per request"):
+            await store.set("k", b"x" * (2 << 20))
+        await store.set("", b"empty key")
+        assert await store.get("") == b"empty key"
+        await store.close()
+        blocking = dist.BlockingStore("127.0.0.1", srv.port, "big")
+        with pytest.raises(dist.LimitError, match="a value may hold up to 1048576 bytes"):
+            blocking.set("k", b"x" * (2 << 20))
+        blocking.set("k", b"x" * 1000)
+        assert blocking.get("k") == b"x" * 1000
+        blocking.close()
+    finally:
+        srv.stop()

@@ -113,7 +113,7 @@ def test_compact_requests_batched_in_one_write_answered_in_order(arendez_server)
     assert got[:3] == [[1, None], [2, 5], [3, b"1"]]
     assert got[3]["id"] == 4 and got[3]["error"] == "StoreError"
     assert "set takes 2 argument(s) (key, value), got 1" in got[3]["message"]
-    assert got[4]["id"] == 5 and "exceeds 4096" in got[4]["message"]
+    assert got[4]["id"] == 5 and "limit of 4096 bytes" in got[4]["message"]
     assert got[5:11] == [[6, None], [7, [b"X", b"Y", b"1"]], [8, b"2"], [9, False], [10, 4], [11, True]]
     assert got[11] == {"id": 12, "ok": b"Y"}  # map form, map reply
 
