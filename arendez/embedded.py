@@ -40,25 +40,30 @@ class _Hosted:
     token: str | None
     tls: bool
     holder: asyncio.Task[None] | None = None
+    pinned: bool = False  # a master ``TCPStore`` of this process serves on it: never released
 
 
 _hosted: dict[int, _Hosted] = {}  # by the port the caller asked for
 
 
-async def acquire(host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None) -> Any:
+async def acquire(
+    host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None, *, pinned: bool = False
+) -> Any:
     """The process's embedded server on ``port``: the running one, or a new one if there is none
-    (or it was started by another event loop or with another host/token/TLS setting)."""
+    (or it was started by another event loop or with another host/token/TLS setting). ``pinned``:
+    a master ``TCPStore`` serves on it, so a world joining it as a client does not ``release`` it."""
     loop = asyncio.get_running_loop()
     current = _hosted.get(port) if port else None  # port 0: always a new server, on a free port
     if current is not None:
         alive = current.holder is not None and not current.holder.done()
         same = (current.host, current.token, current.tls) == (host, token, ssl is not None)
         if alive and same and current.loop is loop:
+            current.pinned = current.pinned or pinned
             return current.server
         await _retire(current, loop)
     server = await _start(host, port, token, ssl)
     port = server.port
-    entry = _hosted[port] = _Hosted(server, loop, host, token, ssl is not None)
+    entry = _hosted[port] = _Hosted(server, loop, host, token, ssl is not None, pinned=pinned)
     entry.holder = loop.create_task(_hold(port, entry), name=f"arendez-embedded-server-{port}")
     return server
 
@@ -66,7 +71,7 @@ async def acquire(host: str, port: int, token: str | None, ssl: _ssl.SSLContext 
 async def release(port: int, timeout: float = 2.0) -> None:
     """Close this process's embedded server on ``port``, if any: another rank hosts it now."""
     entry = _hosted.get(port)
-    if entry is not None:
+    if entry is not None and not entry.pinned:
         await _retire(entry, asyncio.get_running_loop(), timeout)
 
 

@@ -20,7 +20,8 @@ from . import compat, farewell, flightrec
 from .errors import *  # noqa: F403 - the same error names as the async API
 from .loop import Completion, shared
 from .registry import seconds
-from .syncstore import FileStore, HashStore, PrefixStore, Store, TCPStore
+from .syncstore import FileStore, HashStore, PrefixStore, Store, TCPStore, meeting_point
+from .syncstore import Store as SyncStore
 
 Backend = compat.Backend
 GroupMember = api.GroupMember
@@ -108,8 +109,14 @@ _init_process_group = _blocking(api.init_process_group)  # (a world left up is c
 
 @functools.wraps(api.init_process_group)
 def init_process_group(*args: Any, **kwargs: Any) -> Any:
+    """As ``arendez.init_process_group``, blocking; ``store=`` also takes this module's
+    ``TCPStore`` (or a ``PrefixStore`` over one): the ranks meet on its server."""
     flightrec.install_signal_handler()  # (from this thread: the loop thread cannot install them)
     farewell.install_sigterm_handler()
+    store = kwargs.get("store")
+    if isinstance(store, SyncStore):  # (the world joins, and later leaves, that server's job)
+        host, port, job = meeting_point(kwargs.pop("store"))
+        kwargs["init_method"] = f"arendez://{'[' + host + ']' if ':' in host else host}:{port}/{job}"
     return _init_process_group(*args, **kwargs)
 
 

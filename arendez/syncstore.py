@@ -65,6 +65,17 @@ class Store:
     def num_keys(self) -> int:
         raise NotImplementedError
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys``, in order (one ``get`` each unless a store does better)."""
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        """Set each of ``keys`` to its value in ``values`` (one ``set`` each unless a store does better)."""
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
+
 
 class TCPStore(Store):
     """torch's ``TCPStore``: a client of an arendez store server at ``host_name:port``;
@@ -96,7 +107,7 @@ class TCPStore(Store):
             )
         limit = seconds(timeout, 300.0)
         if is_master:
-            server = shared.call(embedded.acquire, host_name, port, None, None)
+            server = shared.call(embedded.acquire, host_name, port, None, None, pinned=True)
             port = int(server.port)
         self.host, self.port, self.world_size, self.timeout = host_name, port, world_size, timeout
         self._store = BlockingStore(host_name, port, _JOB, timeout=limit)
@@ -257,6 +268,17 @@ class PrefixStore(Store):
     def __init__(self, prefix: str, store: Store) -> None:
         self.prefix, self.underlying_store = prefix, store
 
+    def meeting_point(self) -> tuple[str, int, str]:
+        """The underlying ``TCPStore``'s, in a job of this prefix (a world per prefix)."""
+        host, port, job = meeting_point(self.underlying_store)
+        return host, port, f"{job}/{self.prefix}"
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self.underlying_store.multi_get([self._k(k) for k in keys])
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self.underlying_store.multi_set([self._k(k) for k in keys], values)
+
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}"
 
@@ -283,6 +305,19 @@ class PrefixStore(Store):
 
     def num_keys(self) -> int:
         return self.underlying_store.num_keys()
+
+
+def meeting_point(store: Store) -> tuple[str, int, str]:
+    """Where ``init_process_group(store=store)`` meets: the server and job of a ``TCPStore``
+    (or a ``PrefixStore`` over one); a ``TypeError`` for stores of one process."""
+    if isinstance(store, TCPStore):
+        return store.host, int(store.port), _JOB
+    if isinstance(store, PrefixStore):
+        return store.meeting_point()
+    raise TypeError(
+        f"init_process_group(store=...) takes an arendez.sync.TCPStore (or a PrefixStore over one), "
+        f"got {type(store).__name__}: its ranks meet on that store's server"
+    )
 
 
 class FileStore(Store):

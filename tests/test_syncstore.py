@@ -97,3 +97,30 @@ def test_a_thousand_clients_against_one_server() -> None:
         finally:
             for store in stores:
                 store.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("prefix", ["-", "job-a"])
+def test_a_tcpstore_is_where_a_blocking_world_meets(prefix: str) -> None:
+    """``init_process_group(store=TCPStore(...))`` (or a PrefixStore over one), as torch scripts
+    pass their store: the ranks meet on its server and the store keeps working beside the world."""
+    import json
+    import socket
+    import sys
+    from pathlib import Path
+
+    from tests.harness import collect, popen
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    script = str(Path(__file__).parent / "scripts" / "sync_store_init.py")
+    results = collect([popen([sys.executable, script, str(r), port, prefix]) for r in range(2)], 40)
+    for res in results:
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert json.loads(res.stdout.strip().splitlines()[-1]) == {"sum": 3.0, "seen": "1"}
+
+
+def test_a_store_of_one_process_cannot_be_where_a_world_meets() -> None:
+    with pytest.raises(TypeError, match=r"takes an arendez.sync.TCPStore .* got HashStore"):
+        sync.init_process_group("gloo", store=sync.HashStore(), rank=0, world_size=2)
