@@ -4,10 +4,10 @@
 port (unless ``--server`` names one), then four ``python train.py --lr 0.1`` processes with
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``ARENDEZ_URL`` set, so the
 script's ``await arendez.init_process_group()`` joins through ``env://``. Every output line is
-prefixed with ``[rank K]``. The first rank to fail decides the exit code and the others are
-terminated; SIGINT/SIGTERM are forwarded to every rank. Each rank runs in its own session, so
-its children are killed with it, and a watchdog (``arendez.watchdog``) stops every session if
-the launcher itself is killed: nothing outlives the launcher.
+prefixed with ``[rank K]``. The first rank to fail (``arendez.blame``) decides the exit code and
+the others are terminated; SIGINT/SIGTERM are forwarded to every rank. Each rank runs in its own
+session, so its children are killed with it, and a watchdog (``arendez.watchdog``) stops every
+session if the launcher itself is killed: nothing outlives the launcher.
 
 Elastic (``--max-restarts K`` and/or ``--min-nproc M``): the ranks get ``ARENDEZ_MIN_WORLD_SIZE``
 (``WORLD_SIZE`` is the max) and join elastic rounds (``arendez.elastic``); a rank that fails is
@@ -20,20 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import os
 import secrets
 import shutil
 import signal
 import sys
 import tempfile
-import time
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from . import children, errorfile, validate
+from . import blame, children, errorfile, validate
 
 T = TypeVar("T")
 
@@ -164,99 +162,9 @@ async def _server_url(server: children.Child, timeout: float = 30.0) -> str:
     return text.rsplit(" ", 1)[-1]
 
 
-#: Seconds to wait, once a rank failed, for the rank that noted an earlier failure to end.
-SETTLE = 2.0
-
-
-@dataclass(frozen=True)
-class Blame:
-    """The rank that failed first: its exit status and, if it noted one, why."""
-
-    rank: int
-    returncode: int
-    why: str | None
-
-
-def _earliest(
-    ranks: Sequence[children.Child], reaped: dict[int, int], notes: Sequence[str], now: float
-) -> tuple[int, str | None] | None:
-    """The rank whose failure came first: by its own note (``arendez.errorfile``) or its exit,
-    whichever is earlier; ranks that ended with 0 did not fail."""
-    best: tuple[float, int, str | None] | None = None
-    for rank, child in enumerate(ranks):
-        if reaped.get(rank) == 0:
-            continue
-        note = errorfile.read(notes[rank]) if notes else None
-        times = [note.time] if note is not None else []
-        if reaped.get(rank, 0) != 0:
-            times.append(child.ended or now)
-        if times and (best is None or min(times) < best[0]):
-            best = (min(times), rank, note.why if note is not None else None)
-    return None if best is None else best[1:]
-
-
-async def _first_failure(ranks: Sequence[children.Child], notes: Sequence[str] = ()) -> Blame | None:
-    """Wait for the ranks: the one that failed first, or None when all succeed.
-
-    Not simply the first to exit: the ranks that fail on the news of a failure may end before
-    the rank that failed. Once any rank failed, the one with the earliest failure (``_earliest``)
-    gets up to ``SETTLE`` seconds to end and is blamed.
-    """
-    loop = asyncio.get_running_loop()
-    reaped: dict[int, int] = {}
-    changed = asyncio.Event()
-
-    def on_exit(rank: int, fut: asyncio.Future[int]) -> None:
-        if not fut.cancelled():
-            reaped[rank] = fut.result()
-            changed.set()
-
-    waits = [asyncio.ensure_future(r.proc.wait()) for r in ranks]
-    for rank, fut in enumerate(waits):
-        fut.add_done_callback(functools.partial(on_exit, rank))
-    try:
-        while not any(reaped.values()):
-            if len(reaped) == len(ranks):
-                return None
-            await changed.wait()
-            changed.clear()
-        deadline = loop.time() + SETTLE
-        while True:
-            first = _earliest(ranks, reaped, notes, time.time())
-            assert first is not None  # a rank failed
-            rank, why = first
-            if rank in reaped:
-                return Blame(rank, reaped[rank], why)
-            if loop.time() >= deadline:  # it noted a failure but does not end: blame the exits
-                exited = _earliest(ranks, reaped, (), time.time())
-                assert exited is not None
-                return Blame(exited[0], reaped[exited[0]], None)
-            await children.until(changed, deadline - loop.time())
-            changed.clear()
-    finally:
-        for fut in waits:
-            fut.cancel()
-
-
-async def _unreachable(url: str, timeout: float = 2.0) -> str | None:
-    """Why the arendez server of ``url`` cannot be reached (a TCP connect), or None if it can."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "arendez" or parts.hostname is None:
-        return None  # (etcd: its client says what is wrong)
-    try:
-        port = parts.port or 0
-        _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), timeout)
-    except (OSError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    except TimeoutError:
-        return f"no answer in {timeout:g} s"
-    writer.close()
-    return None
-
-
 async def _explain_unreachable(url: str) -> None:
     """After a failed run against ``--server``: say so if that server cannot be reached."""
-    why = await _unreachable(url)
+    why = await blame.server_unreachable(url)
     if why is not None:
         _say(f"the server at {url} cannot be reached ({why}): the ranks could not join")
 
@@ -454,7 +362,7 @@ async def _run(args: argparse.Namespace) -> int:
                 if supervised.result() != 0 and args.server:
                     await _explain_unreachable(url)
                 return supervised.result()
-        outcome = await _unless(stop, asyncio.ensure_future(_first_failure(ranks, notes)))
+        outcome = await _unless(stop, asyncio.ensure_future(blame.first_failure(ranks, notes)))
         if stop.is_set():
             signum = received[0]
             _say(f"got {signal.Signals(signum).name}; forwarding it to {len(ranks)} rank(s)")

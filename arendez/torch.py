@@ -8,10 +8,10 @@ CPU collective and DDP on arendez. How it is wired:
   Python constructor in torch 2.13, so the registered creator returns the ``ProcessGroup``
   itself; torch then uses it as the group object, and DDP's C++ reducer calls its ``allreduce``.
 - Every call is started on arendez's one loop thread (``arendez.loop.shared``) with one
-  ``call_soon_threadsafe``; it returns a ``Work`` whose ``wait()`` blocks on a lock (the GIL is
-  released) and whose ``get_future()`` is a ``torch.futures.Future`` completed by the loop thread.
-  Calls are started in the order torch's threads make them, which is what arendez matches
-  collectives by.
+  ``call_soon_threadsafe``; it returns a ``Work`` (``arendez.torchwork``) whose ``wait()`` blocks
+  on a lock (the GIL is released) and whose ``get_future()`` is a ``torch.futures.Future``
+  completed by the loop thread. Calls are started in the order torch's threads make them, which
+  is what arendez matches collectives by.
 - Rendezvous: torch builds its store from ``env://``/``tcp://`` (or takes the ``store=`` you
   pass). Rank 0 then starts an arendez server in the loop thread on the store's host and
   publishes ``arendez://token@host:port/job`` in that store; every rank joins through it (leases,
@@ -24,7 +24,8 @@ CPU collective and DDP on arendez. How it is wired:
 - Group names: torch keeps a group's name on its C++ backends, which a Python group has none of,
   so the group keeps the name itself; device meshes (DTensor, FSDP2) look groups up by name.
 - Tensors arendez cannot carry as they are (non-contiguous; bfloat16 in a reduction) travel as
-  contiguous (float32) copies that are copied back into the caller's tensors (``_Stage``).
+  contiguous (float32) copies that are copied back into the caller's tensors
+  (``arendez.torchstage``).
 - ``arendez://`` init and the torch ``Store`` kept on an arendez server: ``arendez.torchstore``.
 - ``destroy_process_group()`` calls ``shutdown()``, which destroys the arendez world (drain, then
   close); the rank hosting the embedded server keeps it up until the others have left.
@@ -38,7 +39,6 @@ import hashlib
 import importlib
 import os
 import secrets
-import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -48,15 +48,16 @@ import torch.distributed as dist
 import arendez
 
 from . import farewell
-from .errors import RendezvousError, WaitTimeoutError
-from .loop import Completion, shared
+from .errors import RendezvousError
+from .loop import shared
+from .torchstage import Stage, split_rows
 from .torchstore import ServerStore, arendez_rendezvous, close_stores, seconds
 from .torchsub import Direct
+from .torchwork import Work, start
 
-# torch's stubs type these classes' virtual methods with overloads our trampoline overrides do not
-# mirror; they are subclassed through Any aliases (the overrides are exercised by the tests).
+# torch's stubs type this class's virtual methods with overloads our trampoline overrides do not
+# mirror; it is subclassed through an Any alias (the overrides are exercised by the tests).
 _TorchProcessGroup: Any = dist.ProcessGroup
-_TorchWork: Any = dist.Work
 _PrefixStore: Any = torch._C._distributed_c10d.PrefixStore
 
 BACKEND = "arendez"
@@ -74,8 +75,6 @@ _OPS = {  # keyed by torch's op kind (a dict hit, not a name lookup per call)
     _KIND.BOR: arendez.ReduceOp.BOR,
     _KIND.BXOR: arendez.ReduceOp.BXOR,
 }
-_RAW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: it travels as its bits
-_WIDEN = (torch.bfloat16,)  # ... and is reduced as float32
 
 
 def _op(opts: Any) -> arendez.ReduceOp:
@@ -85,130 +84,6 @@ def _op(opts: Any) -> arendez.ReduceOp:
         names = [k.name for k in _OPS]
         raise ValueError(f"ReduceOp.{kind.name} is not supported by the arendez backend; use one of {names}")
     return found
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """A view arendez can carry without reducing (bfloat16 travels as int16 bits)."""
-    return t.view(_RAW[t.dtype]) if t.dtype in _RAW else t
-
-
-class Work(_TorchWork):  # type: ignore[misc]
-    """torch ``Work`` over one arendez call on the loop thread."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__()
-        self._value = value
-        self._done: Completion | None = None
-        # get_future() is built on demand (a torch future and its ``then`` child cost tens of
-        # microseconds; a blocking call never asks for one). The lock makes exactly one of
-        # get_future() and the loop thread's _settle() complete it.
-        self._lock = threading.Lock()
-        self._settled = False
-        self._source: torch.futures.Future[None] | None = None
-        self._future: torch.futures.Future[Any] | None = None
-
-    def _start(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:
-        self._done = shared.start(fn, args, None, self._settle)
-        return self
-
-    def _settle(self, done: Completion) -> None:  # on the loop thread
-        if done.error is None and isinstance(done._result, int) and self._value is None:
-            self._value = done._result  # recv from any source: the sender
-        with self._lock:
-            self._settled = True
-            source = self._source
-        if source is not None:
-            source.set_result(None)
-
-    def _outcome(self, _: Any) -> Any:
-        assert self._done is not None
-        if self._done.error is not None:
-            raise self._done.error
-        return self._value
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        """A ``torch.futures.Future`` of the output tensors; an arendez failure is its error.
-
-        C++ consumers (DDP's reducer) read the value as tensors, so an error must be a C++-level
-        error: torch sets one on a ``then`` child whose callback raises.
-        """
-        with self._lock:
-            if self._future is None:
-                self._source = torch.futures.Future()
-                self._future = self._source.then(self._outcome)
-                fire = self._settled
-            else:
-                fire = False
-        if fire:
-            assert self._source is not None
-            self._source.set_result(None)
-        assert self._future is not None
-        return self._future
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Block until done (without the GIL); re-raise the arendez error (e.g. ``RankFailedError``).
-        After ``timeout`` raises ``WaitTimeoutError`` (a ``RuntimeError``) and the call goes on,
-        as with gloo: a later ``wait()`` returns once it finishes."""
-        assert self._done is not None
-        limit = seconds(timeout)
-        if not self._done.wait(limit):
-            raise WaitTimeoutError("Work.wait: the call", limit or 0.0)
-        if self._done.error is not None:
-            raise self._done.error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done is not None and self._done.done()
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._done is not None and self._done.error is None
-
-    def exception(self) -> BaseException | None:
-        return None if self._done is None else self._done.error
-
-    def result(self) -> Any:
-        self.wait()
-        return self._value
-
-    def _source_rank(self) -> int:
-        """The sender of a ``recv`` from any source (group rank)."""
-        self.wait()
-        return int(self._done._result) if self._done is not None else -1
-
-
-class _Stage:
-    """Stand-ins arendez can carry for the caller's tensors of one call.
-
-    A non-contiguous tensor travels as a contiguous copy; in a reduction, bfloat16 (which numpy
-    cannot reduce) travels as a float32 copy. Stand-ins for outputs are copied back into the
-    caller's tensors when the call succeeds, so torch's in-place semantics hold.
-    """
-
-    __slots__ = ("back", "widen")
-
-    def __init__(self, widen: bool = False) -> None:
-        self.widen = widen
-        self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, t: torch.Tensor, out: bool = True) -> torch.Tensor:
-        """The tensor to hand arendez for ``t`` (``out``: the call writes it)."""
-        carried = t
-        if self.widen and t.dtype in _WIDEN:
-            carried = t.to(torch.float32, memory_format=torch.contiguous_format)
-        elif not t.is_contiguous():
-            carried = t.contiguous()
-        if out and carried is not t:
-            self.back.append((t, carried))
-        return _raw(carried)
-
-    def all(self, ts: Sequence[torch.Tensor], out: bool = True) -> list[torch.Tensor]:
-        return [self(t, out) for t in ts]
-
-    async def run(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
-        result = await fn(*args)
-        for t, carried in self.back:
-            t.copy_(carried)
-        return result
 
 
 class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
@@ -252,16 +127,14 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
             )
         return self._ranks[group_rank]
 
-    def _run(
-        self, value: Any, stage: _Stage, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any
-    ) -> Work:
+    def _run(self, value: Any, stage: Stage, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:
         if stage.back:
-            return Work(value)._start(stage.run, fn, *args)
-        return Work(value)._start(fn, *args)
+            return start(value, stage.run, fn, *args)
+        return start(value, fn, *args)
 
     # -- reductions (bfloat16 is reduced as float32) -------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        op, stage = _op(opts or dist.AllreduceOptions()), _Stage(widen=True)
+        op, stage = _op(opts or dist.AllreduceOptions()), Stage(widen=True)
         t = stage(tensors[0])
         if self._engine:
             return self._run(tensors, stage, self._engine.all_reduce, t, op)
@@ -269,7 +142,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         op = _op(opts or dist.AllreduceCoalescedOptions())
-        return self._run(tensors, _Stage(), self._coalesced, tensors, op)
+        return self._run(tensors, Stage(), self._coalesced, tensors, op)
 
     async def _coalesced(self, tensors: list[torch.Tensor], op: arendez.ReduceOp) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -277,7 +150,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
             by_dtype.setdefault(t.dtype, []).append(t)
         for group in by_dtype.values():  # one collective per dtype, over a flat copy
             flat = torch.cat([t.reshape(-1) for t in group])
-            stage = _Stage(widen=True)
+            stage = Stage(widen=True)
             carried = stage(flat)
             if self._engine:
                 await stage.run(self._engine.all_reduce, carried, op)
@@ -289,7 +162,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
                 offset += t.numel()
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
-        op, root, stage = _op(opts), self._global(opts.rootRank, "dst"), _Stage(widen=True)
+        op, root, stage = _op(opts), self._global(opts.rootRank, "dst"), Stage(widen=True)
         t = stage(tensors[0])
         if self._engine:
             return self._run(tensors, stage, self._engine.reduce, t, root, op)
@@ -298,14 +171,14 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
     ) -> Work:
-        op, stage = _op(opts), _Stage(widen=True)
+        op, stage = _op(opts), Stage(widen=True)
         out, ins = stage(outputs[0]), stage.all(inputs[0], out=False)
         if self._engine:
             return self._run(outputs, stage, self._engine.reduce_scatter, out, ins, op)
         return self._run(outputs, stage, arendez.reduce_scatter, out, ins, op)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
-        op, stage = _op(opts), _Stage(widen=True)
+        op, stage = _op(opts), Stage(widen=True)
         out, x = stage(output), stage(input, out=False)
         if self._engine:
             parts = list(x.reshape(-1).chunk(self.size()))
@@ -315,7 +188,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> Work:
-        op, stage = _op(opts), _Stage(widen=True)
+        op, stage = _op(opts), Stage(widen=True)
         outs, ins = stage.all(outputs), stage.all(inputs, out=False)
 
         async def each() -> None:
@@ -329,7 +202,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
     # -- data movement (bfloat16 moves as its bits) --------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
-        root, stage = self._global(opts.rootRank, "src"), _Stage()
+        root, stage = self._global(opts.rootRank, "src"), Stage()
         t = stage(tensors[0])
         if self._engine:
             return self._run(tensors, stage, self._engine.broadcast, t, root)
@@ -338,14 +211,14 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
-        stage = _Stage()
+        stage = Stage()
         outs, x = stage.all(outputs[0]), stage(inputs[0], out=False)
         if self._engine:
             return self._run(outputs, stage, self._engine.all_gather, outs, x)
         return self._run(outputs, stage, arendez.all_gather, outs, x)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
-        stage = _Stage()
+        stage = Stage()
         out, x = stage(output), stage(input, out=False)
         if self._engine:
             outs = list(out.reshape(-1).chunk(self.size()))
@@ -355,7 +228,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
-        stage = _Stage()
+        stage = Stage()
         outs, ins = stage.all(outputs), stage.all(inputs, out=False)
 
         async def each() -> None:
@@ -370,7 +243,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
-        stage = _Stage()
+        stage = Stage()
         outs, ins = [stage.all(o) for o in outputs], stage.all(inputs, out=False)
 
         async def each() -> None:
@@ -383,7 +256,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         return self._run(outputs, stage, each)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:
-        root, stage = self._global(opts.rootRank, "dst"), _Stage()
+        root, stage = self._global(opts.rootRank, "dst"), Stage()
         outs = stage.all(outputs[0]) if outputs else None
         x = stage(inputs[0], out=False)
         if self._engine:
@@ -391,7 +264,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         return self._run(outputs, stage, arendez.gather, x, outs, root)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
-        root, stage = self._global(opts.rootRank, "src"), _Stage()
+        root, stage = self._global(opts.rootRank, "src"), Stage()
         ins = stage.all(inputs[0], out=False) if inputs else None
         out = stage(outputs[0])
         if self._engine:
@@ -399,7 +272,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         return self._run(outputs, stage, arendez.scatter, out, ins, root)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
-        stage = _Stage()
+        stage = Stage()
         outs, ins = stage.all(outputs), stage.all(inputs, out=False)
         if self._engine:
             return self._run(outputs, stage, self._engine.all_to_all, outs, ins)
@@ -413,11 +286,11 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> Work:
-        stage = _Stage()
+        stage = Stage()
         out, x = stage(output), stage(input, out=False)
         if self._engine:
-            outs = _rows(out, output_split_sizes, self.size())
-            ins = _rows(x, input_split_sizes, self.size())
+            outs = split_rows(out, output_split_sizes, self.size())
+            ins = split_rows(x, input_split_sizes, self.size())
             return self._run([output], stage, self._engine.all_to_all, outs, ins)
         return self._run(
             [output],
@@ -439,20 +312,20 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
     def barrier(self, opts: Any = None) -> Work:
         if self._engine:
-            return self._run(None, _Stage(), self._engine.barrier)
-        return self._run(None, _Stage(), arendez.barrier)
+            return self._run(None, Stage(), self._engine.barrier)
+        return self._run(None, Stage(), arendez.barrier)
 
     # -- point to point (ranks are group ranks) ----------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
-        peer, stage = self._global(dst, "dst"), _Stage()
+        peer, stage = self._global(dst, "dst"), Stage()
         return self._run(tensors, stage, arendez.send, stage(tensors[0], out=False), peer, None, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
-        peer, stage = self._global(src, "src"), _Stage()
+        peer, stage = self._global(src, "src"), Stage()
         return self._run(tensors, stage, self._recv, stage(tensors[0]), peer, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        stage = _Stage()
+        stage = Stage()
         return self._run(None, stage, self._recv, stage(tensors[0]), None, tag)
 
     async def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
@@ -487,15 +360,6 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 def _job_in_use(server: Any, job: str) -> bool:
     found = server.state.jobs.get(job)
     return bool(found is not None and found.in_use)
-
-
-def _rows(t: torch.Tensor, sizes: list[int], n: int) -> list[torch.Tensor]:
-    rows = t.shape[0] if t.dim() else t.numel()
-    sizes = sizes or [rows // n] * n
-    if len(sizes) != n or sum(sizes) != rows:
-        raise ValueError(f"split sizes {sizes} must be {n} numbers summing to {rows}")
-    parts: tuple[torch.Tensor, ...] = torch.split(t, sizes)
-    return [p.reshape(-1) for p in parts]
 
 
 # -- creation and rendezvous -----------------------------------------------------------------

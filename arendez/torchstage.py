@@ -1,0 +1,69 @@
+"""The tensors the torch backend (``arendez.torch``) hands arendez for torch's.
+
+arendez carries contiguous tensors of dtypes numpy knows. A non-contiguous tensor travels as a
+contiguous copy; in a reduction, bfloat16 (which numpy cannot reduce) travels as a float32 copy;
+bfloat16 that is only moved travels as its int16 bits. Copies that a call writes are copied back
+into the caller's tensors when the call succeeds, so torch's in-place semantics hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import torch
+
+_RAW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: it travels as its bits
+_WIDEN = (torch.bfloat16,)  # ... and is reduced as float32
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A view arendez can carry without reducing (bfloat16 travels as int16 bits)."""
+    return t.view(_RAW[t.dtype]) if t.dtype in _RAW else t
+
+
+class Stage:
+    """Stand-ins arendez can carry for the caller's tensors of one call.
+
+    ``widen``: the call reduces, so bfloat16 is carried as a float32 copy. Stand-ins for outputs
+    are copied back into the caller's tensors by ``run`` when the call succeeds.
+    """
+
+    __slots__ = ("back", "widen")
+
+    def __init__(self, widen: bool = False) -> None:
+        self.widen = widen
+        self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, t: torch.Tensor, out: bool = True) -> torch.Tensor:
+        """The tensor to hand arendez for ``t`` (``out``: the call writes it)."""
+        carried = t
+        if self.widen and t.dtype in _WIDEN:
+            carried = t.to(torch.float32, memory_format=torch.contiguous_format)
+        elif not t.is_contiguous():
+            carried = t.contiguous()
+        if out and carried is not t:
+            self.back.append((t, carried))
+        return raw(carried)
+
+    def all(self, ts: Sequence[torch.Tensor], out: bool = True) -> list[torch.Tensor]:
+        """The tensors to hand arendez for each of ``ts``."""
+        return [self(t, out) for t in ts]
+
+    async def run(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        """Await ``fn(*args)``, then copy the written stand-ins back into the caller's tensors."""
+        result = await fn(*args)
+        for t, carried in self.back:
+            t.copy_(carried)
+        return result
+
+
+def split_rows(t: torch.Tensor, sizes: list[int], n: int) -> list[torch.Tensor]:
+    """``t`` cut into ``n`` flat parts along its first dimension (``sizes`` rows each; even if
+    empty), as ``all_to_all_single`` splits it."""
+    rows = t.shape[0] if t.dim() else t.numel()
+    sizes = sizes or [rows // n] * n
+    if len(sizes) != n or sum(sizes) != rows:
+        raise ValueError(f"split sizes {sizes} must be {n} numbers summing to {rows}")
+    parts: tuple[torch.Tensor, ...] = torch.split(t, sizes)
+    return [p.reshape(-1) for p in parts]

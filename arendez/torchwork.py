@@ -1,0 +1,112 @@
+"""torch ``Work`` for the torch backend (``arendez.torch``): one arendez call on the loop thread.
+
+``wait()`` blocks on a lock (the GIL is released); ``get_future()`` is a ``torch.futures.Future``
+completed by the loop thread, built only when asked for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import WaitTimeoutError
+from .loop import Completion, shared
+from .torchstore import seconds
+
+# torch's stubs type this class's virtual methods with overloads our trampoline overrides do not
+# mirror; it is subclassed through an Any alias (the overrides are exercised by the tests).
+_TorchWork: Any = dist.Work
+
+
+class Work(_TorchWork):  # type: ignore[misc]
+    """torch ``Work`` over one arendez call on the loop thread."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self._value = value
+        self._done: Completion | None = None
+        # get_future() is built on demand (a torch future and its ``then`` child cost tens of
+        # microseconds; a blocking call never asks for one). The lock makes exactly one of
+        # get_future() and the loop thread's _settle() complete it.
+        self._lock = threading.Lock()
+        self._settled = False
+        self._source: torch.futures.Future[None] | None = None
+        self._future: torch.futures.Future[Any] | None = None
+
+    def _start(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:
+        self._done = shared.start(fn, args, None, self._settle)
+        return self
+
+    def _settle(self, done: Completion) -> None:  # on the loop thread
+        if done.error is None and isinstance(done._result, int) and self._value is None:
+            self._value = done._result  # recv from any source: the sender
+        with self._lock:
+            self._settled = True
+            source = self._source
+        if source is not None:
+            source.set_result(None)
+
+    def _outcome(self, _: Any) -> Any:
+        assert self._done is not None
+        if self._done.error is not None:
+            raise self._done.error
+        return self._value
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A ``torch.futures.Future`` of the output tensors; an arendez failure is its error.
+
+        C++ consumers (DDP's reducer) read the value as tensors, so an error must be a C++-level
+        error: torch sets one on a ``then`` child whose callback raises.
+        """
+        with self._lock:
+            if self._future is None:
+                self._source = torch.futures.Future()
+                self._future = self._source.then(self._outcome)
+                fire = self._settled
+            else:
+                fire = False
+        if fire:
+            assert self._source is not None
+            self._source.set_result(None)
+        assert self._future is not None
+        return self._future
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until done (without the GIL); re-raise the arendez error (e.g. ``RankFailedError``).
+        After ``timeout`` raises ``WaitTimeoutError`` (a ``RuntimeError``) and the call goes on,
+        as with gloo: a later ``wait()`` returns once it finishes."""
+        assert self._done is not None
+        limit = seconds(timeout)
+        if not self._done.wait(limit):
+            raise WaitTimeoutError("Work.wait: the call", limit or 0.0)
+        if self._done.error is not None:
+            raise self._done.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done is not None and self._done.done()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._done is not None and self._done.error is None
+
+    def exception(self) -> BaseException | None:
+        return None if self._done is None else self._done.error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
+
+    def _source_rank(self) -> int:
+        """The sender of a ``recv`` from any source (group rank)."""
+        self.wait()
+        return int(self._done._result) if self._done is not None else -1
+
+
+def start(value: Any, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:
+    """A ``Work`` over ``fn(*args)``, started on the loop thread; ``value`` (the output tensors)
+    is its result."""
+    return Work(value)._start(fn, *args)
