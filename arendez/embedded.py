@@ -61,11 +61,20 @@ async def acquire(
             current.pinned = current.pinned or pinned
             return current.server
         await _retire(current, loop)
-    server = await _start(host, port, token, ssl)
+    # a master TCPStore fails at once on a port in use (as torch's); a world's rank 0 waits a
+    # little for the previous host of the port to leave
+    who = "TCPStore(is_master=True)" if pinned else "rank 0"
+    server = await _start(host, port, token, ssl, who=who, wait=0.0 if pinned else BIND_WAIT)
     port = server.port
     entry = _hosted[port] = _Hosted(server, loop, host, token, ssl is not None, pinned=pinned)
     entry.holder = loop.create_task(_hold(port, entry), name=f"arendez-embedded-server-{port}")
     return server
+
+
+def serves_pinned(port: int) -> bool:
+    """True if a master ``TCPStore`` of this process serves on ``port``."""
+    entry = _hosted.get(port)
+    return entry is not None and entry.pinned and entry.holder is not None and not entry.holder.done()
 
 
 async def release(port: int, timeout: float = 2.0) -> None:
@@ -82,10 +91,12 @@ async def shutdown(timeout: float = 2.0) -> None:
         await _retire(entry, loop, timeout)
 
 
-async def _start(host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None) -> Any:
+async def _start(
+    host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None, *, who: str, wait: float
+) -> Any:
     module = importlib.import_module("arendez_server")  # installed from server/
     loop = asyncio.get_running_loop()
-    until = loop.time() + BIND_WAIT
+    until = loop.time() + wait
     while True:
         for bind in (host, "0.0.0.0"):
             server = module.Server(module.ServerConfig(host=bind, port=port, token=token, ssl=ssl))
@@ -95,7 +106,7 @@ async def _start(host: str, port: int, token: str | None, ssl: _ssl.SSLContext |
             except OSError as exc:
                 error = exc
         if error.errno != errno.EADDRINUSE or loop.time() >= until:  # else: the last host may be leaving
-            raise RendezvousError(f"rank 0 cannot host the store on port {port}: {error}") from None
+            raise RendezvousError(f"{who} cannot host the store on port {port}: {error}") from None
         await asyncio.sleep(0.05)
 
 

@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -213,11 +214,19 @@ async def _wind_down(timeout: float) -> None:
     from .lifecycle import destroy_process_group
 
     if registry.world_or_none() is not None:
-        log.warning(
-            "arendez: destroy_process_group() was not called before the program exited; closing the "
-            "process group now (at most %gs). Call destroy_process_group() at the end of the program.",
-            timeout / 2,
-        )
+        crashed = getattr(sys, "last_value", None)  # (set when an uncaught exception ended it)
+        if crashed is not None:  # the advice to call destroy would be beside the point
+            log.info(
+                "arendez: the program ended with an uncaught %s; closing its process group",
+                type(crashed).__name__,
+            )
+        else:
+            log.warning(
+                "arendez: destroy_process_group() was not called before the program exited; closing "
+                "the process group now (at most %gs). Call destroy_process_group() at the end of the "
+                "program.",
+                timeout / 2,
+            )
         with contextlib.suppress(Exception):
             await destroy_process_group(timeout=timeout / 2)
     me = asyncio.current_task()

@@ -107,6 +107,11 @@ class TCPStore(Store):
             )
         limit = seconds(timeout, 300.0)
         if is_master:
+            if port and not multi_tenant and embedded.serves_pinned(port):
+                raise StoreError(
+                    f"a TCPStore of this process already serves port {port} "
+                    "(pass multi_tenant=True to share it, as in torch)"
+                )
             server = shared.call(embedded.acquire, host_name, port, None, None, pinned=True)
             port = int(server.port)
         self.host, self.port, self.world_size, self.timeout = host_name, port, world_size, timeout

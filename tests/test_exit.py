@@ -22,6 +22,18 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(60)
+def test_a_crash_gets_no_advice_to_call_destroy() -> None:
+    """A rank that dies of an uncaught exception with its world up is closed at exit without
+    the 'destroy_process_group() was not called' advice, which would be beside the point."""
+    world, port = 2, str(_free_port())
+    procs = [popen([sys.executable, SCRIPT, str(r), str(world), port, "crash"]) for r in range(world)]
+    zero, one = collect(procs, 30)
+    assert zero.returncode == 0 and zero.stderr.count(NOT_DESTROYED) == 1, zero.stderr[-2000:]
+    assert one.returncode == 1 and "RuntimeError: rank crashes" in one.stderr, one.stderr[-2000:]
+    assert NOT_DESTROYED not in one.stderr, one.stderr[-2000:]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("ending", ["normal", "raise"])
 def test_exit_without_destroy_is_quiet_and_bounded(ending: str) -> None:
     world, port = 3, str(_free_port())

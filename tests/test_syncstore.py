@@ -124,3 +124,22 @@ def test_a_tcpstore_is_where_a_blocking_world_meets(prefix: str) -> None:
 def test_a_store_of_one_process_cannot_be_where_a_world_meets() -> None:
     with pytest.raises(TypeError, match=r"takes an arendez.sync.TCPStore .* got HashStore"):
         sync.init_process_group("gloo", store=sync.HashStore(), rank=0, world_size=2)
+
+
+@pytest.mark.timeout(30)
+def test_a_master_on_a_port_in_use_fails_at_once_and_a_second_master_needs_multi_tenant() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        started = time.monotonic()
+        with pytest.raises(sync.RendezvousError, match=r"TCPStore\(is_master=True\) cannot host the store"):
+            sync.TCPStore("127.0.0.1", busy.getsockname()[1], 1, True, datetime.timedelta(seconds=10))
+        assert time.monotonic() - started < 3  # at once, not at its timeout (10 s)
+    master = sync.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10))
+    with pytest.raises(sync.StoreError, match="multi_tenant=True"):
+        sync.TCPStore("127.0.0.1", master.port, None, True, datetime.timedelta(seconds=10))
+    tenant = sync.TCPStore(
+        "127.0.0.1", master.port, None, True, datetime.timedelta(seconds=10), multi_tenant=True
+    )
+    tenant.set("k", "v")
+    assert master.get("k") == b"v"

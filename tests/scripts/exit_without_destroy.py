@@ -1,5 +1,5 @@
 """A plain blocking script that ends without destroy_process_group (as torch's tutorials do):
-``python exit_without_destroy.py RANK WORLD_SIZE PORT [raise]``."""
+``python exit_without_destroy.py RANK WORLD_SIZE PORT [raise|crash]``."""
 
 import sys
 
@@ -14,3 +14,5 @@ dist.all_reduce(x)
 print(f"rank {rank} sum {x[0]:g}", flush=True)
 if sys.argv[4:] == ["raise"] and rank == world_size - 1:
     raise SystemExit("rank ends with an error after its last collective")
+if sys.argv[4:] == ["crash"] and rank == world_size - 1:
+    raise RuntimeError("rank crashes after its last collective")
