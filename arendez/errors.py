@@ -103,6 +103,11 @@ class CallCancelledError(ArendezError):
     down, or the loop was stopped) before it finished."""
 
 
+class RendezvousTimeoutError(RendezvousError, StoreTimeoutError):
+    """A rendezvous round did not fill before the deadline (etcd backend): a ``RendezvousError``
+    as the arendez server's, and the ``StoreTimeoutError`` it was before."""
+
+
 class CollectiveTimeoutError(ArendezError, TimeoutError):
     """A collective did not finish before its deadline; names the ranks that never arrived."""
 
@@ -140,6 +145,7 @@ __all__ = [
     "ProtocolError",
     "RankFailedError",
     "RendezvousError",
+    "RendezvousTimeoutError",
     "StoreError",
     "StoreTimeoutError",
     "WaitTimeoutError",

@@ -266,8 +266,11 @@ async def test_world_size_mismatch_and_deadline(etcd: Etcd, tmp_path: Path) -> N
         await asyncio.sleep(0.3)
         with pytest.raises(RendezvousError, match="forming a world of 3"):
             await b.join(2, 1, "b:1", timeout=2)
-        with pytest.raises(StoreTimeoutError, match="incomplete within 1s"):
+        with pytest.raises(StoreTimeoutError, match="incomplete within 1s") as timed_out:
             await joining
+        # as the arendez server says it: a RendezvousError that counts who joined
+        assert isinstance(timed_out.value, RendezvousError), timed_out.value
+        assert "only 1 of 3 ranks joined in time (missing: 1, 2)" in str(timed_out.value)
     finally:
         await a.close()
         await b.close()

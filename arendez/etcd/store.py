@@ -28,7 +28,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import RendezvousError, StoreError, StoreTimeoutError
+from ..errors import RendezvousError, RendezvousTimeoutError, StoreError
 from ..store import Membership
 from .client import LeaseKeeper
 from .codec import prefix_end, unb64
@@ -204,11 +204,17 @@ class EtcdStore(EtcdKV):
             n, r, count, revision = await self._claim(world_size, rank, address, deadline)
             record = await self._await_round(n, world_size, count, revision, deadline)
         except BaseException as exc:
+            joined = await self._who_joined(n) if isinstance(exc, TimeoutError) and n >= 0 else None
             await self._withdraw(n, r)
             if isinstance(exc, TimeoutError) and not isinstance(exc, StoreError):
-                raise StoreTimeoutError(
+                counted = ""
+                if joined is not None:  # (as the arendez server says it)
+                    missing = sorted(set(range(world_size)) - joined)
+                    shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+                    counted = f": only {len(joined)} of {world_size} ranks joined in time (missing: {shown})"
+                raise RendezvousTimeoutError(
                     f"rendezvous of job {self.job!r} on etcd {self.ends} incomplete within "
-                    f"{self._budget(timeout):g}s"
+                    f"{self._budget(timeout):g}s{counted}"
                 ) from None
             raise
         self._round = n
@@ -219,6 +225,13 @@ class EtcdStore(EtcdKV):
             self._watch_members(n, int(record["revision"]))
         )
         return m
+
+    async def _who_joined(self, n: int) -> _Ranks | None:
+        """The ranks holding slots of round ``n`` now (None if etcd does not say within 1 s)."""
+        try:
+            return await self._taken(n, asyncio.get_running_loop().time() + 1.0)
+        except (StoreError, TimeoutError, OSError):
+            return None
 
     async def _withdraw(self, n: int, r: int) -> None:
         """Give up a slot of a round that did not complete (best effort) and drop the lease."""
