@@ -26,6 +26,9 @@ _WORKERS = "__arendez_tcpstore/workers"
 _READY = "__arendez_tcpstore/ready"
 #: the server job every TCPStore client uses (one server, one key space, as torch's)
 _JOB = "tcpstore"
+#: Rounds of compare_set an ``append`` tries before it gives up (each lost one means another
+#: writer's append landed).
+_APPEND_TRIES = 10_000
 
 
 def _bytes(value: str | bytes) -> bytes:
@@ -64,6 +67,23 @@ class Store:
 
     def num_keys(self) -> int:
         raise NotImplementedError
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to the bytes at ``key`` (created if missing), atomically: a
+        ``compare_set`` loop, so concurrent appends all land."""
+        extra = value.encode() if isinstance(value, str) else bytes(value)
+        current = self.get(key) if self.check([key]) else b""
+        for _ in range(_APPEND_TRIES):
+            desired = current + extra
+            now = self.compare_set(key, current, desired)
+            if now == desired:
+                return
+            current = now  # another writer came first: append to what it left
+        raise StoreError(f"append to {key!r} lost {_APPEND_TRIES} races with other writers")
+
+    def has_extended_api(self) -> bool:
+        """torch's flag for ``append``, ``multi_get`` and ``multi_set``: all present."""
+        return True
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """The values of ``keys``, in order (one ``get`` each unless a store does better)."""
@@ -197,6 +217,11 @@ class TCPStore(Store):
     def num_keys(self) -> int:
         with self._lock:
             return self._store.num_keys()
+
+    @property
+    def libuvBackend(self) -> bool:  # (torch's name)
+        """False: the server is arendez's own (asyncio), not torch's libuv one."""
+        return False
 
     def clone(self) -> TCPStore:
         """Another client of the same server (its own connection), as torch's ``clone``."""

@@ -143,3 +143,24 @@ def test_a_master_on_a_port_in_use_fails_at_once_and_a_second_master_needs_multi
     )
     tenant.set("k", "v")
     assert master.get("k") == b"v"
+
+
+@pytest.mark.timeout(30)
+def test_append_is_atomic_under_concurrent_writers_and_the_extended_api_says_so() -> None:
+    master = sync.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10))
+    assert master.has_extended_api() and master.libuvBackend is False
+    master.append("log", "start:")
+    clients = [master.clone() for _ in range(4)]
+
+    def write(i: int) -> None:
+        for j in range(25):
+            clients[i].append("log", f"{i}.{j};")
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, range(4)))
+    parts = master.get("log").decode().removeprefix("start:").split(";")[:-1]
+    assert sorted(parts) == sorted(f"{i}.{j}" for i in range(4) for j in range(25))  # none lost
+    prefixed = sync.PrefixStore("p", master)
+    prefixed.append("k", b"a")
+    prefixed.append("k", b"b")
+    assert master.get("p/k") == b"ab"
