@@ -105,7 +105,17 @@ class RankResult:
             raise AssertionError(
                 f"rank {self.rank} printed no result (rc={self.returncode}):\n{self.stderr[-3000:]}"
             )
-        return json.loads(lines[-1][len("RESULT ") :])
+        text = lines[-1][len("RESULT ") :]
+        try:
+            return json.loads(text)
+        except ValueError as exc:  # (say what came instead: a cut or an interleaved line)
+            where = exc.pos if isinstance(exc, json.JSONDecodeError) else 0
+            raise AssertionError(
+                f"rank {self.rank}: RESULT line of {len(text)} chars unreadable at {where}: "
+                f"...{text[max(0, where - 200) : where + 200]!r}...; stdout {len(self.stdout)} chars, "
+                f"{self.stdout.count(chr(10))} lines, rc={self.returncode}; "
+                f"stderr tail:\n{self.stderr[-1500:]}"
+            ) from None
 
 
 def raw_frame(obj: object, payload: int = 0) -> bytes:
