@@ -100,6 +100,13 @@ class RankResult:
 
     @property
     def value(self) -> Any:
+        files = [ln for ln in self.stdout.splitlines() if ln.startswith("RESULT-FILE ")]
+        if files:  # a large result, written to a file (``report_result``)
+            path = Path(files[-1][len("RESULT-FILE ") :])
+            try:
+                return json.loads(path.read_text())
+            finally:
+                path.unlink(missing_ok=True)
         lines = [ln for ln in self.stdout.splitlines() if ln.startswith("RESULT ")]
         if not lines:
             raise AssertionError(
@@ -116,6 +123,20 @@ class RankResult:
                 f"{self.stdout.count(chr(10))} lines, rc={self.returncode}; "
                 f"stderr tail:\n{self.stderr[-1500:]}"
             ) from None
+
+
+def report_result(result: Any) -> None:
+    """A rank's last word: ``RESULT <json>``, or for a large result (over a pipe's atomic write)
+    ``RESULT-FILE <path>`` (a 119 KB RESULT line of a torch rank came back cut or interleaved,
+    twice in some hundred runs under load; a short line is written in one piece)."""
+    text = json.dumps(result)
+    if len(text) < 3000:
+        print("RESULT " + text, flush=True)
+        return
+    fd, path = tempfile.mkstemp(prefix="arendez-result-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    print(f"RESULT-FILE {path}", flush=True)
 
 
 def raw_frame(obj: object, payload: int = 0) -> bytes:

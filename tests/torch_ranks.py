@@ -1,6 +1,6 @@
 """Rank programs for the torch backend tests: ``python -m tests.torch_ranks NAME RANK WS INIT ARGS``.
 
-Each rank prints ``RESULT <json>`` as its last line (see ``tests.harness.RankResult``).
+Each rank reports its result last (``tests.harness.report_result``; read by ``RankResult.value``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import arendez.torch  # noqa: F401 - registers the backend
+from tests.harness import report_result
 
 SCENARIOS: dict[str, Callable[..., Any]] = {}
 
@@ -493,7 +494,7 @@ def main() -> None:
     name, rank, ws, init, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     result = SCENARIOS[name](rank, ws, init, *json.loads(args))
-    print("RESULT " + json.dumps(result), flush=True)
+    report_result(result)
 
 
 if __name__ == "__main__":
