@@ -2,6 +2,7 @@
 ``python exit_without_destroy.py RANK WORLD_SIZE PORT [raise|crash]``."""
 
 import sys
+import time
 
 import numpy as np
 
@@ -15,4 +16,5 @@ print(f"rank {rank} sum {x[0]:g}", flush=True)
 if sys.argv[4:] == ["raise"] and rank == world_size - 1:
     raise SystemExit("rank ends with an error after its last collective")
 if sys.argv[4:] == ["crash"] and rank == world_size - 1:
+    time.sleep(0.5)  # (the others have finished the collective: only this rank's exit is looked at)
     raise RuntimeError("rank crashes after its last collective")
