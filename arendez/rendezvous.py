@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from . import validate
@@ -41,6 +41,16 @@ class Plan:
     def local(self) -> bool:
         """True when no store is needed: one rank, or ranks of one event loop."""
         return not self.host
+
+
+def incomplete(world_size: int, joined: Collection[int]) -> str:
+    """How a round that timed out fell short, as every rendezvous backend says it: "only K of
+    N ranks joined in time (missing: M rank(s): a, b, ...)" (the first 16 missing ranks)."""
+    missing = sorted(set(range(world_size)) - set(joined))
+    shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+    return (
+        f"only {len(joined)} of {world_size} ranks joined in time (missing: {len(missing)} rank(s): {shown})"
+    )
 
 
 def int_env(env: Mapping[str, str], name: str) -> int | None:

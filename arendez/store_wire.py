@@ -28,7 +28,14 @@ STORE_PROTOCOL = 2
 #: frame ends the connection as a protocol error: clients refuse to send one, naming the limit).
 MAX_KEY = 4096
 MAX_VALUE = 1 << 20
-MAX_REQUEST = MAX_VALUE + MAX_KEY + 4096
+
+
+def request_limit(max_value: int, max_key: int) -> int:
+    """The largest request frame a server with these key and value bounds reads."""
+    return max_value + max_key + 4096
+
+
+MAX_REQUEST = request_limit(MAX_VALUE, MAX_KEY)
 
 
 def check_request_size(op: str, nbytes: int) -> None:

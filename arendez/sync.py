@@ -18,10 +18,10 @@ import arendez as api  # the public async API only
 
 from . import compat, farewell, flightrec
 from .errors import *  # noqa: F403 - the same error names as the async API
-from .loop import Completion, shared
+from .handshake import endpoint
+from .loop import CANCEL_GRACE_SECONDS, Completion, shared
 from .registry import seconds
 from .syncstore import FileStore, HashStore, PrefixStore, Store, TCPStore, meeting_point
-from .syncstore import Store as SyncStore
 
 Backend = compat.Backend
 GroupMember = api.GroupMember
@@ -65,7 +65,7 @@ class Work:
         self._done.result()
         return True
 
-    def cancel(self, grace: float = 5.0) -> bool:
+    def cancel(self, grace: float = CANCEL_GRACE_SECONDS) -> bool:
         """Cancel the call as an asyncio ``task.cancel()`` would (an arendez extension: its
         peers get ``CollectiveCancelledError`` naming this rank, its buffers are not written any
         more; ``wait()`` then raises ``CallCancelledError``); True once it has ended, within
@@ -114,9 +114,9 @@ def init_process_group(*args: Any, **kwargs: Any) -> Any:
     flightrec.install_signal_handler()  # (from this thread: the loop thread cannot install them)
     farewell.install_sigterm_handler()
     store = kwargs.get("store")
-    if isinstance(store, SyncStore):  # (the world joins, and later leaves, that server's job)
+    if isinstance(store, Store):  # (the world joins, and later leaves, that server's job)
         host, port, job = meeting_point(kwargs.pop("store"))
-        kwargs["init_method"] = f"arendez://{'[' + host + ']' if ':' in host else host}:{port}/{job}"
+        kwargs["init_method"] = f"arendez://{endpoint((host, port))}/{job}"
     return _init_process_group(*args, **kwargs)
 
 

@@ -71,7 +71,7 @@ class Store:
     def append(self, key: str, value: str | bytes) -> None:
         """Append ``value`` to the bytes at ``key`` (created if missing), atomically: a
         ``compare_set`` loop, so concurrent appends all land."""
-        extra = value.encode() if isinstance(value, str) else bytes(value)
+        extra = _bytes(value)
         current = self.get(key) if self.check([key]) else b""
         for _ in range(_APPEND_TRIES):
             desired = current + extra

@@ -16,6 +16,7 @@ import torch
 
 import arendez
 
+from . import validate
 from .errors import RendezvousError
 from .loop import shared
 from .rendezvous import DEFAULT_PORT
@@ -109,10 +110,7 @@ def arendez_rendezvous(
         raise RendezvousError(f"{url}: rank and world_size must be integers") from None
     if rank == -1 or world_size == -1:
         raise RendezvousError(f"{url} needs rank and world_size (arguments or RANK / WORLD_SIZE)")
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+    validate.rank(rank, validate.world_size(world_size))  # (the checks of every other API)
     store = ServerStore(urllib.parse.urlunsplit(parsed._replace(query="")), timeout.total_seconds())
     _ALIVE.append(store)  # torch keeps only the C++ half: the Python half must outlive this frame
     yield store, rank, world_size

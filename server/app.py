@@ -30,7 +30,7 @@ from arendez.errors import (
     StoreError,
     StoreTimeoutError,
 )
-from arendez.store_wire import STORE_PROTOCOL, arity_error
+from arendez.store_wire import STORE_PROTOCOL, arity_error, request_limit
 from arendez.transports import local
 
 from .admission import Admission
@@ -193,7 +193,7 @@ class Server:
             conn.fail(exc, tell_peer=True)
             return
         conn.send(welcome)
-        limit = cfg.limits.max_value + cfg.limits.max_key + 4096
+        limit = request_limit(cfg.limits.max_value, cfg.limits.max_key)
         conn.set_limits(wire.Limits(max_header=limit, max_payload=0))
         session = Session(self, conn, job)
         conn.start_session(session, limit)

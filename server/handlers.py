@@ -19,6 +19,7 @@ import msgpack
 
 from arendez import wire
 from arendez.errors import RendezvousError, StoreError
+from arendez.rendezvous import incomplete
 from arendez.store_wire import OPS
 
 from .rounds import Lease, Member
@@ -264,13 +265,8 @@ async def _join(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list
                 f"job {s.job!r}: only {len(joined)} rank(s) joined in time, the elastic world needs "
                 f"at least {round_.min_size} (missing: {round_.min_size - len(joined)} rank(s))"
             ) from None
-        missing = sorted(set(range(round_.world_size)) - set(joined))
-        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
         refused = "; joins refused meanwhile: " + "; ".join(round_.refused) if round_.refused else ""
-        raise RendezvousError(
-            f"job {s.job!r}: only {len(joined)} of {round_.world_size} ranks joined in time "
-            f"(missing: {len(missing)} rank(s): {shown}){refused}"
-        ) from None
+        raise RendezvousError(f"job {s.job!r}: {incomplete(round_.world_size, joined)}{refused}") from None
     except asyncio.CancelledError:
         job.withdraw(round_, rank)
         raise

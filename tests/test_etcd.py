@@ -270,7 +270,7 @@ async def test_world_size_mismatch_and_deadline(etcd: Etcd, tmp_path: Path) -> N
             await joining
         # as the arendez server says it: a RendezvousError that counts who joined
         assert isinstance(timed_out.value, RendezvousError), timed_out.value
-        assert "only 1 of 3 ranks joined in time (missing: 1, 2)" in str(timed_out.value)
+        assert "only 1 of 3 ranks joined in time (missing: 2 rank(s): 1, 2)" in str(timed_out.value)
     finally:
         await a.close()
         await b.close()

@@ -30,18 +30,31 @@ async def test_sigterm_stops_accepting_tells_clients_and_exits_zero():
     await store.close()
 
 
+def _server_killed_under_a_job(tmp_path, job, name: str):
+    """A server, two ranks of ``job`` on it (each writes ``ready-<rank>``), the server killed
+    once both are ready (``killed`` tells them); returns the killed server and the ranks."""
+    srv = start_server()
+    procs = [spawn_rank(job, r, 2, f"{srv.url}/{name}", str(tmp_path)) for r in range(2)]
+    try:
+        wait_for_files(tmp_path, "ready-*", 2)
+    except BaseException:
+        srv.stop()
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
+    srv.proc.kill()
+    srv.proc.wait()
+    (tmp_path / "killed").write_text("1")
+    return srv, procs
+
+
 @pytest.mark.timeout(60)
 def test_destroy_does_not_wait_out_its_timeout_for_a_dead_server(tmp_path):
     """The server is killed for good: the ranks' collectives go on, and destroy (30 s group
     timeout) gives up its goodbye to the server after about a second."""
-    srv = start_server()
-    url = f"{srv.url}/gone"
-    procs = [spawn_rank(store_jobs.destroy_after_server_died, r, 2, url, str(tmp_path)) for r in range(2)]
+    srv, procs = _server_killed_under_a_job(tmp_path, store_jobs.destroy_after_server_died, "gone")
     try:
-        wait_for_files(tmp_path, "ready-*", 2)
-        srv.proc.kill()
-        srv.proc.wait()
-        (tmp_path / "killed").write_text("1")
         results = collect(procs, 40)
     finally:
         srv.stop()
@@ -53,15 +66,9 @@ def test_destroy_does_not_wait_out_its_timeout_for_a_dead_server(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_job_survives_server_kill_and_restart(tmp_path):
-    srv = start_server()
+    srv, procs = _server_killed_under_a_job(tmp_path, store_jobs.server_outage, "outage")
     port = srv.port
-    url = f"{srv.url}/outage"
-    procs = [spawn_rank(store_jobs.server_outage, r, 2, url, str(tmp_path)) for r in range(2)]
     try:
-        wait_for_files(tmp_path, "ready-*", 2)
-        srv.proc.kill()
-        srv.proc.wait()
-        (tmp_path / "killed").write_text("1")
         wait_for_files(tmp_path, "checked-*", 2)
         srv = start_server(port=port)  # same port: the ranks reconnect and re-attach
         (tmp_path / "back").write_text("1")

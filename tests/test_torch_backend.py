@@ -209,9 +209,11 @@ def test_arendez_url_arguments_are_checked_as_the_other_apis_check_them(arendez_
     from arendez.errors import RendezvousError
     from arendez.torchstore import ServerStore, arendez_rendezvous
 
-    with pytest.raises(ValueError, match="world_size must be at least 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"world_size must be at least 1 \(or -1 to take it from the environment\), got 0"
+    ):
         next(arendez_rendezvous("arendez://127.0.0.1:1/j?rank=0&world_size=0"))
-    with pytest.raises(ValueError, match=r"rank must be in 0\.\.1, got 2"):
+    with pytest.raises(ValueError, match=r"rank must be in 0\.\.1 for world_size 2, got 2"):
         next(arendez_rendezvous("arendez://127.0.0.1:1/j?rank=2&world_size=2"))
     with pytest.raises(RendezvousError, match="names no host"):
         ServerStore("arendez:///j", 1.0)

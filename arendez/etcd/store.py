@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import RendezvousError, RendezvousTimeoutError, StoreError
+from ..rendezvous import incomplete
 from ..store import Membership
 from .client import LeaseKeeper
 from .codec import prefix_end, unb64
@@ -207,11 +208,7 @@ class EtcdStore(EtcdKV):
             joined = await self._who_joined(n) if isinstance(exc, TimeoutError) and n >= 0 else None
             await self._withdraw(n, r)
             if isinstance(exc, TimeoutError) and not isinstance(exc, StoreError):
-                counted = ""
-                if joined is not None:  # (as the arendez server says it)
-                    missing = sorted(set(range(world_size)) - joined)
-                    shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
-                    counted = f": only {len(joined)} of {world_size} ranks joined in time (missing: {shown})"
+                counted = f": {incomplete(world_size, joined)}" if joined is not None else ""
                 raise RendezvousTimeoutError(
                     f"rendezvous of job {self.job!r} on etcd {self.ends} incomplete within "
                     f"{self._budget(timeout):g}s{counted}"

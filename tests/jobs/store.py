@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -56,25 +55,26 @@ async def store_and_reduce(rank: int, ws: int, url: str, rounds: int) -> list[in
     return seen
 
 
+async def _file_appears(out_dir: str, name: str, seconds: float = 30.0) -> None:
+    """Wait (bounded) until the test creates ``out_dir/name``."""
+    from pathlib import Path
+
+    deadline = time.monotonic() + seconds
+    while not Path(out_dir, name).exists():
+        assert time.monotonic() < deadline, f"no {name}"
+        await asyncio.sleep(0.05)
+
+
 async def server_outage(rank: int, ws: int, url: str, out_dir: str) -> dict[str, Any]:
     """Collectives go on while the server is down; store calls fail, then recover."""
     from pathlib import Path
-
-    def wait_for(name: str) -> Awaitable[None]:
-        async def poll() -> None:
-            deadline = time.monotonic() + 30
-            while not Path(out_dir, name).exists():
-                assert time.monotonic() < deadline, f"no {name}"
-                await asyncio.sleep(0.05)
-
-        return poll()
 
     await join(url, ws, rank)
     store = dist.current_world().store
     x = np.ones(50_000)
     await dist.all_reduce(x)
     Path(out_dir, f"ready-{rank}").write_text("1")
-    await wait_for("killed")
+    await _file_appears(out_dir, "killed")
     sums = []
     for _ in range(20):
         x = np.ones(50_000)
@@ -87,7 +87,7 @@ async def server_outage(rank: int, ws: int, url: str, out_dir: str) -> dict[str,
     except dist.StoreError as exc:
         during = f"{type(exc).__name__} after {time.monotonic() - started:.1f}s"
     Path(out_dir, f"checked-{rank}").write_text("1")
-    await wait_for("back")
+    await _file_appears(out_dir, "back")
     await store.set(f"after/{rank}", str(rank), timeout=15)
     await store.wait([f"after/{r}" for r in range(ws)], timeout=15)
     x = np.ones(10)
@@ -105,10 +105,7 @@ async def destroy_after_server_died(rank: int, ws: int, url: str, out_dir: str) 
 
     await join(url, ws, rank)
     Path(out_dir, f"ready-{rank}").write_text("1")
-    deadline = time.monotonic() + 30
-    while not Path(out_dir, "killed").exists():
-        assert time.monotonic() < deadline, "no kill"
-        await asyncio.sleep(0.05)
+    await _file_appears(out_dir, "killed")
     x = np.ones(1000)
     await dist.all_reduce(x)
     started = time.monotonic()
