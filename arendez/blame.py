@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import children, errorfile
+from .rendezvous import DEFAULT_PORT
 
 #: Seconds to wait, once a rank failed, for the rank that noted an earlier failure to end.
 SETTLE = 2.0
@@ -97,7 +98,7 @@ async def server_unreachable(url: str, timeout: float = 2.0) -> str | None:
     if parts.scheme != "arendez" or parts.hostname is None:
         return None  # (etcd: its client says what is wrong)
     try:
-        port = parts.port or 0
+        port = parts.port or DEFAULT_PORT  # (arendez:// without a port: the server's default)
         _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), timeout)
     except (OSError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
