@@ -1,0 +1,98 @@
+"""all_reduce over loopback TCP only: arendez vs gloo, time and CPU per call, side by side.
+
+    python benchmarks/loopback_cpu.py                          # 4 ranks, 16 and 64 MiB
+    python benchmarks/loopback_cpu.py --lane-bytes 262144      # arendez with 256 KiB blocks
+    perf record -F 1999 -o arendez.data -- python benchmarks/loopback_cpu.py --backends arendez
+    perf report -i arendez.data --no-children --sort sym -n     # where its CPU goes
+
+The ranks are ``multihost_rank.py``'s (one checked call, warm-ups, then timed calls after a
+barrier each), started on this host with shared memory and local sockets off
+(``ARENDEZ_SHM=0``, ``ARENDEZ_LOCAL_SOCKETS=0``): every byte crosses loopback TCP, as gloo's do.
+Reports the median time of a call, its bus bandwidth, and the CPU seconds (user + system, all
+threads, getrusage) one call costs a rank, mean over ranks and calls; then arendez/gloo ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RANK = str(Path(__file__).with_name("multihost_rank.py"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(backend: str, world: int, sizes: list[int], iters: int, warmup: int, lane_bytes: int | None) -> Any:
+    env = dict(os.environ, ARENDEZ_SHM="0", ARENDEZ_LOCAL_SOCKETS="0", OMP_NUM_THREADS="1")
+    if lane_bytes:
+        env["ARENDEZ_TCP_LANE_BYTES"] = str(lane_bytes)
+    spec = {"backend": backend, "world": world, "master": f"127.0.0.1:{_free_port()}", "sizes": sizes}
+    spec.update(iters=iters, warmup=warmup)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, RANK, json.dumps({**spec, "rank": r})],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        return [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16, 64], help="MiB (default 16 64)")
+    parser.add_argument("--backends", nargs="+", choices=["arendez", "gloo"], default=["arendez", "gloo"])
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--lane-bytes", type=int, default=None, help="ARENDEZ_TCP_LANE_BYTES for arendez")
+    args = parser.parse_args()
+    sizes = [mib << 20 for mib in args.sizes]
+    found: dict[tuple[str, int], tuple[float, float, float]] = {}
+    print("| backend | ranks | size | time (median) | busbw GB/s | CPU ms per call (user) | checked |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for backend in args.backends:
+        outs = _run(backend, args.ranks, sizes, args.iters, args.warmup, args.lane_bytes)
+        for n in sizes:
+            key = str(n)
+            t = statistics.median(x for o in outs for x in o[key]["times"])
+            cpu = statistics.mean(x for o in outs for x in o[key]["cpu"])
+            user = statistics.mean(x for o in outs for x in o[key]["user"])
+            ok = all(o[key]["ok"] for o in outs)
+            found[(backend, n)] = (t, cpu, user)
+            busbw = 2 * (args.ranks - 1) / args.ranks * n / t / 1e9
+            print(
+                f"| {backend} | {args.ranks} | {n >> 20} MiB | {t * 1e3:.1f} ms | {busbw:.2f} | "
+                f"{cpu * 1e3:.1f} ({user * 1e3:.1f}) | {ok} |",
+                flush=True,
+            )
+    if set(args.backends) == {"arendez", "gloo"}:
+        for n in sizes:
+            t, cpu, _ = found[("arendez", n)]
+            tg, cg, _ = found[("gloo", n)]
+            print(f"\n{n >> 20} MiB: arendez {tg / t:.2f}x gloo's speed, {cpu / cg:.2f}x its CPU per call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
