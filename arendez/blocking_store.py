@@ -26,7 +26,9 @@ from .errors import (
     AuthenticationError,
     LimitError,
     ProtocolError,
+    QueueEmptyError,
     RendezvousError,
+    StoreConnectionError,
     StoreError,
     StoreTimeoutError,
 )
@@ -39,7 +41,13 @@ _CALL_TIMEOUT = 30.0
 _REPLY_SLACK = 2.0
 
 transport.register_remote_errors(
-    StoreError, StoreTimeoutError, RendezvousError, ProtocolError, AuthenticationError, LimitError
+    StoreError,
+    StoreTimeoutError,
+    RendezvousError,
+    ProtocolError,
+    AuthenticationError,
+    LimitError,
+    QueueEmptyError,
 )
 
 
@@ -94,7 +102,7 @@ class BlockingStore:
                 self.host, self.port, self._connect_timeout, local_ok=self._ssl is None
             )
         except OSError as exc:
-            raise StoreError(f"store at {self.host}:{self.port} unreachable: {exc}") from None
+            raise StoreConnectionError(f"store at {self.host}:{self.port} unreachable: {exc}") from None
         try:
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self.host)
@@ -117,7 +125,9 @@ class BlockingStore:
                 self._wait_set = -1.0
         except TimeoutError:
             self.close()
-            raise StoreError(f"store at {self.host}:{self.port} did not answer the handshake") from None
+            raise StoreConnectionError(
+                f"store at {self.host}:{self.port} did not answer the handshake"
+            ) from None
         except BaseException:
             self.close()
             raise
@@ -206,7 +216,7 @@ class BlockingStore:
         except (OSError, ProtocolError) as exc:
             self.close()
             where = f"{self.host}:{self.port}"
-            raise StoreError(f"store {op} failed: lost the connection to {where}: {exc}") from None
+            raise StoreConnectionError(f"store {op} failed: lost the connection to {where}: {exc}") from None
         if "error" in reply:
             raise transport.remote_error(reply, StoreError)
         return reply.get("ok")
@@ -278,6 +288,27 @@ class BlockingStore:
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
         self._call("multi_set", self._budget(timeout), keys, values)
+
+    def list_keys(self, timeout: float | None = None) -> list[str]:
+        """Every key of the job's store that holds a value (queues are not listed)."""
+        keys: list[str] = self._call("list_keys", self._budget(timeout))
+        return keys
+
+    def queue_push(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Append ``value`` to the queue ``key`` (queues are apart from the keys' values)."""
+        self._call("queue_push", self._budget(timeout), key, _to_bytes(value))
+
+    def queue_pop(self, key: str, block: bool = True, timeout: float | None = None) -> bytes:
+        """The oldest value of the queue ``key``, removed: waiting up to ``timeout`` for one
+        (``StoreTimeoutError``), or with ``block=False`` ``QueueEmptyError`` at once."""
+        wait = self._wait_budget(timeout) if block else 0.0
+        value: bytes = self._call("queue_pop", wait + _REPLY_SLACK, key, bool(block), wait)
+        return value
+
+    def queue_len(self, key: str, timeout: float | None = None) -> int:
+        """How many values the queue ``key`` holds."""
+        count: int = self._call("queue_len", self._budget(timeout), key)
+        return count
 
 
 __all__ = ["BlockingStore"]

@@ -18,7 +18,7 @@ from . import frames, wire
 from . import lifecycle as _lifecycle
 from .arrays import ReduceOp, as_array, byte_view
 from .collectives import all_gather, all_gather_into_tensor, all_reduce, barrier, reduce_scatter_tensor
-from .errors import ArendezError, CollectiveTimeoutError, RankFailedError, StoreError
+from .errors import ArendezError, CollectiveTimeoutError, NetworkError, RankFailedError, StoreError
 from .group import ProcessGroup
 from .objects import _pack, _unpack
 from .p2p import recv, send
@@ -85,7 +85,7 @@ __all__ = [
 #: torch's error classes, as the arendez errors that play their part
 DistError = ArendezError
 DistBackendError = ArendezError
-DistNetworkError = RankFailedError
+DistNetworkError = NetworkError
 DistStoreError = StoreError
 #: torch's default collective deadline (arendez's too)
 default_pg_timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)

@@ -21,6 +21,23 @@ class StoreTimeoutError(StoreError, TimeoutError):
     """A store ``get``/``wait`` did not see its keys before the deadline."""
 
 
+class NetworkError(ArendezError):
+    """A connection failed: the store could not be reached or was lost, or a peer rank was lost
+    (torch's ``DistNetworkError``)."""
+
+
+class StoreConnectionError(StoreError, NetworkError):
+    """The store server could not be reached, or the connection to it was lost mid-call."""
+
+
+class StoreConnectTimeoutError(StoreConnectionError, StoreTimeoutError):
+    """The store server could not be reached before the deadline (it was retried until then)."""
+
+
+class QueueEmptyError(StoreError):
+    """``queue_pop(key, block=False)`` found the queue empty (torch's ``QueueEmptyError``)."""
+
+
 class RendezvousError(ArendezError):
     """Joining a job failed: bad URL, full job, inconsistent world size, deadline passed."""
 
@@ -62,7 +79,7 @@ class CollectiveCancelledError(ArendezError):
         super().__init__(f"rank {rank} cancelled {collective}{where}")
 
 
-class RankFailedError(ArendezError):
+class RankFailedError(NetworkError):
     """A rank the collective depends on died, left or lost its connection."""
 
     def __init__(self, rank: int, collective: str, reason: str) -> None:
@@ -141,11 +158,15 @@ __all__ = [
     "CollectiveTimeoutError",
     "GroupDestroyedError",
     "LimitError",
+    "NetworkError",
     "NotInitializedError",
     "ProtocolError",
+    "QueueEmptyError",
     "RankFailedError",
     "RendezvousError",
     "RendezvousTimeoutError",
+    "StoreConnectTimeoutError",
+    "StoreConnectionError",
     "StoreError",
     "StoreTimeoutError",
     "WaitTimeoutError",

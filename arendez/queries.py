@@ -187,7 +187,6 @@ UNSUPPORTED: dict[str, str] = {
         "TORCH_DISTRIBUTED_DEBUG levels of c10d; arendez checks collective fingerprints always "
         "(CollectiveMismatchError) and logs through the 'arendez' logger",
     ),
-    "QueueEmptyError": "torch's store queues (queue_push/queue_pop) have no arendez counterpart",
     "record_comm": "a profiler label for c10d collectives; arendez has no torch profiler hook",
     "rendezvous": "torch's pluggable rendezvous handlers; arendez's init_method URLs are fixed",
     "register_rendezvous_handler": "torch's pluggable rendezvous handlers; init_method URLs are fixed",

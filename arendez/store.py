@@ -28,7 +28,10 @@ from .errors import (
     AuthenticationError,
     LimitError,
     ProtocolError,
+    QueueEmptyError,
     RendezvousError,
+    StoreConnectionError,
+    StoreConnectTimeoutError,
     StoreError,
     StoreTimeoutError,
 )
@@ -55,7 +58,13 @@ _UNREACHABLE_WARN_AFTER = 2.0
 _REPLY_LIMITS = wire.Limits(max_header=64 << 20, max_payload=0)
 
 transport.register_remote_errors(
-    StoreError, StoreTimeoutError, RendezvousError, ProtocolError, AuthenticationError, LimitError
+    StoreError,
+    StoreTimeoutError,
+    RendezvousError,
+    ProtocolError,
+    AuthenticationError,
+    LimitError,
+    QueueEmptyError,
 )
 
 
@@ -236,7 +245,9 @@ class Store:
             await asyncio.shield(conn.closed)
             self._connected.clear()
             self._conn = None
-            self._fail_pending(StoreError(f"lost the connection to the store at {self.host}:{self.port}"))
+            self._fail_pending(
+                StoreConnectionError(f"lost the connection to the store at {self.host}:{self.port}")
+            )
             if not self._closed:
                 planned = self._left or self._server_leaving
                 (log.info if planned else log.warning)(
@@ -270,7 +281,9 @@ class Store:
 
     def _unreachable(self) -> StoreError:
         why = f" (last error: {self._last_error_text})" if self._last_error is not None else ""
-        return StoreError(f"store at {self.host}:{self.port} unreachable until the deadline{why}")
+        return StoreConnectTimeoutError(
+            f"store at {self.host}:{self.port} unreachable until the deadline{why}"
+        )
 
     @property
     def _last_error_text(self) -> str:
@@ -456,7 +469,7 @@ class Store:
                 raise ConnectionResetError("not connected")
             conn.send_encoded(frame)
         except ConnectionError as exc:  # the requests cannot have reached the server
-            self._fail_pending(StoreError(f"store request failed: {exc}"))
+            self._fail_pending(StoreConnectionError(f"store request failed: {exc}"))
 
     def _cork(self) -> None:
         """A reply woke a caller: gather the requests of the callers woken now until they ran
@@ -537,6 +550,26 @@ class Store:
         if len(keys) != len(data):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(data)} values")
         await self._ask("multi_set", timeout, False, keys, data)
+
+    async def list_keys(self, timeout: float | None = None) -> list[str]:
+        """Every key of the job's store that holds a value (queues are not listed)."""
+        keys: list[str] = await self._ask("list_keys", timeout, False)
+        return keys
+
+    async def queue_push(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Append ``value`` to the queue ``key`` (queues are apart from the keys' values)."""
+        await self._ask("queue_push", timeout, False, key, _to_bytes(value))
+
+    async def queue_pop(self, key: str, block: bool = True, timeout: float | None = None) -> bytes:
+        """The oldest value of the queue ``key``, removed: waiting up to ``timeout`` for one
+        (``StoreTimeoutError``), or with ``block=False`` ``QueueEmptyError`` at once."""
+        value: bytes = await self._ask("queue_pop", timeout, True, key, bool(block))
+        return value
+
+    async def queue_len(self, key: str, timeout: float | None = None) -> int:
+        """How many values the queue ``key`` holds."""
+        count: int = await self._ask("queue_len", timeout, False, key)
+        return count
 
     # -- membership ------------------------------------------------------------------------
     async def join(

@@ -59,6 +59,10 @@ OPS: dict[str, tuple[str, ...]] = {
     "wait": ("keys", "timeout"),
     "multi_get": ("keys", "timeout"),
     "multi_set": ("keys", "values"),
+    "list_keys": (),
+    "queue_push": ("key", "value"),
+    "queue_pop": ("key", "block", "timeout"),
+    "queue_len": ("key",),
 }
 
 _INITIAL = 4096  # bytes a reader holds between frames; it grows for a larger frame only

@@ -8,6 +8,7 @@ thread (only hosting the server uses the shared loop thread).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import threading
 import time
@@ -15,15 +16,22 @@ from collections.abc import Iterable
 
 from . import embedded
 from .blocking_store import BlockingStore
-from .errors import ArendezError, LimitError, StoreError, StoreTimeoutError
+from .errors import (
+    ArendezError,
+    LimitError,
+    QueueEmptyError,
+    StoreConnectTimeoutError,
+    StoreError,
+    StoreTimeoutError,
+)
 from .loop import shared
 from .registry import seconds
 
 __all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+#: TCPStore's one key of its own (torch's has one too: its count of store users), not listed
 _WORKERS = "__arendez_tcpstore/workers"
-_READY = "__arendez_tcpstore/ready"
 #: the server job every TCPStore client uses (one server, one key space, as torch's)
 _JOB = "tcpstore"
 #: Rounds of compare_set an ``append`` tries before it gives up (each lost one means another
@@ -96,6 +104,24 @@ class Store:
         for key, value in zip(keys, values, strict=True):
             self.set(key, value)
 
+    def list_keys(self) -> list[str]:
+        """Every key that holds a value (queues are not listed)."""
+        raise NotImplementedError
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to the queue ``key``: queues are apart from the keys' values, and
+        ``check``/``wait`` see a non-empty queue as a present key."""
+        raise NotImplementedError
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """The oldest value of the queue ``key``, removed: waiting up to the store's timeout for
+        one (``StoreTimeoutError``), or with ``block=False`` ``QueueEmptyError`` at once."""
+        raise NotImplementedError
+
+    def queue_len(self, key: str) -> int:
+        """How many values the queue ``key`` holds."""
+        raise NotImplementedError
+
 
 class TCPStore(Store):
     """torch's ``TCPStore``: a client of an arendez store server at ``host_name:port``;
@@ -139,8 +165,7 @@ class TCPStore(Store):
         self._lock = threading.Lock()  # one request at a time on the connection (torch's too)
         self._connect(limit)
         if world_size is not None:
-            if self._store.add(_WORKERS, 1) >= world_size:
-                self._store.set(_READY, b"1")
+            self._store.add(_WORKERS, 1)
             if is_master and wait_for_workers:
                 self._wait_for_workers(world_size, limit)
 
@@ -155,7 +180,7 @@ class TCPStore(Store):
                 raise
             except StoreError as exc:
                 if time.monotonic() + pause >= deadline:
-                    raise StoreTimeoutError(
+                    raise StoreConnectTimeoutError(
                         f"TCPStore could not reach the store at {self.host}:{self.port} "
                         f"within {limit:g}s: {exc}"
                     ) from None
@@ -163,15 +188,18 @@ class TCPStore(Store):
                 pause = min(2 * pause, 0.5)
 
     def _wait_for_workers(self, world_size: int, limit: float) -> None:
-        try:
-            self._store.wait([_READY], limit)
-        except StoreTimeoutError:
-            joined = self._store.add(_WORKERS, 0)
-            self._store.close()
-            raise StoreTimeoutError(
-                f"TCPStore master timed out after {limit:g}s waiting for clients: "
-                f"{joined}/{world_size} store users joined (world_size counts the master too)"
-            ) from None
+        """Poll the count of store users until all ``world_size`` came (as torch's master does:
+        one request per poll, so the store keeps a single key of its own)."""
+        deadline, pause = time.monotonic() + limit, 0.005
+        while (joined := self._store.add(_WORKERS, 0)) < world_size:
+            if time.monotonic() + pause >= deadline:
+                self._store.close()
+                raise StoreTimeoutError(
+                    f"TCPStore master timed out after {limit:g}s waiting for clients: "
+                    f"{joined}/{world_size} store users joined (world_size counts the master too)"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
 
     def _limit(self, timeout: datetime.timedelta | None = None) -> float:
         return seconds(timeout if timeout is not None else self.timeout, 300.0)
@@ -218,6 +246,22 @@ class TCPStore(Store):
         with self._lock:
             return self._store.num_keys()
 
+    def list_keys(self) -> list[str]:
+        with self._lock:
+            return [k for k in self._store.list_keys() if k != _WORKERS]
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        with self._lock:
+            self._store.queue_push(key, value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        with self._lock:
+            return self._store.queue_pop(key, block, self._limit())
+
+    def queue_len(self, key: str) -> int:
+        with self._lock:
+            return self._store.queue_len(key)
+
     @property
     def libuvBackend(self) -> bool:  # (torch's name)
         """False: the server is arendez's own (asyncio), not torch's libuv one."""
@@ -238,6 +282,7 @@ class HashStore(Store):
 
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
+        self._queues: dict[str, collections.deque[bytes]] = {}
         self._changed = threading.Condition()
 
     def set(self, key: str, value: str | bytes) -> None:
@@ -245,19 +290,24 @@ class HashStore(Store):
             self._data[key] = _bytes(value)
             self._changed.notify_all()
 
-    def _wait_for(self, keys: list[str], timeout: datetime.timedelta | None) -> None:
+    def _present(self, key: str) -> bool:
+        return key in self._data or key in self._queues
+
+    def _wait_for(self, keys: list[str], timeout: datetime.timedelta | None, values: bool = False) -> None:
+        """Wait until every key is present (``values``: holds a value, not only a queue)."""
         limit = seconds(timeout if timeout is not None else self.timeout, 300.0)
         end = time.monotonic() + limit
-        while not all(k in self._data for k in keys):
+        present = self._data.__contains__ if values else self._present
+        while not all(present(k) for k in keys):
             left = end - time.monotonic()
             if left <= 0:
-                missing = [k for k in keys if k not in self._data]
+                missing = [k for k in keys if not present(k)]
                 raise StoreTimeoutError(f"keys {missing} were not set within {limit:.3g}s")
             self._changed.wait(left)
 
     def get(self, key: str) -> bytes:
         with self._changed:
-            self._wait_for([key], None)
+            self._wait_for([key], None, values=True)
             return self._data[key]
 
     def add(self, key: str, amount: int) -> int:
@@ -281,7 +331,7 @@ class HashStore(Store):
 
     def check(self, keys: Iterable[str]) -> bool:
         with self._changed:
-            return all(k in self._data for k in keys)
+            return all(self._present(k) for k in keys)
 
     def delete_key(self, key: str) -> bool:
         with self._changed:
@@ -290,6 +340,40 @@ class HashStore(Store):
     def num_keys(self) -> int:
         with self._changed:
             return len(self._data)
+
+    def list_keys(self) -> list[str]:
+        with self._changed:
+            return list(self._data)
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        with self._changed:
+            self._queues.setdefault(key, collections.deque()).append(_bytes(value))
+            self._changed.notify_all()
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        with self._changed:
+            if block:
+                self._wait_for_queue(key)
+            queue = self._queues.get(key)
+            if not queue:
+                raise QueueEmptyError(f"queue {key!r:.80} is empty")
+            item = queue.popleft()
+            if not queue:
+                del self._queues[key]
+            return item
+
+    def _wait_for_queue(self, key: str) -> None:
+        limit = seconds(self.timeout, 300.0)
+        end = time.monotonic() + limit
+        while key not in self._queues:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise StoreTimeoutError(f"queue_pop({key!r:.80}) found no value within {limit:.3g}s")
+            self._changed.wait(left)
+
+    def queue_len(self, key: str) -> int:
+        with self._changed:
+            return len(self._queues.get(key, ()))
 
 
 class PrefixStore(Store):
@@ -335,6 +419,20 @@ class PrefixStore(Store):
 
     def num_keys(self) -> int:
         return self.underlying_store.num_keys()
+
+    def list_keys(self) -> list[str]:
+        """The keys under this prefix, without it (as torch's)."""
+        start = f"{self.prefix}/"
+        return [k[len(start) :] for k in self.underlying_store.list_keys() if k.startswith(start)]
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        self.underlying_store.queue_push(self._k(key), value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        return self.underlying_store.queue_pop(self._k(key), block)
+
+    def queue_len(self, key: str) -> int:
+        return self.underlying_store.queue_len(self._k(key))
 
 
 def meeting_point(store: Store) -> tuple[str, int, str]:

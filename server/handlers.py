@@ -10,6 +10,7 @@ in a task (``BLOCKING``). Handlers raise ``ArendezError`` s, sent back as the re
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -73,6 +74,41 @@ def _delete(server: Server, s: Session, job: Job, h: dict[str, Any]) -> bool:
 
 def _num_keys(server: Server, s: Session, job: Job, h: dict[str, Any]) -> int:
     return len(job.kv)
+
+
+def _list_keys(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list[str]:
+    return job.keys()
+
+
+def _queue_push(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
+    key = h.get("key", "")
+    job.queue_push(key, h.get("value"))
+    if server.waits.waiters:
+        server.waits.changed(s.job, key)
+
+
+def _queue_len(server: Server, s: Session, job: Job, h: dict[str, Any]) -> int:
+    return job.queue_len(h.get("key", ""))
+
+
+def _queue_pop_now(server: Server, s: Session, job: Job, h: dict[str, Any]) -> Any:
+    key = h.get("key", "")
+    if not h.get("block", True):
+        return job.queue_pop_now(key)
+    item = job.queue_pop(key)
+    return BLOCK if item is None else item
+
+
+async def _queue_pop(server: Server, s: Session, job: Job, h: dict[str, Any]) -> bytes:
+    key, timeout = h.get("key", ""), h.get("timeout")
+    deadline = _deadline(timeout)
+    job.queue_len(key)  # checks the key
+    what = _timed_out(f"queue_pop({key!r:.80})", timeout)
+    while True:  # (another popper may take the value that woke this one)
+        await server.waits.until(s.job, key, lambda: key in job.queues, deadline, what)
+        item = job.queue_pop(key)
+        if item is not None:
+            return item
 
 
 def _check(server: Server, s: Session, job: Job, h: dict[str, Any]) -> bool:
@@ -182,8 +218,8 @@ async def _wait(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None
     deadline = _deadline(timeout)
     job.has_all(keys)  # checks the keys
     what = _timed_out(f"wait({keys!r:.80})", timeout)
-    for key in keys:
-        await server.waits.until_key(s.job, job, key, deadline, what)
+    for key in keys:  # (a non-empty queue counts, as in torch)
+        await server.waits.until(s.job, key, functools.partial(job.present, key), deadline, what)
 
 
 def _multi_get_now(server: Server, s: Session, job: Job, h: dict[str, Any]) -> Any:
@@ -335,9 +371,19 @@ HANDLERS: dict[str, Any] = {
     "addresses": _addresses,
     "multi_get": _multi_get_now,
     "multi_set": _multi_set,
+    "list_keys": _list_keys,
+    "queue_push": _queue_push,
+    "queue_pop": _queue_pop_now,
+    "queue_len": _queue_len,
 }
-#: Requests that may wait: ``get``/``wait`` only when their keys are missing.
-BLOCKING: dict[str, Any] = {"get": _get, "wait": _wait, "multi_get": _multi_get, "join": _join}
+#: Requests that may wait: ``get``/``wait``/``queue_pop`` only when their keys are missing.
+BLOCKING: dict[str, Any] = {
+    "get": _get,
+    "wait": _wait,
+    "multi_get": _multi_get,
+    "queue_pop": _queue_pop,
+    "join": _join,
+}
 
 
 # -- the compact form: ``[op, id, *args]`` (arguments checked by number before the handler) ----
@@ -391,6 +437,22 @@ def _c_multi_set(server: Server, s: Session, job: Job, r: list[Any]) -> None:
     return _multi_set(server, s, job, {"keys": r[2], "values": r[3]})
 
 
+def _c_list_keys(server: Server, s: Session, job: Job, r: list[Any]) -> list[str]:
+    return job.keys()
+
+
+def _c_queue_push(server: Server, s: Session, job: Job, r: list[Any]) -> None:
+    return _queue_push(server, s, job, {"key": r[2], "value": r[3]})
+
+
+def _c_queue_pop(server: Server, s: Session, job: Job, r: list[Any]) -> Any:
+    return _queue_pop_now(server, s, job, {"key": r[2], "block": r[3]})
+
+
+def _c_queue_len(server: Server, s: Session, job: Job, r: list[Any]) -> int:
+    return job.queue_len(r[2])
+
+
 #: op -> (handler, the request's length); ``OPS`` names the arguments.
 COMPACT: dict[str, tuple[Handler, int]] = {
     op: (handler, 2 + len(OPS[op]))
@@ -405,6 +467,10 @@ COMPACT: dict[str, tuple[Handler, int]] = {
         "wait": _c_wait,
         "multi_get": _c_multi_get,
         "multi_set": _c_multi_set,
+        "list_keys": _c_list_keys,
+        "queue_push": _c_queue_push,
+        "queue_pop": _c_queue_pop,
+        "queue_len": _c_queue_len,
     }.items()
 }
 

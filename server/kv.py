@@ -5,21 +5,35 @@ Sans-I/O: :class:`~arendez_server.state.Job` is a store plus the job's rendezvou
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
-from arendez.errors import LimitError, StoreError
+from arendez.errors import LimitError, QueueEmptyError, StoreError
 
 from .limits import StateLimits
+
+#: Bytes each queued value counts against ``--max-bytes-per-job`` beyond its own (so that
+#: empty values cannot queue up without bound).
+QUEUE_ITEM_BYTES = 32
+#: The most bytes of keys one ``list_keys`` answer carries (clients read replies of up to 64 MiB).
+MAX_LIST_BYTES = 32 << 20
 
 
 @dataclass
 class KeyValueStore:
-    """The keys and values of one job (``nbytes``: keys + values held)."""
+    """The keys and values of one job (``nbytes``: keys + values held), and its queues.
+
+    As in torch's stores, queues (``queue_push``/``queue_pop``) are a namespace of their own:
+    ``get``/``set``/``delete`` never see them, ``check``/``wait`` see a non-empty queue as a
+    present key, and a queue is forgotten once empty. A queue counts as one key against
+    ``--max-keys-per-job``; each queued value its bytes plus ``QUEUE_ITEM_BYTES``.
+    """
 
     name: str
     limits: StateLimits
     kv: dict[str, bytes] = field(default_factory=dict)
-    nbytes: int = 0  # keys + values held
+    nbytes: int = 0  # keys + values held (queues included)
+    queues: dict[str, deque[bytes]] = field(default_factory=dict)
 
     def _check_key(self, key: object) -> str:
         if not isinstance(key, str):  # ("" is a key, as in torch's stores)
@@ -42,21 +56,28 @@ class KeyValueStore:
             raise LimitError(f"store value of {len(value)} bytes exceeds the server's limit of {limit} bytes")
         return value
 
-    def _put(self, key: str, value: bytes) -> None:
-        old = self.kv.get(key)
-        if old is None and len(self.kv) >= self.limits.max_keys_per_job:
+    def _room_for_key(self) -> None:
+        if len(self.kv) + len(self.queues) >= self.limits.max_keys_per_job:
             raise LimitError(
                 f"job {self.name!r} already holds {self.limits.max_keys_per_job} keys "
                 "(limit: arendez-server --max-keys-per-job)"
             )
-        grown = self.nbytes + len(value) - (len(old) if old is not None else -len(key))
+
+    def _grown(self, delta: int) -> int:
+        grown = self.nbytes + delta
         if grown > self.limits.max_bytes_per_job:
             raise LimitError(
                 f"job {self.name!r} would hold more than {self.limits.max_bytes_per_job} bytes "
                 "(limit: arendez-server --max-bytes-per-job)"
             )
+        return grown
+
+    def _put(self, key: str, value: bytes) -> None:
+        old = self.kv.get(key)
+        if old is None:
+            self._room_for_key()
+        self.nbytes = self._grown(len(value) - (len(old) if old is not None else -len(key)))
         self.kv[key] = value
-        self.nbytes = grown
 
     def set(self, key: object, value: object) -> None:
         self._put(self._check_key(key), self._check_value(value))
@@ -96,8 +117,58 @@ class KeyValueStore:
         self.nbytes -= len(name) + len(old)
         return True
 
+    def present(self, key: str) -> bool:
+        """Whether ``check``/``wait`` see ``key``: a value, or a non-empty queue."""
+        return key in self.kv or key in self.queues
+
     def has_all(self, keys: list[str]) -> bool:
-        return all(self._check_key(k) in self.kv for k in keys)
+        return all(self.present(self._check_key(k)) for k in keys)
+
+    def keys(self) -> list[str]:
+        """The keys that hold values (queues are not listed, as in torch)."""
+        size = sum(len(k) + 5 for k in self.kv)  # (utf-8 of non-ascii keys counted by characters)
+        if size > MAX_LIST_BYTES:
+            raise LimitError(
+                f"list_keys: job {self.name!r} holds {len(self.kv)} keys of about {size} bytes in all, "
+                f"more than one answer carries ({MAX_LIST_BYTES} bytes)"
+            )
+        return list(self.kv)
+
+    def queue_push(self, key: object, value: object) -> None:
+        """Append ``value`` to the queue ``key`` (created on first push)."""
+        name, item = self._check_key(key), self._check_value(value)
+        queue = self.queues.get(name)
+        created = queue is None
+        if created:
+            self._room_for_key()
+        self.nbytes = self._grown(len(item) + QUEUE_ITEM_BYTES + (len(name) if created else 0))
+        if queue is None:
+            queue = self.queues[name] = deque()
+        queue.append(item)
+
+    def queue_pop(self, key: object) -> bytes | None:
+        """The oldest value of the queue ``key``, removed; ``None`` if it is empty."""
+        name = self._check_key(key)
+        queue = self.queues.get(name)
+        if queue is None:
+            return None
+        item = queue.popleft()
+        self.nbytes -= len(item) + QUEUE_ITEM_BYTES
+        if not queue:
+            del self.queues[name]
+            self.nbytes -= len(name)
+        return item
+
+    def queue_pop_now(self, key: object) -> bytes:
+        """``queue_pop`` that raises ``QueueEmptyError`` for an empty queue."""
+        item = self.queue_pop(key)
+        if item is None:
+            raise QueueEmptyError(f"queue {key!r:.80} is empty")
+        return item
+
+    def queue_len(self, key: object) -> int:
+        queue = self.queues.get(self._check_key(key))
+        return 0 if queue is None else len(queue)
 
     def get_all(self, keys: list[str]) -> list[bytes] | None:
         """The values of ``keys`` in order; ``None`` if any is missing."""

@@ -295,7 +295,7 @@ class ServerState:
     def drop_if_idle(self, name: str, connected: int) -> None:
         """Forget a job no connection uses, whose round is over and whose store is empty."""
         job = self.jobs.get(name)
-        if job is not None and connected == 0 and not job.in_use and not job.kv:
+        if job is not None and connected == 0 and not job.in_use and not job.kv and not job.queues:
             del self.jobs[name]
 
     def expire(self, now: float, lease: float, arm_grace: float = 0.0) -> list[Departure]:

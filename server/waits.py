@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 from arendez.errors import StoreTimeoutError
 
@@ -27,8 +28,13 @@ class KeyWaits:
     async def until_key(self, name: str, job: Job, key: str, deadline: float, what: str) -> None:
         """Wait until ``key`` is set in ``job`` (named ``name``); ``StoreTimeoutError`` naming
         ``what`` after ``deadline``."""
+        await self.until(name, key, lambda: key in job.kv, deadline, what)
+
+    async def until(self, name: str, key: str, ready: Callable[[], bool], deadline: float, what: str) -> None:
+        """Wait until ``ready()`` holds, re-checked whenever ``key`` of job ``name`` changes;
+        ``StoreTimeoutError`` naming ``what`` after ``deadline``."""
         loop = asyncio.get_running_loop()
-        while job.get(key) is None:
+        while not ready():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StoreTimeoutError(what)

@@ -104,9 +104,34 @@ async def test_limits_give_clear_errors(arendez_server):
 async def test_store_unreachable_is_a_store_error():
     store = dist.Store("127.0.0.1", 9, "x", timeout=0.5)
     started = time.monotonic()
-    with pytest.raises(dist.StoreError, match="unreachable"):
+    with pytest.raises(dist.StoreError, match="unreachable") as caught:
         await store.connect()
     assert time.monotonic() - started < 3
+    assert isinstance(caught.value, dist.NetworkError) and isinstance(caught.value, TimeoutError)
+
+
+@pytest.mark.timeout(30)
+async def test_queues_wake_one_waiting_popper_per_value(arendez_server):
+    a, b = await _client(arendez_server, "queues"), await _client(arendez_server, "queues")
+    try:
+        pops = [asyncio.ensure_future(b.queue_pop("jobs", timeout=10)) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        assert not any(p.done() for p in pops)
+        waiting = asyncio.ensure_future(b.wait(["jobs"], timeout=10))
+        for i in range(3):
+            await a.queue_push("jobs", f"task-{i}")
+        assert sorted(await asyncio.gather(*pops)) == [b"task-0", b"task-1", b"task-2"]
+        await waiting  # woken by the first push (a non-empty queue is a present key)
+        assert await a.queue_len("jobs") == 0 and await a.list_keys() == []
+        with pytest.raises(dist.QueueEmptyError):
+            await a.queue_pop("jobs", block=False)
+        with pytest.raises(dist.StoreTimeoutError, match="queue_pop"):
+            await a.queue_pop("jobs", timeout=0.2)
+        await a.set("k", "v")
+        assert await b.list_keys() == ["k"] and await b.num_keys() == 1
+    finally:
+        await a.close()
+        await b.close()
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import arendez.sync as sync
-from arendez.errors import StoreTimeoutError
+from arendez.errors import LimitError, QueueEmptyError, StoreTimeoutError
 from tests.harness import server
 
 SHORT = datetime.timedelta(seconds=20)
@@ -50,8 +50,10 @@ def test_unreachable_store_is_a_timeout_naming_the_address() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nobody listens there
-    with pytest.raises(StoreTimeoutError, match=rf"127.0.0.1:{port} within 0.3s"):
+    with pytest.raises(StoreTimeoutError, match=rf"127.0.0.1:{port} within 0.3s") as caught:
         sync.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=0.3))
+    assert isinstance(caught.value, sync.DistNetworkError)  # as torch's: a network error
+    assert not isinstance(caught.value, sync.RankFailedError)
 
 
 def test_master_times_out_naming_how_many_joined() -> None:
@@ -93,7 +95,8 @@ def test_a_thousand_clients_against_one_server() -> None:
             keys = [f"addr/{i}" for i in range(n)]
             assert stores[-1].multi_get(keys) == [_address(i).encode() for i in range(n)]
             assert stores[0].add("__arendez_tcpstore/workers", 0) == n
-            assert stores[0].check(["__arendez_tcpstore/ready"])  # the n-th user marked the store full
+            assert stores[0].num_keys() == n + 1  # the addresses and the count of store users
+            assert sorted(stores[1].list_keys()) == sorted(keys)
         finally:
             for store in stores:
                 store.close()
@@ -164,3 +167,72 @@ def test_append_is_atomic_under_concurrent_writers_and_the_extended_api_says_so(
     prefixed.append("k", b"a")
     prefixed.append("k", b"b")
     assert master.get("p/k") == b"ab"
+
+
+@pytest.mark.timeout(30)
+def test_queues_and_list_keys_behave_as_torchs() -> None:
+    """Queues are apart from the keys' values; list_keys and num_keys see the values only
+    (num_keys also TCPStore's one key of its own, as torch's counts its user count)."""
+    master = sync.TCPStore("127.0.0.1", 0, 2, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    other = sync.TCPStore("127.0.0.1", master.port, 2, False, datetime.timedelta(seconds=10))
+    assert master.list_keys() == [] and master.num_keys() == 1
+    master.set("a", "1")
+    master.queue_push("q", "x")
+    other.queue_push("q", b"y")
+    master.queue_push("a", "z")  # a queue named as a key: both stay
+    assert master.list_keys() == ["a"] and master.num_keys() == 2
+    assert master.queue_len("q") == 2 and master.check(["q"])
+    assert other.queue_pop("q") == b"x" and master.queue_pop("q", block=False) == b"y"
+    assert master.queue_len("q") == 0 and not master.check(["q"])
+    with pytest.raises(QueueEmptyError, match="queue 'q' is empty"):
+        master.queue_pop("q", block=False)
+    assert master.delete_key("a") and master.queue_len("a") == 1
+    assert master.queue_pop("a") == b"z"
+    master.set_timeout(datetime.timedelta(seconds=0.3))
+    with pytest.raises(StoreTimeoutError, match=r"queue_pop\('w'\) not satisfied within 0.3s"):
+        master.queue_pop("w")
+    master.set_timeout(datetime.timedelta(seconds=10))
+    with ThreadPoolExecutor(2) as pool:  # a blocked pop takes a later push; one value, one popper
+        pops = [pool.submit(other.clone().queue_pop, "w") for _ in range(2)]
+        time.sleep(0.2)
+        assert not any(p.done() for p in pops)
+        master.queue_push("w", "1")
+        master.queue_push("w", "2")
+        assert sorted(p.result(timeout=5) for p in pops) == [b"1", b"2"]
+    prefixed = sync.PrefixStore("pre", master)
+    prefixed.set("k", "v")
+    prefixed.queue_push("pq", "1")
+    assert prefixed.list_keys() == ["k"] and master.queue_len("pre/pq") == 1
+    assert prefixed.queue_pop("pq") == b"1" and prefixed.queue_len("pq") == 0
+    other.close()
+    master.close()
+
+
+def test_hash_store_queues() -> None:
+    store = sync.HashStore()
+    store.set("x", "1")
+    store.queue_push("q", "a")
+    assert store.list_keys() == ["x"] and store.num_keys() == 1 and store.queue_len("q") == 1
+    store.wait(["q"])  # a non-empty queue is present
+    assert store.queue_pop("q") == b"a"
+    with pytest.raises(QueueEmptyError):
+        store.queue_pop("q", block=False)
+    store.set_timeout(datetime.timedelta(seconds=0.1))
+    with pytest.raises(StoreTimeoutError):
+        store.queue_pop("q")
+
+
+@pytest.mark.timeout(30)
+def test_queued_values_count_against_the_job_limits() -> None:
+    """A queue is a key and its values bytes (plus a little each) for the server's limits."""
+    with server("--max-keys-per-job", "2", "--max-bytes-per-job", "4096") as srv:
+        store = sync.TCPStore("127.0.0.1", srv.port, None, False, SHORT)
+        store.set("a", "1")
+        store.queue_push("q", "x")
+        with pytest.raises(LimitError, match="max-keys-per-job"):
+            store.queue_push("r", "y")
+        with pytest.raises(LimitError, match="max-bytes-per-job"):
+            for _ in range(200):  # empty values are not free
+                store.queue_push("q", b"")
+        assert store.queue_pop("q") == b"x"
+        store.close()
