@@ -44,6 +44,9 @@ log = logging.getLogger("arendez.server.http")
 #: Events kept per job for the dashboard, and jobs whose events are kept.
 EVENTS_PER_JOB = 20
 EVENT_JOBS = 1000
+#: Jobs that ended (the server forgot them) still shown, with their last events, for this long.
+ENDED_JOBS = 20
+ENDED_SECONDS = 3600.0
 MAX_HTTP_CONNECTIONS = 64
 STATES = ("joining", "active", "left", "failed")
 MAX_REQUEST_HEAD = 8192
@@ -95,12 +98,17 @@ def snapshot(server: Any, events: Metrics | None = None) -> dict[str, Any]:
         jobs.append(
             {
                 "name": name,
+                "ended": False,
                 "keys": len(job.kv),
                 "bytes": job.nbytes,
                 "rounds": rounds,
                 "events": events.events(name) if events is not None else [],
             }
         )
+    if events is not None:  # the jobs that ended lately: their failures stay visible
+        live = {job["name"] for job in jobs}
+        for name, last in events.ended(live, ENDED_JOBS, time.time() - ENDED_SECONDS):
+            jobs.append({"name": name, "ended": True, "keys": 0, "bytes": 0, "rounds": [], "events": last})
     return {
         "time": time.time(),
         "url": server.url,
@@ -196,6 +204,17 @@ class Metrics(ServerHooks):
     def events(self, job: str) -> list[dict[str, Any]]:
         """The job's recent events, newest last."""
         return list(self._events.get(job, ()))
+
+    def ended(self, live: set[str], most: int, since: float) -> list[tuple[str, list[dict[str, Any]]]]:
+        """Up to ``most`` jobs not in ``live`` with events after ``since``, the latest first."""
+        found = []
+        for name in reversed(self._events):
+            if len(found) >= most:
+                break
+            last = self._events[name]
+            if name not in live and last and last[-1]["time"] >= since:
+                found.append((name, list(last)))
+        return found
 
 
 class _StateCollector:
@@ -362,7 +381,10 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append("no jobs")
     for job in status["jobs"]:
         lines.append("")
-        lines.append(f"job {job['name']!r}  keys {job['keys']}  bytes {job['bytes']}")
+        if job.get("ended"):
+            lines.append(f"job {job['name']!r}  ended (its last events:)")
+        else:
+            lines.append(f"job {job['name']!r}  keys {job['keys']}  bytes {job['bytes']}")
         for round_ in job["rounds"]:
             joined = len(round_["members"])
             what = "round" if round_["complete"] else f"forming ({joined}/{round_['world_size']} joined)"

@@ -167,6 +167,20 @@ def test_status_shows_the_job_then_the_rank_stopped_with_sigstop() -> None:
         assert rows == {"0": "active", "1": "active", "2": "failed", "3": "active"}, table.stdout
         assert "job 's'" in table.stdout and "rank 2 failed: no heartbeat" in table.stdout
 
+        for proc in procs:  # the whole job dies: the server forgets it, /status still shows its end
+            os.killpg(proc.pid, signal.SIGKILL)
+
+        def ended() -> dict[str, Any] | None:
+            found = [j for j in status(base)["jobs"] if j["name"] == "s"]
+            return found[0] if found and found[0]["ended"] else None
+
+        job = until(ended, 15, "job 's' shown as ended in /status")
+        assert job["rounds"] == [] and job["events"][0]["rank"] == 2
+        assert sorted(e["rank"] for e in job["events"]) == [0, 1, 2, 3]
+        assert metrics(base)[("arendez_jobs", ())] == 0
+        table = status_cli(base)
+        assert "job 's'  ended" in table.stdout and "rank 2 failed: no heartbeat" in table.stdout
+
 
 @pytest.mark.timeout(30)
 def test_token_guards_status_and_metrics_not_the_page(tmp_path: Any) -> None:

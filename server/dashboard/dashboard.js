@@ -39,8 +39,9 @@ function jobPanel(job) {
   // failures declared recently (the server keeps a job's last events), whether or not the round is over
   const failures = job.events.filter((e) => e.kind === "failed").length;
   const panel = el("section", { class: "job" + (failures ? " has-failed" : ""), "data-job": job.name },
-    el("h2", {}, "job " + job.name),
-    el("div", { class: "meta" }, count(job.keys, "key") + ", " + count(job.bytes, "byte") + " stored, " + count(failures, "failure")));
+    el("h2", {}, "job " + job.name + (job.ended ? " (ended)" : "")),
+    el("div", { class: "meta" }, job.ended ? "ended: its ranks are gone; " + count(failures, "failure") + " in its last events"
+      : count(job.keys, "key") + ", " + count(job.bytes, "byte") + " stored, " + count(failures, "failure")));
   for (const round of job.rounds) {
     const what = round.complete ? "round " + round.id : "forming: " + round.members.length + "/" + round.world_size + " joined";
     panel.append(el("div", { class: "meta" }, what + ", world size " + round.world_size), ...roundTable(round));
@@ -57,8 +58,9 @@ function jobPanel(job) {
 
 function render(status) {
   const ranks = status.jobs.flatMap((j) => j.rounds).reduce((n, r) => n + r.members.length, 0);
+  const running = status.jobs.filter((j) => !j.ended).length;
   document.getElementById("summary").textContent =
-    status.url + " \u2014 " + [count(status.jobs.length, "job"), count(ranks, "rank"), count(status.connections, "connection")].join(", ");
+    status.url + " \u2014 " + [count(running, "job"), count(ranks, "rank"), count(status.connections, "connection")].join(", ");
   const updated = document.getElementById("updated");
   updated.textContent = "updated " + time(status.time);
   updated.className = "";
