@@ -207,7 +207,7 @@ class Metrics(ServerHooks):
 
     def ended(self, live: set[str], most: int, since: float) -> list[tuple[str, list[dict[str, Any]]]]:
         """Up to ``most`` jobs not in ``live`` with events after ``since``, the latest first."""
-        found = []
+        found: list[tuple[str, list[dict[str, Any]]]] = []
         for name in reversed(self._events):
             if len(found) >= most:
                 break
