@@ -20,7 +20,16 @@ from .arrays import ReduceOp
 from .errors import RendezvousError
 from .group import GroupMember, ProcessGroup
 from .handle import Handle
-from .registry import DEFAULT_TIMEOUT, default_group, install, resolve, seconds, uninstall, world_or_none
+from .registry import (
+    DEFAULT_TIMEOUT,
+    default_group,
+    forming,
+    install,
+    resolve,
+    seconds,
+    uninstall,
+    world_or_none,
+)
 from .rendezvous import Plan, is_loopback, plan
 from .rendezvous import int_env as env_int
 from .store import Store
@@ -58,14 +67,13 @@ async def init_process_group(
         await init_elastic(where, limit, limit)
         return
     where, limit = _checked(backend, init_method, world_size, rank, timeout, store, group_name)
-    if default_group() is not None:
-        raise RendezvousError("the default process group is already initialized")
     build = _BUILDERS.get(where.transport)
     if build is None:
         raise RendezvousError(f"no transport {where.transport!r}; known: {', '.join(_BUILDERS)}")
-    world = await build(where, limit, store)
-    farewell.register(world)  # a process that ends without destroy still says goodbye
-    install(world)
+    with forming():
+        world = await build(where, limit, store)
+        farewell.register(world)  # a process that ends without destroy still says goodbye
+        install(world)
 
 
 def _checked_common(
@@ -149,11 +157,10 @@ def _checked_elastic(
 async def init_elastic(where: Plan, timeout: float, join_timeout: float) -> None:
     """Join an elastic round (``where.min_size`` > 0) and install the world; collectives get
     ``timeout``, the join ``join_timeout``."""
-    if default_group() is not None:
-        raise RendezvousError("the default process group is already initialized")
-    world = await _tcp_world(where, timeout, None, join_timeout=join_timeout)
-    farewell.register(world)
-    install(world)
+    with forming():
+        world = await _tcp_world(where, timeout, None, join_timeout=join_timeout)
+        farewell.register(world)
+        install(world)
 
 
 async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> World:

@@ -10,15 +10,16 @@ Every API call that takes ``group=`` resolves it here, once (``on_group``): ``No
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import datetime
 import functools
 import inspect
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 from . import validate
-from .errors import NotInitializedError
+from .errors import NotInitializedError, RendezvousError
 from .group import GroupMember, ProcessGroup, Stats
 from .world import World
 
@@ -34,6 +35,7 @@ class Registry:
     def __init__(self) -> None:
         self.world: World | None = None
         self.default: ProcessGroup | None = None
+        self.forming = False  # an init_process_group of this registry is forming its world
 
 
 _process = Registry()  # the registry of code not run through ``fresh_context``
@@ -50,6 +52,26 @@ def fresh_context() -> contextvars.Context:
     context = contextvars.copy_context()
     context.run(_current.set, Registry())
     return context
+
+
+@contextlib.contextmanager
+def forming() -> Iterator[None]:
+    """Hold the default group's place while a world forms: a second ``init_process_group`` of
+    the same context (a concurrent task, say) fails at once instead of replacing the first."""
+    registry = _get()
+    if registry.default is not None:
+        raise RendezvousError("the default process group is already initialized")
+    if registry.forming:
+        raise RendezvousError(
+            "another init_process_group of this context is forming the default process group; "
+            "ranks that run as tasks of one process each need their own context "
+            "(loop.create_task(rank_main(), context=arendez.registry.fresh_context()))"
+        )
+    registry.forming = True
+    try:
+        yield
+    finally:
+        registry.forming = False
 
 
 def install(world: World) -> None:

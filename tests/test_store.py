@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
 import arendez as dist
+from arendez.registry import fresh_context
 from tests.harness import run_ranks
 from tests.jobs import store as store_jobs
 
@@ -138,3 +140,34 @@ async def test_queues_wake_one_waiting_popper_per_value(arendez_server):
 def test_concurrent_add_from_processes(arendez_server):
     totals = run_ranks(store_jobs.store_add, 4, f"{arendez_server.url}/adders", 200)
     assert totals == [800] * 4
+
+
+@pytest.mark.timeout(30)
+async def test_a_second_init_of_one_context_while_the_first_forms_fails_at_once(arendez_server):
+    """Two tasks of one context initialising together: the second fails naming the way out (a
+    context per rank), the first forms its world, and ranks in their own contexts work."""
+    url = f"arendez://127.0.0.1:{arendez_server.port}/twice"
+
+    async def rank_main() -> int:
+        await dist.init_process_group(init_method=url, world_size=2, rank=-1, timeout=20)
+        try:
+            return dist.get_rank()
+        finally:
+            await dist.destroy_process_group()
+
+    async def both_in_one_context() -> list[Any]:
+        first = asyncio.ensure_future(
+            dist.init_process_group(init_method=url, world_size=2, rank=-1, timeout=20)
+        )
+        await asyncio.sleep(0)
+        with pytest.raises(dist.RendezvousError, match="fresh_context"):
+            await dist.init_process_group(init_method=url, world_size=2, rank=-1, timeout=20)
+        other = asyncio.get_running_loop().create_task(rank_main(), context=fresh_context())
+        await first
+        ranks = [dist.get_rank(), await other]
+        await dist.destroy_process_group()
+        return ranks
+
+    loop = asyncio.get_running_loop()
+    ranks = await loop.create_task(both_in_one_context(), context=fresh_context())
+    assert sorted(ranks) == [0, 1]
