@@ -36,6 +36,12 @@ from .settings import env_int
 
 #: Bytes of the segment a rank writes to one peer (``ARENDEZ_SHM_BYTES``).
 SEGMENT_BYTES = env_int("ARENDEZ_SHM_BYTES", 8 << 20, minimum=4096)
+#: Bytes of outbound segments one process may hold (``ARENDEZ_SHM_PROCESS_BYTES``; default 16
+#: segments). Segments are real memory (their pages are reserved): past the budget, or when a
+#: segment would leave the shared-memory directory nearly full, a pair uses sockets.
+PROCESS_BYTES = env_int("ARENDEZ_SHM_PROCESS_BYTES", 16 * SEGMENT_BYTES, minimum=0)
+#: Bytes a new segment leaves free in the shared-memory directory at least (capped at a quarter).
+DIRECTORY_RESERVE = 1 << 30
 #: Payloads smaller than this go inline in the TCP frame: for them a shared-memory round trip
 #: saves nothing.
 MIN_PAYLOAD = 64 * 1024
@@ -54,6 +60,31 @@ def enabled() -> bool:
 
 def _directory() -> str:
     return os.path.realpath(os.environ.get("ARENDEZ_SHM_DIR", "/dev/shm"))
+
+
+_held = 0  # bytes of the outbound segments this process holds
+
+
+def _check_room(directory: str, nbytes: int) -> None:
+    """``ShmUnavailable`` if ``nbytes`` more would pass this process's budget or leave the
+    directory (a tmpfs: memory) with less than ``DIRECTORY_RESERVE`` (or a quarter) free."""
+    if _held + nbytes > PROCESS_BYTES:
+        raise ShmUnavailable(
+            f"this process holds {_held >> 20} MiB of shared-memory segments; another would pass "
+            f"its budget of {PROCESS_BYTES >> 20} MiB (ARENDEZ_SHM_PROCESS_BYTES; ARENDEZ_SHM_BYTES "
+            "per peer): this pair uses sockets"
+        )
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return  # (the reservation itself will tell)
+    free, size = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    reserve = min(size // 4, DIRECTORY_RESERVE)
+    if free - nbytes < reserve:
+        raise ShmUnavailable(
+            f"{directory} has {free >> 20} MiB of {size >> 20} MiB free; arendez leaves "
+            f"{reserve >> 20} MiB to others: this pair uses sockets"
+        )
 
 
 def host_key() -> str:
@@ -156,6 +187,7 @@ class Segment:
     cookie: bytes
     _map: mmap.mmap = field(repr=False)
     _unlinked: bool = False
+    _reserved: int = 0  # bytes counted against this process's budget (our own segments)
 
     @property
     def buffer(self) -> memoryview:
@@ -166,6 +198,7 @@ class Segment:
         """A new file of ``size`` usable bytes with its pages reserved (a full tmpfs fails here,
         not later with SIGBUS), mapped, with a fresh cookie in front."""
         directory = _directory()
+        _check_room(directory, COOKIE_BYTES + size)
         try:
             fd, path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=directory)
         except OSError as exc:
@@ -182,7 +215,9 @@ class Segment:
             os.close(fd)
         cookie = secrets.token_bytes(COOKIE_BYTES)
         mapped[:COOKIE_BYTES] = cookie
-        return cls(path, size, cookie, mapped)
+        global _held
+        _held += total
+        return cls(path, size, cookie, mapped, _reserved=total)
 
     @classmethod
     def attach(cls, path: str, size: int, cookie: bytes) -> Segment:
@@ -223,6 +258,9 @@ class Segment:
 
     def close(self) -> None:
         """Unlink and unmap; views still alive keep the pages until they go."""
+        global _held
+        _held -= self._reserved
+        self._reserved = 0
         self.unlink()
         with contextlib.suppress(BufferError):
             self._map.close()

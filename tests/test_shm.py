@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import time
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -111,6 +112,38 @@ def test_create_fails_cleanly_without_a_directory(monkeypatch, tmp_path):
     with pytest.raises(shm.ShmUnavailable, match="cannot create"):
         shm.Segment.create(4096)
     assert not shm.enabled()
+
+
+def test_a_process_holds_segments_up_to_its_budget(shm_dir, monkeypatch):
+    """Segments are real memory: past ARENDEZ_SHM_PROCESS_BYTES a pair is refused (it then uses
+    sockets), and closing a segment gives its bytes back."""
+    size = 1 << 16
+    monkeypatch.setattr(shm, "PROCESS_BYTES", shm._held + 2 * (size + shm.COOKIE_BYTES))
+    first, second = shm.Segment.create(size), shm.Segment.create(size)
+    with pytest.raises(shm.ShmUnavailable, match="ARENDEZ_SHM_PROCESS_BYTES"):
+        shm.Segment.create(size)
+    first.close()
+    third = shm.Segment.create(size)
+    for segment in (second, third):
+        segment.close()
+
+
+def test_a_nearly_full_directory_is_left_alone(shm_dir, monkeypatch):
+    """A segment that would leave the directory (a tmpfs: the host's memory) with less than a
+    quarter, or DIRECTORY_RESERVE, free is refused."""
+    real = os.statvfs(shm_dir)
+    size = 1 << 30
+
+    def with_free(free: int) -> None:
+        fake = mock.Mock(f_frsize=1, f_blocks=size, f_bavail=free)
+        monkeypatch.setattr(shm.os, "statvfs", lambda path: fake if path == str(shm_dir) else real)
+
+    with_free(size // 4 + (1 << 20))
+    shm.Segment.create(4096).close()
+    with_free(size // 4 + 4096)
+    with pytest.raises(shm.ShmUnavailable, match="1024 MiB free; arendez leaves 256 MiB"):
+        shm.Segment.create(1 << 16)
+    assert list(shm_dir.iterdir()) == []
 
 
 # -- Channels: the handshake between two ranks, without sockets ----------------------------
@@ -219,6 +252,15 @@ def test_ranks_that_cannot_share_memory_use_tcp(arendez_server, tmp_path):
     for res in collect(procs, 50):
         assert res.returncode == 0, res.stderr[-3000:]
         assert res.value["shm"] == 0 and res.value["received"] > 0, res.value
+
+
+@pytest.mark.timeout(60)
+def test_ranks_past_their_shared_memory_budget_use_sockets(arendez_server, shm_dir):
+    env = {"ARENDEZ_SHM_PROCESS_BYTES": "0"}
+    results = run_ranks(shm_jobs.shm_job, 3, f"{arendez_server.url}/shm-budget", 300_001, 2, env=env)
+    for res in results:  # (shm_job checks every result against numpy)
+        assert res["shm"] == 0 and res["received"] > 0, res
+        assert list(shm_dir.iterdir()) == []
 
 
 @pytest.mark.timeout(90)
