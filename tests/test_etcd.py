@@ -26,7 +26,13 @@ from typing import Any
 import pytest
 
 import arendez as dist
-from arendez.errors import AuthenticationError, RendezvousError, StoreError, StoreTimeoutError
+from arendez.errors import (
+    AuthenticationError,
+    RendezvousError,
+    StoreConnectTimeoutError,
+    StoreError,
+    StoreTimeoutError,
+)
 from arendez.etcd import open_store, parse_url
 from arendez.etcd.codec import b64, prefix_end
 from arendez.rendezvous import plan
@@ -375,6 +381,7 @@ async def test_unreachable_etcd_fails_at_the_deadline_naming_endpoints() -> None
         await open_store(url).connect(timeout=1.0)
     assert 0.9 < time.monotonic() - started < 4.0
     assert "unreachable until the deadline" in str(info.value)
+    assert isinstance(info.value, StoreConnectTimeoutError)  # a NetworkError: torch's DistNetworkError
     # the same through init_process_group: an ArendezError at its deadline, not a hang
     started = time.monotonic()
     with pytest.raises((StoreError, RendezvousError), match=f"127.0.0.1:{ports[0]}"):

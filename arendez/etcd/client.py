@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from ..errors import AuthenticationError, StoreError
+from ..errors import AuthenticationError, StoreConnectTimeoutError, StoreError
 from .codec import b64
 from .url import Endpoints
 
@@ -89,7 +89,7 @@ class _Member:
         self.token = None
 
     def unreachable(self, what: str) -> StoreError:
-        return StoreError(
+        return StoreConnectTimeoutError(
             f"etcd at {self.ends} unreachable until the deadline ({what}; last error: {self.last_error})"
         )
 
