@@ -179,7 +179,9 @@ def test_an_unreachable_server_is_named_early_and_at_the_end(launcher: list[subp
         assert len(said) == 1, err  # once, not a flood
         left = re.search(r"retrying until the timeout \((\d+) s left\)", mine[said[0]])
         assert left and int(left.group(1)) >= 2, mine[said[0]]  # said early, not at the deadline
-    assert re.search(rf"StoreError: store at {host_port} unreachable until the deadline", err), err
+    assert re.search(
+        rf"StoreConnectTimeoutError: store at {host_port} unreachable until the deadline", err
+    ), err
     last = _lines(err)[-1]
     assert last.startswith(f"arendez-run: the server at {url} cannot be reached (ConnectionRefusedError"), err
 
