@@ -119,11 +119,15 @@ async def test_queues_wake_one_waiting_popper_per_value(arendez_server):
         pops = [asyncio.ensure_future(b.queue_pop("jobs", timeout=10)) for _ in range(3)]
         await asyncio.sleep(0.1)
         assert not any(p.done() for p in pops)
-        waiting = asyncio.ensure_future(b.wait(["jobs"], timeout=10))
         for i in range(3):
             await a.queue_push("jobs", f"task-{i}")
         assert sorted(await asyncio.gather(*pops)) == [b"task-0", b"task-1", b"task-2"]
-        await waiting  # woken by the first push (a non-empty queue is a present key)
+        waiting = asyncio.ensure_future(b.wait(["more"], timeout=10))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        await a.queue_push("more", "x")
+        await waiting  # a non-empty queue is a present key
+        assert await b.queue_pop("more") == b"x"
         assert await a.queue_len("jobs") == 0 and await a.list_keys() == []
         with pytest.raises(dist.QueueEmptyError):
             await a.queue_pop("jobs", block=False)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Self
 
 from ..errors import StoreError, StoreTimeoutError
-from ..store import _to_bytes
+from ..store_ops import to_bytes
 from .client import AsyncEtcd
 from .codec import b64, prefix_end, unb64
 from .url import DEFAULT_LEASE, Endpoints, parse_url
@@ -160,7 +160,7 @@ class EtcdKV:
 
     @staticmethod
     def _value(value: str | bytes) -> bytes:
-        data = _to_bytes(value)
+        data = to_bytes(value)
         if len(data) > MAX_VALUE:
             raise StoreError(f"store value of {len(data)} bytes exceeds {MAX_VALUE}")
         return data

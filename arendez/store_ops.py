@@ -1,0 +1,133 @@
+"""The key-value operations of the async store client, each one compact request
+(``store_wire``), and ``PrefixStore``, a view of a store under a key prefix."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+def to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
+    """A store value as bytes (``str`` as UTF-8); ``TypeError`` for anything else."""
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"store values are str or bytes, not {type(value).__name__}")
+
+
+class KeyValueOps:
+    """set/get/add/compare_set/wait/check/delete/num_keys/multi_get/multi_set/list_keys and the
+    queues, over ``_ask`` (the connection's compact request, ``Store._ask``)."""
+
+    async def _ask(self, op: str, timeout: float | None, wait: bool, *args: Any) -> Any:
+        raise NotImplementedError
+
+    async def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Store ``value`` under ``key``."""
+        await self._ask("set", timeout, False, key, value if type(value) is bytes else to_bytes(value))
+
+    async def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` for it to be set."""
+        value: bytes = await self._ask("get", timeout, True, key)
+        return value
+
+    async def add(self, key: str, amount: int = 1, timeout: float | None = None) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (missing = 0); return the sum."""
+        total: int = await self._ask("add", timeout, False, key, int(amount))
+        return total
+
+    async def compare_set(
+        self, key: str, expected: str | bytes, desired: str | bytes, timeout: float | None = None
+    ) -> bytes:
+        """Set ``desired`` if ``key`` holds ``expected`` (or is missing and ``expected`` is
+        empty); return the value the key holds afterwards."""
+        value: bytes = await self._ask(
+            "compare_set", timeout, False, key, to_bytes(expected), to_bytes(desired)
+        )
+        return value
+
+    async def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
+        await self._ask("wait", timeout, True, list(keys))
+
+    async def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
+        """True if every key in ``keys`` is set (no waiting)."""
+        found: bool = await self._ask("check", timeout, False, list(keys))
+        return found
+
+    async def delete(self, key: str, timeout: float | None = None) -> bool:
+        """Delete ``key``; True if it existed."""
+        existed: bool = await self._ask("delete", timeout, False, key)
+        return existed
+
+    async def num_keys(self, timeout: float | None = None) -> int:
+        """How many keys the job's store holds."""
+        count: int = await self._ask("num_keys", timeout, False)
+        return count
+
+    async def multi_get(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys``, in order, waiting up to ``timeout`` for any not yet set."""
+        values: list[bytes] = await self._ask("multi_get", timeout, True, list(keys))
+        return values
+
+    async def multi_set(
+        self, keys: Iterable[str], values: Iterable[str | bytes], timeout: float | None = None
+    ) -> None:
+        """Set each of ``keys`` to the value at its position in ``values``, in one request."""
+        keys, data = list(keys), [to_bytes(v) for v in values]
+        if len(keys) != len(data):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(data)} values")
+        await self._ask("multi_set", timeout, False, keys, data)
+
+    async def list_keys(self, timeout: float | None = None) -> list[str]:
+        """Every key of the job's store that holds a value (queues are not listed)."""
+        keys: list[str] = await self._ask("list_keys", timeout, False)
+        return keys
+
+    async def queue_push(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Append ``value`` to the queue ``key`` (queues are apart from the keys' values)."""
+        await self._ask("queue_push", timeout, False, key, to_bytes(value))
+
+    async def queue_pop(self, key: str, block: bool = True, timeout: float | None = None) -> bytes:
+        """The oldest value of the queue ``key``, removed: waiting up to ``timeout`` for one
+        (``StoreTimeoutError``), or with ``block=False`` ``QueueEmptyError`` at once."""
+        value: bytes = await self._ask("queue_pop", timeout, True, key, bool(block))
+        return value
+
+    async def queue_len(self, key: str, timeout: float | None = None) -> int:
+        """How many values the queue ``key`` holds."""
+        count: int = await self._ask("queue_len", timeout, False, key)
+        return count
+
+
+class PrefixStore:
+    """A view of ``store`` whose keys all start with ``prefix/``."""
+
+    def __init__(self, prefix: str, store: KeyValueOps | PrefixStore) -> None:
+        self.prefix = prefix
+        self.store = store
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    async def set(self, key: str, value: str | bytes) -> None:
+        await self.store.set(self._k(key), value)
+
+    async def get(self, key: str, timeout: float | None = None) -> bytes:
+        return await self.store.get(self._k(key), timeout)
+
+    async def add(self, key: str, amount: int = 1) -> int:
+        return await self.store.add(self._k(key), amount)
+
+    async def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return await self.store.compare_set(self._k(key), expected, desired)
+
+    async def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        await self.store.wait([self._k(k) for k in keys], timeout)
+
+    async def check(self, keys: Iterable[str]) -> bool:
+        return await self.store.check([self._k(k) for k in keys])
+
+    async def delete(self, key: str) -> bool:
+        return await self.store.delete(self._k(key))
