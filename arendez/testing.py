@@ -11,6 +11,8 @@
 Each rank is a task of the running event loop with its own registry, joined over
 ``inproc://``: the same ``World``, ``Op`` and algorithms as over TCP, with frames linked in memory.
 Inside a rank the module-level API (``arendez.all_reduce`` ...) acts on that rank's world.
+With ``init_method`` (``arendez://host:port/job``, ``tcp://``) the ranks join over real sockets
+instead: simulated ranks against a real server.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ async def run_ranks(
     job: str | None = None,
     timeout: float = 30.0,
     destroy_timeout: float = 5.0,
+    init_method: str | None = None,
 ) -> list[T]:
     """Run ``fn(rank, *args)`` on ``world_size`` in-process ranks; return their results in rank
-    order.
+    order. ``init_method``: where they meet (default: in memory, ``inproc://``).
 
     Every rank is initialised before ``fn`` runs and destroyed after it returns (or fails). If
     one rank fails, the others are cancelled and its exception is raised; ``TimeoutError``
@@ -45,12 +48,10 @@ async def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    name = job or f"testing-{os.urandom(8).hex()}"
+    where = init_method or f"inproc://{job or f'testing-{os.urandom(8).hex()}'}"
 
     async def one(rank: int) -> T:
-        await init_process_group(
-            init_method=f"inproc://{name}", world_size=world_size, rank=rank, timeout=timeout
-        )
+        await init_process_group(init_method=where, world_size=world_size, rank=rank, timeout=timeout)
         try:
             return await fn(rank, *args)
         finally:

@@ -6,9 +6,11 @@ import asyncio
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 import arendez as dist
+from arendez import testing
 from arendez.registry import fresh_context
 from tests.harness import run_ranks
 from tests.jobs import store as store_jobs
@@ -175,3 +177,14 @@ async def test_a_second_init_of_one_context_while_the_first_forms_fails_at_once(
     loop = asyncio.get_running_loop()
     ranks = await loop.create_task(both_in_one_context(), context=fresh_context())
     assert sorted(ranks) == [0, 1]
+
+
+@pytest.mark.timeout(60)
+async def test_run_ranks_simulates_ranks_against_a_real_server(arendez_server):
+    async def rank_main(rank: int) -> float:
+        x = np.full(3, rank + 1.0)
+        await dist.all_reduce(x)
+        return float(x[0])
+
+    url = f"arendez://127.0.0.1:{arendez_server.port}/simulated"
+    assert await testing.run_ranks(16, rank_main, init_method=url, timeout=40) == [136.0] * 16
