@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from .store_wire import OPS
+
 
 def to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
     """A store value as bytes (``str`` as UTF-8); ``TypeError`` for anything else."""
@@ -101,33 +103,25 @@ class KeyValueOps:
         return count
 
 
-class PrefixStore:
-    """A view of ``store`` whose keys all start with ``prefix/``."""
+class PrefixStore(KeyValueOps):
+    """A view of ``store`` whose keys all start with ``prefix/``: every operation of the store
+    (``list_keys`` lists the keys under the prefix, without it)."""
 
-    def __init__(self, prefix: str, store: KeyValueOps | PrefixStore) -> None:
+    def __init__(self, prefix: str, store: KeyValueOps) -> None:
         self.prefix = prefix
         self.store = store
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}"
 
-    async def set(self, key: str, value: str | bytes) -> None:
-        await self.store.set(self._k(key), value)
-
-    async def get(self, key: str, timeout: float | None = None) -> bytes:
-        return await self.store.get(self._k(key), timeout)
-
-    async def add(self, key: str, amount: int = 1) -> int:
-        return await self.store.add(self._k(key), amount)
-
-    async def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        return await self.store.compare_set(self._k(key), expected, desired)
-
-    async def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
-        await self.store.wait([self._k(k) for k in keys], timeout)
-
-    async def check(self, keys: Iterable[str]) -> bool:
-        return await self.store.check([self._k(k) for k in keys])
-
-    async def delete(self, key: str) -> bool:
-        return await self.store.delete(self._k(key))
+    async def _ask(self, op: str, timeout: float | None, wait: bool, *args: Any) -> Any:
+        names = OPS[op]
+        if names and names[0] == "key":
+            args = (self._k(args[0]), *args[1:])
+        elif names and names[0] == "keys":
+            args = ([self._k(k) for k in args[0]], *args[1:])
+        found = await self.store._ask(op, timeout, wait, *args)
+        if op == "list_keys":
+            start = f"{self.prefix}/"
+            return [k[len(start) :] for k in found if k.startswith(start)]
+        return found

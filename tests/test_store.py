@@ -188,3 +188,25 @@ async def test_run_ranks_simulates_ranks_against_a_real_server(arendez_server):
 
     url = f"arendez://127.0.0.1:{arendez_server.port}/simulated"
     assert await testing.run_ranks(16, rank_main, init_method=url, timeout=40) == [136.0] * 16
+
+
+@pytest.mark.timeout(30)
+async def test_prefix_store_maps_every_operation_under_its_prefix(arendez_server):
+    store = await _client(arendez_server, "prefixed")
+    try:
+        outer = dist.PrefixStore("a", store)
+        inner = dist.PrefixStore("b", outer)
+        await inner.set("k", "v")
+        await inner.multi_set(["x", "y"], ["1", "2"])
+        assert await store.get("a/b/k") == b"v" and await inner.multi_get(["y", "x"]) == [b"2", b"1"]
+        assert await inner.add("n", 5) == 5 and await store.get("a/b/n") == b"5"
+        await inner.queue_push("q", "item")
+        assert await store.queue_len("a/b/q") == 1 and await inner.queue_pop("q") == b"item"
+        await store.set("other", "z")
+        assert sorted(await inner.list_keys()) == ["k", "n", "x", "y"]
+        assert sorted(await outer.list_keys()) == ["b/k", "b/n", "b/x", "b/y"]
+        assert await inner.check(["k", "x"]) and await inner.delete("k") and not await inner.check(["k"])
+        with pytest.raises(dist.StoreTimeoutError):
+            await inner.wait(["never"], timeout=0.2)
+    finally:
+        await store.close()
