@@ -23,16 +23,20 @@ import msgpack
 
 from . import handshake, transport, validate
 from .errors import (
-    AuthenticationError,
-    LimitError,
     ProtocolError,
-    QueueEmptyError,
-    RendezvousError,
     StoreConnectionError,
     StoreError,
     StoreTimeoutError,
 )
-from .store_wire import MAX_REQUEST, STORE_PROTOCOL, HeaderReader, check_request_size, frame
+from .store_wire import (
+    MAX_REQUEST,
+    STORE_ERRORS,
+    STORE_PROTOCOL,
+    HeaderReader,
+    check_request_size,
+    frame,
+    to_bytes,
+)
 from .transports import local
 
 _REPLY_LIMIT = 64 << 20  # replies carry values in their header (server bound: 1 MiB by default)
@@ -40,23 +44,7 @@ _TIMEVAL = struct.Struct("@ll")
 _CALL_TIMEOUT = 30.0
 _REPLY_SLACK = 2.0
 
-transport.register_remote_errors(
-    StoreError,
-    StoreTimeoutError,
-    RendezvousError,
-    ProtocolError,
-    AuthenticationError,
-    LimitError,
-    QueueEmptyError,
-)
-
-
-def _to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
-    raise TypeError(f"store values are str or bytes, not {type(value).__name__}")
+transport.register_remote_errors(*STORE_ERRORS)
 
 
 class BlockingStore:
@@ -231,7 +219,7 @@ class BlockingStore:
     # -- operations ------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``."""
-        self._call("set", self._budget(timeout), key, _to_bytes(value))
+        self._call("set", self._budget(timeout), key, to_bytes(value))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` for it to be set."""
@@ -250,7 +238,7 @@ class BlockingStore:
         """Set ``desired`` if ``key`` holds ``expected`` (or is missing and ``expected`` is
         empty); return the value the key holds afterwards."""
         value: bytes = self._call(
-            "compare_set", self._budget(timeout), key, _to_bytes(expected), _to_bytes(desired)
+            "compare_set", self._budget(timeout), key, to_bytes(expected), to_bytes(desired)
         )
         return value
 
@@ -284,7 +272,7 @@ class BlockingStore:
         self, keys: Iterable[str], values: Iterable[str | bytes], timeout: float | None = None
     ) -> None:
         """Set each of ``keys`` to the value at its position in ``values``, in one request."""
-        keys, values = list(keys), [_to_bytes(v) for v in values]
+        keys, values = list(keys), [to_bytes(v) for v in values]
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
         self._call("multi_set", self._budget(timeout), keys, values)
@@ -296,7 +284,7 @@ class BlockingStore:
 
     def queue_push(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Append ``value`` to the queue ``key`` (queues are apart from the keys' values)."""
-        self._call("queue_push", self._budget(timeout), key, _to_bytes(value))
+        self._call("queue_push", self._budget(timeout), key, to_bytes(value))
 
     def queue_pop(self, key: str, block: bool = True, timeout: float | None = None) -> bytes:
         """The oldest value of the queue ``key``, removed: waiting up to ``timeout`` for one

@@ -29,7 +29,6 @@ from .errors import (
     AuthenticationError,
     LimitError,
     ProtocolError,
-    QueueEmptyError,
     RendezvousError,
     StoreConnectionError,
     StoreConnectTimeoutError,
@@ -37,7 +36,7 @@ from .errors import (
     StoreTimeoutError,
 )
 from .store_ops import KeyValueOps, PrefixStore
-from .store_wire import MAX_REQUEST, STORE_PROTOCOL, check_request_size, frame
+from .store_wire import MAX_REQUEST, STORE_ERRORS, STORE_PROTOCOL, check_request_size, frame
 
 log = logging.getLogger("arendez.store")
 
@@ -59,15 +58,7 @@ _UNREACHABLE_WARN_AFTER = 2.0
 #: Replies carry values in their header: allow well past the server's default 1 MiB value bound.
 _REPLY_LIMITS = wire.Limits(max_header=64 << 20, max_payload=0)
 
-transport.register_remote_errors(
-    StoreError,
-    StoreTimeoutError,
-    RendezvousError,
-    ProtocolError,
-    AuthenticationError,
-    LimitError,
-    QueueEmptyError,
-)
+transport.register_remote_errors(*STORE_ERRORS)
 
 
 class _NoAnswer(Exception):

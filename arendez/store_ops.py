@@ -6,16 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .store_wire import OPS
-
-
-def to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
-    """A store value as bytes (``str`` as UTF-8); ``TypeError`` for anything else."""
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
-    raise TypeError(f"store values are str or bytes, not {type(value).__name__}")
+from .store_wire import OPS, to_bytes
 
 
 class KeyValueOps:

@@ -18,7 +18,15 @@ from typing import Any
 
 import msgpack
 
-from .errors import LimitError, ProtocolError
+from .errors import (
+    AuthenticationError,
+    LimitError,
+    ProtocolError,
+    QueueEmptyError,
+    RendezvousError,
+    StoreError,
+    StoreTimeoutError,
+)
 from .wire import PREFIX
 
 #: Version of the store's request forms, announced in the server's welcome.
@@ -45,6 +53,27 @@ def check_request_size(op: str, nbytes: int) -> None:
             f"store {op} request of {nbytes} bytes exceeds the server's limit of {MAX_REQUEST} bytes "
             f"per request (a value may hold up to {MAX_VALUE} bytes; split a larger multi_set)"
         )
+
+
+#: The errors a store server sends back that its clients raise as themselves.
+STORE_ERRORS = (
+    StoreError,
+    StoreTimeoutError,
+    RendezvousError,
+    ProtocolError,
+    AuthenticationError,
+    LimitError,
+    QueueEmptyError,
+)
+
+
+def to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
+    """A store value as bytes (``str`` as UTF-8); ``TypeError`` for anything else."""
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"store values are str or bytes, not {type(value).__name__}")
 
 
 #: Arguments of each compact operation, in order (``timeout``: seconds the server may wait).

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Self
 
 from ..errors import StoreError, StoreTimeoutError
-from ..store_ops import to_bytes
+from ..store_wire import to_bytes
 from .client import AsyncEtcd
 from .codec import b64, prefix_end, unb64
 from .url import DEFAULT_LEASE, Endpoints, parse_url
