@@ -2,10 +2,14 @@
 
 Heartbeats that ran on the event loop would stop whenever user code keeps the loop busy (a
 long numpy step between collectives), and the server would declare a healthy rank failed.
-So a thread sends them, over a small blocking connection of its own. There is one keeper per
-server address in a process, however many ranks (``Store`` memberships) it hosts: each rank
-names the keeper's random lease key when it joins, and every heartbeat renews them all. A
-process that stops as a whole (killed, SIGSTOP, frozen host) loses the lease of all its ranks.
+So a thread opens a small blocking connection of its own and, on Linux, hands it to a sidecar
+process (``leaseproc``) that sends the heartbeats without needing this process's GIL: a C call
+that holds it for seconds does not cost the lease either. Without ``/proc`` (or with TLS, whose
+session cannot change process, or ``ARENDEZ_LEASE_SIDECAR=0``) the thread sends them itself.
+There is one keeper per server address in a process, however many ranks (``Store``
+memberships) it hosts: each rank names the keeper's random lease key when it joins, and every
+heartbeat renews them all. A process that stops as a whole (killed, SIGSTOP, frozen host)
+loses the lease of all its ranks.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import logging
 import os
 import socket
 import ssl as _ssl
+import subprocess
+import sys
 import threading
 from typing import Any
 
-from . import handshake, transport, wire
+from . import handshake, leaseproc, transport, wire
 from .errors import ArendezError, AuthenticationError, RendezvousError
 from .transports import local
 
@@ -29,6 +35,18 @@ log = logging.getLogger("arendez.lease")
 #: late, and giving up on a connection that is almost through would leave the lease unrenewed
 #: for longer (the server gives a lease its keeper has not renewed yet extra grace).
 OPEN_TIMEOUT = 20.0
+#: The heartbeat frame, the same for every keeper.
+HEARTBEAT = b"".join(bytes(b) for b in wire.encode({"op": "heartbeat"}))
+
+
+def sidecar_possible(ssl: _ssl.SSLContext | None) -> bool:
+    """Whether heartbeats can come from a sidecar process here (see the module docstring)."""
+    return (
+        ssl is None
+        and os.environ.get("ARENDEZ_LEASE_SIDECAR", "1") != "0"
+        and bool(sys.executable)
+        and os.path.exists(f"/proc/{os.getpid()}/stat")
+    )
 
 
 class _FrameSocket:
@@ -116,16 +134,58 @@ class LeaseKeeper:
             sock.close()
             raise
 
+    def _beat_here(self, conn: _FrameSocket) -> None:
+        """Send the heartbeats from this thread until stopped (or the connection fails)."""
+        while not self._stopped.wait(self._interval):
+            conn.send({"op": "heartbeat"})
+            conn.discard_pending()
+
+    def _beat_from_sidecar(self, conn: _FrameSocket) -> bool:
+        """Hand the connection to a sidecar process and wait until stopped (True) or until the
+        sidecar ends (False: reconnect). Raises ``OSError`` if it cannot be started."""
+        fd = conn.sock.fileno()
+        argv = [sys.executable, "-I", "-S", leaseproc.__file__, str(fd), str(os.getpid())]
+        proc = subprocess.Popen(
+            [*argv, repr(self._interval), HEARTBEAT.hex()],
+            stdin=subprocess.PIPE,
+            pass_fds=(fd,),
+            stdout=subprocess.DEVNULL,
+        )
+        conn.sock.close()  # the sidecar's now (children forked later must not hold it)
+        try:
+            while not self._stopped.wait(min(self._interval, 0.5)):
+                if proc.poll() is not None:
+                    log.debug("lease sidecar ended (%s): reconnecting", proc.returncode)
+                    return False
+            return True
+        finally:
+            assert proc.stdin is not None
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            if proc.poll() is None:
+                proc.terminate()  # (the pipe may be held open by children forked since)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(2.0)
+
     def _run(self) -> None:
         delay = 0.05
+        sidecar = sidecar_possible(self._ssl)
         while not self._stopped.is_set():
             conn = None
             try:
                 conn = self._open()
                 delay = 0.05
-                while not self._stopped.wait(self._interval):
-                    conn.send({"op": "heartbeat"})
-                    conn.discard_pending()
+                if sidecar:
+                    try:
+                        if self._beat_from_sidecar(conn):
+                            return
+                        continue
+                    except OSError as exc:
+                        if conn.sock.fileno() < 0:
+                            raise
+                        log.info("no lease sidecar (%s): heartbeats from a thread", exc)
+                        sidecar = False
+                self._beat_here(conn)
             except AuthenticationError as exc:  # nothing left to keep alive
                 (log.debug if self._stopped.is_set() else log.warning)("lease keeper stops: %s", exc)
                 return

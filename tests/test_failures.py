@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import collect, spawn_rank, wait_for_files
+from tests.harness import collect, server, spawn_rank, wait_for_files
 from tests.jobs import failures as failures_jobs
 from tests.jobs import lifecycle as lifecycle_jobs
 
@@ -124,6 +124,25 @@ def test_a_rank_busy_longer_than_the_lease_is_not_declared_failed(arendez_server
     from tests.harness import run_ranks
 
     assert run_ranks(lifecycle_jobs.busy_loop, 3, f"{arendez_server.url}/busy", 4.0) == [3.0] * 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sidecar", ["1", "0"])
+def test_a_rank_holding_the_gil_longer_than_the_lease(sidecar: str) -> None:
+    """A C call that keeps the GIL for 2.5 leases: the heartbeats come from the lease sidecar
+    process, so the rank is not declared failed. Without the sidecar (the thread needs the GIL)
+    it is: the case the sidecar exists for."""
+    with server("--lease", "1.0") as srv:
+        env = {"ARENDEZ_LEASE_SIDECAR": sidecar}
+        url = f"{srv.url}/gil-{sidecar}"
+        procs = [spawn_rank(lifecycle_jobs.holds_the_gil, r, 2, url, 2.5, env=env) for r in range(2)]
+        results = collect(procs, 40)
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+    if sidecar == "1":
+        assert [res.value for res in results] == ["sum 2", "sum 2"]
+    else:
+        assert "declared failed by the server" in results[0].value, results[0].value
 
 
 @pytest.mark.timeout(60)

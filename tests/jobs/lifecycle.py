@@ -121,6 +121,25 @@ async def late_joiner(rank: int, ws: int, url: str, delay: float) -> float:
     return float(x[0])
 
 
+async def holds_the_gil(rank: int, ws: int, url: str, seconds: float) -> str:
+    """The last rank makes one C call that keeps the GIL for ``seconds`` (as a huge
+    ``json.loads`` would): no thread of its process runs meanwhile. Returns the outcome."""
+    import ctypes
+
+    await join(url, ws, rank)
+    await dist.barrier()
+    if rank == ws - 1:
+        ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # (PyDLL: the call keeps the GIL)
+    x = np.ones(10)
+    try:
+        await dist.all_reduce(x)
+        outcome = f"sum {x[0]:g}"
+    except dist.ArendezError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    await dist.destroy_process_group()
+    return outcome
+
+
 async def busy_loop(rank: int, ws: int, url: str, seconds: float) -> float:
     """The last rank blocks its event loop (a long synchronous step) for longer than the lease."""
     await join(url, ws, rank)
