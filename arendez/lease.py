@@ -1,4 +1,4 @@
-"""The lease keeper: one heartbeat thread and connection per server for the whole process.
+"""The lease keeper: one lease connection per server for the whole process, and its heartbeats.
 
 Heartbeats that ran on the event loop would stop whenever user code keeps the loop busy (a
 long numpy step between collectives), and the server would declare a healthy rank failed.
