@@ -105,8 +105,11 @@ def _rule(
         return costmodel.choose_all_reduce(nbytes, size, tcp, lanes)
     power_of_two = not size & (size - 1)
     if nbytes <= SMALL_BYTES or (size == 2 and collective == "broadcast"):
-        if collective == "all_reduce" and size > 8:  # (direct would connect every pair)
-            return "rdb"
+        if size > costmodel.DIRECT_MAX_RANKS:  # (direct would connect every pair)
+            if collective == "all_reduce":
+                return "rdb"
+            if collective in ("all_gather", "reduce_scatter"):
+                return "ring"
         return "direct"
     if collective == "all_reduce" and size > 2 and power_of_two:
         return "rhd"

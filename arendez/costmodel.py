@@ -77,8 +77,11 @@ def all_reduce_cost(algorithm: str, nbytes: int, size: int, link: Link, lanes: i
     share = s * (n - 1) / n
     if algorithm == "direct":  # everyone sends everything to everyone in one round
         rounds, messages, wire, reduced, spread = 1, 2 * (n - 1), s * (n - 1), s * (n - 1), link.spread
-    elif algorithm == "rdb":
-        rounds, messages, wire, reduced, spread = steps, 2 * steps, s * steps, s * steps, link.spread
+    elif algorithm == "rdb":  # over the largest power of two; the ranks beyond fold in and out
+        core = n.bit_length() - 1
+        folds = 2 if n & (n - 1) else 0
+        rounds, messages = core + folds, 2 * (core + folds)
+        wire, reduced, spread = s * (core + folds), s * (core + folds // 2), link.spread
     elif algorithm == "rhd":
         rounds, messages, wire, reduced, spread = 2 * steps, 4 * steps * lanes, 2 * share, share, link.spread
     elif algorithm == "ring":
@@ -93,12 +96,19 @@ def all_reduce_cost(algorithm: str, nbytes: int, size: int, link: Link, lanes: i
     )
 
 
+#: The largest group in which "direct" (every rank to every other) may be chosen: past it, the
+#: W(W-1)/2 connections it opens cost more than the model sees.
+DIRECT_MAX_RANKS = 8
+
+
 def choose_all_reduce(nbytes: int, size: int, link: Link, lanes: int = 1) -> str:
-    """The cheapest all_reduce algorithm for this message, group and link (halving-doubling and
-    recursive doubling only on power-of-two groups)."""
-    candidates = ["direct", "ring"]
+    """The cheapest all_reduce algorithm for this message, group and link (halving-doubling only
+    on power-of-two groups, "direct" only up to ``DIRECT_MAX_RANKS``)."""
+    candidates = ["ring", "rdb"]
+    if size <= DIRECT_MAX_RANKS:
+        candidates.insert(0, "direct")
     if not size & (size - 1):
-        candidates += ["rdb", "rhd"]
+        candidates.append("rhd")
     costs = {a: all_reduce_cost(a, nbytes, size, link, lanes) for a in candidates}
     return min(candidates, key=costs.__getitem__)  # ties: the first, the simpler algorithm
 

@@ -50,10 +50,27 @@ def test_a_slower_link_moves_the_crossover_to_the_ring() -> None:
 
 
 @pytest.mark.parametrize("nbytes", [8, 64 * KiB, MiB, 64 * MiB])
-def test_power_of_two_algorithms_only_on_power_of_two_groups(nbytes: int) -> None:
-    for size in (3, 5, 6, 7):
-        assert _choose(nbytes, size, 1) in ("direct", "ring")
-        assert _choose(nbytes, size, 10) in ("direct", "ring")
+def test_halving_doubling_only_on_power_of_two_groups(nbytes: int) -> None:
+    for size in (3, 5, 6, 7, 72):
+        assert _choose(nbytes, size, 1) != "rhd"
+        assert _choose(nbytes, size, 10) != "rhd"
+
+
+@pytest.mark.parametrize("size", [9, 72, 96, 384, 1000])
+def test_small_messages_in_large_groups_never_connect_every_pair(size: int) -> None:
+    """Past DIRECT_MAX_RANKS a small all_reduce (a barrier) takes recursive doubling, with the
+    ranks beyond the largest power of two folded in, whatever the group's size (QA: 72 ranks
+    opened all 2,556 pairs on their first barrier and timed out)."""
+    assert _choose(8, size, 10) == "rdb"
+    assert algo.choose("all_reduce", 8, size, "shm") == "rdb"
+    assert algo.choose("all_gather", 64, size, "tcp") == "ring"
+    assert algo.choose("reduce_scatter", 64, size, "shm") == "ring"
+
+
+def test_recursive_doubling_costs_two_more_rounds_off_a_power_of_two() -> None:
+    link = cm.Link(latency=1.0, overhead=0, byte_time=0, reduce_time=0)
+    assert cm.all_reduce_cost("rdb", 8, 64, link) == pytest.approx(6)
+    assert cm.all_reduce_cost("rdb", 8, 72, link) == pytest.approx(8)  # fold in, 6 steps, fold out
 
 
 def test_ring_and_halving_doubling_move_the_same_bytes() -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
 import pytest
 
-from arendez import frames
+import arendez as dist
+from arendez import frames, testing
 from arendez.lifecycle import neighbour_offsets
 from arendez.transports.tcp import Mesh
 from tests.harness import run_ranks
@@ -118,3 +120,28 @@ def test_death_of_a_rank_never_connected_to_is_seen(arendez_server, tmp_path):
         else:  # the server's declaration: within the lease (2.5 s) and its sweep
             assert "declared failed by the server" in seen["error"], (rank, seen)
         assert seen["seconds"] < 5.0, (rank, seen)
+
+
+@pytest.mark.timeout(90)
+async def test_small_collectives_of_a_group_of_no_power_of_two_connect_few_pairs(arendez_server, monkeypatch):
+    """24 ranks over TCP: a barrier, a small all_reduce and a small all_gather leave each rank
+    with its O(log W) neighbours and the fold partners, not all 23 peers (QA: a 72-rank job
+    dialed every pair on its first barrier and timed out)."""
+    monkeypatch.setenv("ARENDEZ_SHM", "0")
+    ws = 24
+
+    async def rank_main(rank: int) -> list[int]:
+        await dist.barrier()
+        x = np.full(4, float(rank))
+        await dist.all_reduce(x)
+        assert x[0] == sum(range(ws))
+        blocks = [np.zeros(2) for _ in range(ws)]
+        await dist.all_gather(blocks, np.full(2, float(rank)))
+        assert [b[0] for b in blocks] == [float(r) for r in range(ws)]
+        return lazy_jobs._peers()
+
+    url = f"arendez://127.0.0.1:{arendez_server.port}/few-pairs"
+    peers = await testing.run_ranks(ws, rank_main, init_method=url, timeout=80)
+    for rank, mine in enumerate(peers):
+        fold = {rank + 16, rank - 16} & set(range(ws))
+        assert set(mine) <= set(_neighbours(rank, ws)) | fold, (rank, mine)
