@@ -145,3 +145,23 @@ async def test_small_collectives_of_a_group_of_no_power_of_two_connect_few_pairs
     for rank, mine in enumerate(peers):
         fold = {rank + 16, rank - 16} & set(range(ws))
         assert set(mine) <= set(_neighbours(rank, ws)) | fold, (rank, mine)
+
+
+@pytest.mark.timeout(90)
+async def test_dials_refused_by_a_busy_local_listener_are_retried(arendez_server, monkeypatch):
+    """Every rank dials every other at once over the same-host Unix sockets, against listeners
+    that admit one pending handshake per host: the refused dials are retried until they get
+    through (QA: those over the local socket failed for good, the collective with them)."""
+    monkeypatch.setenv("ARENDEZ_SHM", "0")
+    monkeypatch.setenv("ARENDEZ_PEER_MAX_PENDING_PER_HOST", "1")
+    ws = 12
+
+    async def rank_main(rank: int) -> list[float]:
+        out = np.zeros(ws)
+        await dist.all_to_all_single(out, np.full(ws, float(rank)))
+        assert dist.transport_stats().local_connections > 0  # (the local sockets were used)
+        return out.tolist()
+
+    url = f"arendez://127.0.0.1:{arendez_server.port}/busy-listeners"
+    got = await testing.run_ranks(ws, rank_main, init_method=url, timeout=60)
+    assert got == [[float(r) for r in range(ws)]] * ws

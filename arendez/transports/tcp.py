@@ -351,35 +351,35 @@ class Mesh:
 
         Its local socket first, if it has one in our network namespace (``local``), else TCP.
         A refusal over TCP means its listener is gone (the rank too), and a failed handshake that
-        it is not the rank we want: both raise. Anything else (a saturated listener, a peer whose
-        event loop is busy for a long step) is retried until the caller's deadline.
+        it is not the rank we want: both raise. Anything else (a saturated listener, over either
+        socket, a peer whose event loop is busy for a long step) is retried until the caller's
+        deadline.
         """
         tcp_address, name = local.parse(address)
-        if name is not None and self._uses_local_sockets():
-            try:
-                conn = await local.connect(name, timeout=self._handshake_timeout)
-            except (OSError, TimeoutError) as exc:  # not in our namespace (another host): TCP
-                log.debug("no local socket to rank %d (%s); dialing %s", peer, exc, tcp_address)
-            else:
-                return await self._shake(peer, address, conn)
+        use_local = name is not None and self._uses_local_sockets()
         host, port = split_address(tcp_address)
         delay = 0.02
         while True:  # (bounded by connect's deadline)
             try:
-                conn = await transport.open_connection(
-                    host, port, ssl=self._client_ssl, timeout=self._handshake_timeout
-                )
+                if use_local:
+                    assert name is not None
+                    try:
+                        conn = await local.connect(name, timeout=self._handshake_timeout)
+                    except (OSError, TimeoutError) as exc:  # not in our namespace (another host)
+                        log.debug("no local socket to rank %d (%s); dialing %s", peer, exc, tcp_address)
+                        use_local = False
+                        continue
+                else:
+                    conn = await transport.open_connection(
+                        host, port, ssl=self._client_ssl, timeout=self._handshake_timeout
+                    )
                 return await self._shake(peer, address, conn)
-            except LimitError as exc:  # the peer is busy with other (maybe hostile) connections
-                self._dial_errors[peer] = str(exc)
-                log.debug("dial to rank %d at %s: %s; retrying", peer, address, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
-                continue
             except ConnectionRefusedError:
                 raise
-            except OSError as exc:  # (TimeoutError and ConnectionResetError among them)
-                self._dial_errors[peer] = f"{type(exc).__name__}: {exc}"
+            except (LimitError, OSError) as exc:  # busy with other (maybe hostile) connections
+                self._dial_errors[peer] = (
+                    str(exc) if isinstance(exc, LimitError) else f"{type(exc).__name__}: {exc}"
+                )
                 log.debug("dial to rank %d at %s: %s; retrying", peer, address, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
