@@ -357,6 +357,8 @@ class ProcessGroup:
             raise
         except ConnectionError as exc:
             peer = self._first_dead_member()
+            if peer < 0:  # none known dead: the rank whose connection failed
+                peer = getattr(exc, "peer", -1)
             err = RankFailedError(peer, name, f"connection lost ({exc})")
             op.fail(err)
             raise err from None

@@ -165,3 +165,14 @@ async def test_dials_refused_by_a_busy_local_listener_are_retried(arendez_server
     url = f"arendez://127.0.0.1:{arendez_server.port}/busy-listeners"
     got = await testing.run_ranks(ws, rank_main, init_method=url, timeout=60)
     assert got == [[float(r) for r in range(ws)]] * ws
+
+
+def test_a_send_on_a_failed_dial_names_the_rank_it_was_for() -> None:
+    """The collective that hits it then names that rank (it used to say "rank -1")."""
+    from arendez.transports.pending import PendingLink
+
+    link = PendingLink(5)
+    link.fail(TimeoutError("no connection within 1s"))
+    with pytest.raises(ConnectionResetError, match="could not connect to rank 5: no connection") as caught:
+        link.send({"op": "x"})
+    assert getattr(caught.value, "peer", None) == 5

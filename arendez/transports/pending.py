@@ -16,6 +16,14 @@ def _resolve(fut: asyncio.Future[None], _: object) -> None:
         fut.set_result(None)
 
 
+class DialFailed(ConnectionResetError):
+    """A send on a link whose dial failed; ``peer`` names the rank it was meant for."""
+
+    def __init__(self, peer: int, error: BaseException | None) -> None:
+        self.peer = peer
+        super().__init__(f"could not connect to rank {peer}: {error}")
+
+
 class PendingLink:
     """The link to a peer being dialed: frames queue (in order) until the connection is up."""
 
@@ -37,7 +45,7 @@ class PendingLink:
         if self.conn is not None:
             self.conn.send(header, payload)
         elif self.error is not None:
-            raise ConnectionResetError(f"could not connect to rank {self.peer}: {self.error}")
+            raise DialFailed(self.peer, self.error)
         else:
             self._queued.append((header, payload))
 
@@ -47,7 +55,7 @@ class PendingLink:
             return self.conn.drain_future()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self.error is not None:
-            fut.set_exception(ConnectionResetError(f"could not connect to rank {self.peer}: {self.error}"))
+            fut.set_exception(DialFailed(self.peer, self.error))
         elif not self._queued:
             return None
         else:
