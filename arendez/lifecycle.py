@@ -283,11 +283,19 @@ async def _file_world(where: Plan, timeout: float, given: Store | None) -> World
     return await _tcp_world(await read_file(where, timeout), timeout, given)
 
 
+async def _agent_world(where: Plan, timeout: float, given: Store | None) -> World:
+    """``env://`` under torchrun's agent store: it names rank 0's server (``arendez.agentstore``)."""
+    from .agentstore import resolve as read_agent_store
+
+    return await _tcp_world(await read_agent_store(where, timeout), timeout, given)
+
+
 #: how each transport (``Plan.transport``, from the ``init_method`` scheme) builds a world
 _BUILDERS: dict[str, Callable[[Plan, float, Store | None], Awaitable[World]]] = {
     "tcp": _tcp_world,
     "inproc": _inproc_world,
     "file": _file_world,
+    "agent": _agent_world,
 }
 
 

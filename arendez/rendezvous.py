@@ -6,7 +6,7 @@ import ipaddress
 import os
 import urllib.parse
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import validate
 from .errors import RendezvousError
@@ -104,7 +104,11 @@ def plan(
             raise RendezvousError(
                 "env:// needs ARENDEZ_URL, or MASTER_ADDR and MASTER_PORT (with RANK and WORLD_SIZE)"
             )
-        return plan(f"tcp://{addr}:{port}", world_size, rank, env)
+        found = plan(f"tcp://{addr}:{port}", world_size, rank, env)
+        if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            # torchrun's agent holds MASTER_PORT with its own store: meet through it (agentstore)
+            return replace(found, transport="agent", host_server=False)
+        return found
     if world_size < 1 and url.scheme == "tcp":
         raise RendezvousError(f"{init_method} needs world_size (argument or WORLD_SIZE)")
     if url.scheme == "tcp":

@@ -24,12 +24,11 @@ def test_import_torch_registers_the_backend_lazily() -> None:
     assert out.split() == ["True", "False"]  # registered, and nothing heavy imported yet
 
 
-@pytest.mark.timeout(150)
-def test_torchrun_script_that_never_imports_arendez() -> None:
+def _torchrun(script: str) -> list[str]:
+    """Run ``tests/scripts/<script>`` under torchrun with 2 workers; their "rank ..." lines."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = ROOT / "tests" / "scripts" / "plain_torch_backend.py"
     argv = [
         PY,
         "-m",
@@ -38,7 +37,7 @@ def test_torchrun_script_that_never_imports_arendez() -> None:
         "2",
         "--master-port",
         str(port),
-        str(script),
+        str(ROOT / "tests" / "scripts" / script),
     ]
     proc = popen(argv)  # its own session: torchrun and its workers go down together on a hang
     try:
@@ -48,5 +47,19 @@ def test_torchrun_script_that_never_imports_arendez() -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, err[-2000:]
-    lines = sorted(line for line in out.splitlines() if line.startswith("rank "))
+    return sorted(line for line in out.splitlines() if line.startswith("rank "))
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_script_that_never_imports_arendez() -> None:
+    lines = _torchrun("plain_torch_backend.py")
     assert lines == [f"rank {r} of 2 backend arendez sum [3.0, 3.0, 3.0, 3.0]" for r in range(2)]
+
+
+@pytest.mark.timeout(150)
+def test_a_script_ported_by_its_import_line_runs_under_torchrun() -> None:
+    """torchrun's agent holds MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE): env:// meets through
+    its store instead of binding the port (QA3 F6: "address already in use")."""
+    lines = _torchrun("sync_under_torchrun.py")
+    sums = [[3.0] * 4] * 2
+    assert lines == [f"rank {r} agent store True sums {sums}" for r in range(2)]
