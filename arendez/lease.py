@@ -45,6 +45,7 @@ def sidecar_possible(ssl: _ssl.SSLContext | None) -> bool:
         ssl is None
         and os.environ.get("ARENDEZ_LEASE_SIDECAR", "1") != "0"
         and bool(sys.executable)
+        and not getattr(sys, "frozen", False)  # (a frozen app's executable is the app itself)
         and os.path.exists(f"/proc/{os.getpid()}/stat")
     )
 
