@@ -28,7 +28,19 @@ class Fold:
     ``error``: the receive fails with it, the connection it came on does not.
     """
 
-    __slots__ = ("_carry", "_dtype", "_itemsize", "_out", "_pos", "_src", "_ufunc", "error", "view")
+    __slots__ = (
+        "_carry",
+        "_dtype",
+        "_itemsize",
+        "_landed",
+        "_out",
+        "_pos",
+        "_scratch",
+        "_src",
+        "_ufunc",
+        "error",
+        "view",
+    )
 
     def __init__(self, src: Array, out: Array, ufunc: np.ufunc, view: memoryview) -> None:
         if src.shape != out.shape or src.dtype != out.dtype:
@@ -40,6 +52,8 @@ class Fold:
         self._itemsize = max(1, out.dtype.itemsize)
         self._pos = 0  # elements reduced so far
         self._carry = b""  # the first bytes of a partial element
+        self._scratch: memoryview | None = None  # the piece scratch last landed in, and
+        self._landed: Array | None = None  # ... its elements (typed once, not per piece)
         self.error: BaseException | None = None
         #: ``out``'s bytes: what the frame completes with (the mailbox knows the receive by it)
         self.view = view
@@ -58,9 +72,16 @@ class Fold:
 
     def absorb(self, scratch: memoryview, nbytes: int) -> None:
         """``nbytes`` landed where ``landing(scratch, ...)`` said: reduce them."""
-        whole = len(self._carry) + nbytes
-        self._carry = b""
-        self.write(scratch[:whole])
+        if self._carry or nbytes % self._itemsize:  # (a partial element on either side)
+            whole = len(self._carry) + nbytes
+            self._carry = b""
+            self.write(scratch[:whole])
+            return
+        if scratch is not self._scratch:
+            usable = len(scratch) - len(scratch) % self._itemsize
+            self._scratch, self._landed = scratch, np.frombuffer(scratch[:usable], self._dtype)
+        assert self._landed is not None
+        self._fold(self._landed[: nbytes // self._itemsize])
 
     def write(self, data: memoryview) -> None:
         """Reduce bytes that arrived elsewhere (a header read, a whole payload) into ``out``."""
@@ -79,15 +100,17 @@ class Fold:
             self._carry = bytes(data[whole:])
 
     def _reduce(self, data: memoryview) -> None:
-        if self.error is not None:
-            return
-        count = len(data) // self._itemsize
-        lo, hi = self._pos, self._pos + count
-        self._pos = hi
-        try:
-            self._ufunc(self._src[lo:hi], np.frombuffer(data, self._dtype), out=self._out[lo:hi])
-        except Exception as exc:  # kept for the receive; the stream goes on
-            self.error = exc
+        self._fold(np.frombuffer(data, self._dtype))
+
+    def _fold(self, incoming: Array) -> None:
+        """The next ``incoming.size`` elements: ``out = ufunc(src, incoming)``."""
+        lo = self._pos
+        hi = self._pos = lo + incoming.size
+        if self.error is None:
+            try:
+                self._ufunc(self._src[lo:hi], incoming, out=self._out[lo:hi])
+            except Exception as exc:  # kept for the receive; the stream goes on
+                self.error = exc
 
     @property
     def done(self) -> bool:
