@@ -35,8 +35,10 @@ SMALL_BYTES = 64 * 1024
 #: Bytes of one block of one ring lane; lanes of ``size`` blocks pipeline large messages.
 LANE_BYTES = env_int("ARENDEZ_LANE_BYTES", 512 * 1024, minimum=4096)
 #: Lane block over TCP links: the socket, not the reduction, paces a step there, and every
-#: message costs the event loop (a frame, a future, a wake-up), so fewer, larger blocks.
-TCP_LANE_BYTES = env_int("ARENDEZ_TCP_LANE_BYTES", 2 << 20, minimum=4096)
+#: message costs the event loop (a frame, a future, a wake-up), so fewer, larger blocks. A
+#: block's reduction streams through cache-sized pieces as it arrives (``recv_reduce``), so a
+#: large block costs no more cache misses than a small one.
+TCP_LANE_BYTES = env_int("ARENDEZ_TCP_LANE_BYTES", 4 << 20, minimum=4096)
 #: Lanes a bandwidth-bound message is cut into at least (blocks permitting).
 MIN_LANES = env_int("ARENDEZ_MIN_LANES", 1)
 #: Smallest lane block: below it, per-message overhead outweighs the overlap lanes buy.

@@ -79,7 +79,7 @@ def main() -> int:
     args = parser.parse_args()
     sizes = [mib << 20 for mib in args.sizes]
     backends = args.backends + (["arendez@base"] if args.baseline else [])
-    found: dict[tuple[str, int], tuple[float, float, float]] = {}
+    found: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     print("| backend | ranks | size | time (median) | busbw GB/s | CPU ms per call (user) | checked |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for backend in backends * args.rounds:
@@ -90,7 +90,7 @@ def main() -> int:
             cpu = statistics.mean(x for o in outs for x in o[key]["cpu"])
             user = statistics.mean(x for o in outs for x in o[key]["user"])
             ok = all(o[key]["ok"] for o in outs)
-            found[(backend, n)] = (t, cpu, user)
+            found.setdefault((backend, n), []).append((t, cpu, user))
             busbw = 2 * (args.ranks - 1) / args.ranks * n / t / 1e9
             print(
                 f"| {backend} | {args.ranks} | {n >> 20} MiB | {t * 1e3:.1f} ms | {busbw:.2f} | "
@@ -98,12 +98,21 @@ def main() -> int:
                 flush=True,
             )
     if "gloo" in args.backends:
+        print()
         for n in sizes:
-            tg, cg, _ = found[("gloo", n)]
             for backend in (b for b in backends if b != "gloo"):
-                t, cpu, _ = found[(backend, n)]
-                print(f"\n{n >> 20} MiB: {backend} {tg / t:.2f}x gloo's speed, {cpu / cg:.2f}x its CPU per call")
+                print(f"{n >> 20} MiB: {backend} {_ratios(found[(backend, n)], found[('gloo', n)])}")
     return 0
+
+
+def _ratios(mine: list[tuple[float, float, float]], gloo: list[tuple[float, float, float]]) -> str:
+    """Speed and CPU against gloo's, round by round (a range over the rounds)."""
+    speed = sorted(g[0] / m[0] for m, g in zip(mine, gloo, strict=True))
+    cpu = sorted(m[1] / g[1] for m, g in zip(mine, gloo, strict=True))
+    return (
+        f"{speed[0]:.2f}-{speed[-1]:.2f}x gloo's speed, {cpu[0]:.2f}-{cpu[-1]:.2f}x its CPU per call"
+        f" ({len(mine)} round(s))"
+    )
 
 
 if __name__ == "__main__":

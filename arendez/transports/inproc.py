@@ -52,12 +52,12 @@ class InprocLink:
                 dest = receiver.sink(self._owner.rank, frame, raw.nbytes)
                 if dest is not None and not isinstance(dest, memoryview):  # a stream: folded now
                     dest.write(raw)
-                    dest = dest.view
-                elif dest is None:
-                    dest = memoryview(cast(Any, np.empty(raw.nbytes, np.uint8)))
-                dest = dest.cast("B")
-                dest[:] = raw
-                data = dest
+                    data = dest.view
+                else:
+                    if dest is None:
+                        dest = memoryview(cast(Any, np.empty(raw.nbytes, np.uint8)))
+                    data = dest.cast("B")
+                    data[:] = raw
         asyncio.get_running_loop().call_soon(other._arrive, frame, data)
 
     def _arrive(self, frame: frames.Frame, payload: memoryview | None) -> None:
