@@ -344,9 +344,9 @@ async def _ring_reduce_scatter_lane(
     """Ring reduce-scatter of one lane: afterwards block ``rank`` is reduced.
 
     ``out is None`` reduces in place into ``blocks``; otherwise the inputs stay untouched and
-    the result lands in ``out`` (three scratch blocks carry the partial sums around: one being
-    sent, one being received into). Every step's message is reduced as it arrives
-    (``recv_reduce``) and goes on to the right once it has.
+    the result lands in ``out`` (three scratch blocks carry the partial sums around: one still
+    being sent, one just reduced, one being received into). Every step's message is reduced as
+    it arrives (``recv_reduce``) and goes on to the right once it has.
     """
     n, r, right, left = _ring_schedule(comm)
     steps = n - 1

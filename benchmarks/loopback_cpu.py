@@ -3,6 +3,7 @@
     python benchmarks/loopback_cpu.py                          # 4 ranks, 16 and 64 MiB
     python benchmarks/loopback_cpu.py --lane-bytes 262144      # arendez with 256 KiB blocks
     python benchmarks/loopback_cpu.py --baseline /tmp/old      # also arendez from another tree
+    python benchmarks/loopback_cpu.py --shm                    # arendez's default: shared memory
     perf record -F 1999 -o arendez.data -- python benchmarks/loopback_cpu.py --backends arendez
     perf report -i arendez.data --no-children --sort sym -n     # where its CPU goes
 
@@ -37,9 +38,18 @@ def _free_port() -> int:
 
 
 def _run(
-    backend: str, world: int, sizes: list[int], iters: int, warmup: int, lane_bytes: int | None, base: str
+    backend: str,
+    world: int,
+    sizes: list[int],
+    iters: int,
+    warmup: int,
+    lane_bytes: int | None,
+    base: str,
+    shm: bool,
 ) -> Any:
-    env = dict(os.environ, ARENDEZ_SHM="0", ARENDEZ_LOCAL_SOCKETS="0", OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not shm:
+        env.update(ARENDEZ_SHM="0", ARENDEZ_LOCAL_SOCKETS="0")
     if lane_bytes:
         env["ARENDEZ_TCP_LANE_BYTES"] = str(lane_bytes)
     if backend == "arendez@base":
@@ -76,6 +86,7 @@ def main() -> int:
     parser.add_argument("--lane-bytes", type=int, default=None, help="ARENDEZ_TCP_LANE_BYTES for arendez")
     parser.add_argument("--baseline", default="", help="also run arendez imported from this directory")
     parser.add_argument("--rounds", type=int, default=1, help="run every backend this many times, in turn")
+    parser.add_argument("--shm", action="store_true", help="arendez's default (shared memory) instead of TCP")
     args = parser.parse_args()
     sizes = [mib << 20 for mib in args.sizes]
     backends = args.backends + (["arendez@base"] if args.baseline else [])
@@ -83,7 +94,9 @@ def main() -> int:
     print("| backend | ranks | size | time (median) | busbw GB/s | CPU ms per call (user) | checked |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for backend in backends * args.rounds:
-        outs = _run(backend, args.ranks, sizes, args.iters, args.warmup, args.lane_bytes, args.baseline)
+        outs = _run(
+            backend, args.ranks, sizes, args.iters, args.warmup, args.lane_bytes, args.baseline, args.shm
+        )
         for n in sizes:
             key = str(n)
             t = statistics.median(x for o in outs for x in o[key]["times"])
