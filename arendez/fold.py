@@ -45,6 +45,8 @@ class Fold:
     def __init__(self, src: Array, out: Array, ufunc: np.ufunc, view: memoryview) -> None:
         if src.shape != out.shape or src.dtype != out.dtype:
             raise ValueError(f"fold: src {src.dtype}{src.shape} and out {out.dtype}{out.shape} differ")
+        if not out.flags.c_contiguous:  # (a flat view of it would be a copy)
+            raise ValueError("fold: out must be contiguous")
         self._src = src.reshape(-1)
         self._out = out.reshape(-1)
         self._ufunc = ufunc

@@ -105,6 +105,9 @@ def test_a_stream_of_the_wrong_size_is_a_protocol_error() -> None:
         _feed(decoder, b"".join(bytes(b) for b in wire.encode("data", b"\0" * 12)), random.Random(2))
 
 
-def test_shapes_or_dtypes_that_differ_are_refused() -> None:
+def test_shapes_or_dtypes_that_differ_or_a_strided_out_are_refused() -> None:
     with pytest.raises(ValueError, match="differ"):
         Fold(np.zeros(4, np.float32), np.zeros(4, np.float64), np.add, memoryview(b""))
+    strided = np.zeros(8, np.float32)[::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        Fold(strided, strided, np.add, memoryview(b""))
