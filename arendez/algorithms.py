@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -35,8 +35,10 @@ SMALL_BYTES = 64 * 1024
 #: Bytes of one block of one ring lane; lanes of ``size`` blocks pipeline large messages.
 LANE_BYTES = env_int("ARENDEZ_LANE_BYTES", 512 * 1024, minimum=4096)
 #: Lane block over TCP links: the socket, not the reduction, paces a step there, and every
-#: message costs the event loop (a frame, a future, a wake-up), so fewer, larger blocks.
-TCP_LANE_BYTES = env_int("ARENDEZ_TCP_LANE_BYTES", 2 << 20, minimum=4096)
+#: message costs the event loop (a frame, a future, a wake-up), so fewer, larger blocks. A
+#: block's reduction streams through cache-sized pieces as it arrives (``recv_reduce``), so a
+#: large block costs no more cache misses than a small one.
+TCP_LANE_BYTES = env_int("ARENDEZ_TCP_LANE_BYTES", 4 << 20, minimum=4096)
 #: Lanes a bandwidth-bound message is cut into at least (blocks permitting).
 MIN_LANES = env_int("ARENDEZ_MIN_LANES", 1)
 #: Smallest lane block: below it, per-message overhead outweighs the overlap lanes buy.
@@ -46,7 +48,11 @@ LANES_IN_FLIGHT = env_int("ARENDEZ_LANES_IN_FLIGHT", 4)
 
 
 class Comm(Protocol):
-    """What an algorithm needs: its place in the group and tagged messages."""
+    """What an algorithm needs: its place in the group and tagged messages.
+
+    A comm may also have ``recv_reduce(peer, tag, src, out, ufunc)``, which receives a message
+    and sets ``out = ufunc(src, message)`` (``recv_reduce`` below falls back to ``recv_any``).
+    """
 
     rank: int
     size: int
@@ -221,6 +227,29 @@ async def _run_lanes(count: int, lane: Callable[[int], Awaitable[None]]) -> None
 
 
 # -- reductions ------------------------------------------------------------------------------
+def recv_reduce(comm: Comm, peer: int, tag: int, src: Array, out: Array, ufunc: np.ufunc) -> Awaitable[None]:
+    """Receive ``out.nbytes`` from ``peer`` and set ``out = ufunc(src, message)`` (``out`` may be
+    ``src``; neither may be read or written until this is done).
+
+    The comm's own ``recv_reduce`` if it has one (``Op``'s reduces the message piece by piece
+    as it arrives, cache-hot); else the message lands in a scratch buffer and is reduced then.
+    """
+    own = getattr(comm, "recv_reduce", None)
+    if own is not None:
+        return cast(Awaitable[None], own(peer, tag, src, out, ufunc))
+    landing = comm.scratch(out.nbytes)
+    return _reduce_landed(comm, comm.recv_any(peer, tag, landing), landing, src, out, ufunc)
+
+
+async def _reduce_landed(
+    comm: Comm, receiving: Awaitable[memoryview], landing: Array, src: Array, out: Array, ufunc: np.ufunc
+) -> None:
+    got = await receiving
+    ufunc(src, _view(got, out.dtype).reshape(out.shape), out=out)
+    comm.release(got)
+    comm.recycle(landing)  # (not on failure: the transport may still be writing into it)
+
+
 def _combine_in_rank_order(
     comm: Comm, mine: Array, received: dict[int, Array], ufunc: np.ufunc, out: Array
 ) -> None:
@@ -318,36 +347,34 @@ async def _ring_reduce_scatter_lane(
     """Ring reduce-scatter of one lane: afterwards block ``rank`` is reduced.
 
     ``out is None`` reduces in place into ``blocks``; otherwise the inputs stay untouched and
-    the result lands in ``out`` (two scratch blocks carry the partial sums around).
+    the result lands in ``out`` (three scratch blocks carry the partial sums around: one still
+    being sent, one just reduced, one being received into). Every step's message is reduced as
+    it arrives (``recv_reduce``) and goes on to the right once it has.
     """
     n, r, right, left = _ring_schedule(comm)
-    biggest = max(b.nbytes for b in blocks)
-    landing = [comm.scratch(biggest) for _ in range(min(2, n - 1))]  # reused receive buffers
-    partials: list[Array] = []  # running sums, when the inputs must stay untouched
-    receiving = comm.recv_any(left, tag, landing[0][: blocks[(r - 2) % n].nbytes])
-    sending = comm.send(right, tag, blocks[(r - 1) % n])
-    for s in range(n - 1):
+    steps = n - 1
+    partials = [] if out is None else [np.empty(max(b.size for b in blocks), out.dtype) for _ in range(3)]
+
+    def target(s: int) -> Array:
         b = (r - s - 2) % n
-        got = await receiving
-        partial = _view(got, blocks[b].dtype)
-        if s < n - 2:  # post the next receive before reducing this one
-            size = blocks[(r - s - 3) % n].nbytes
-            receiving = comm.recv_any(left, tag + s + 1, landing[(s + 1) % 2][:size])
-        await wait_all([sending])
         if out is None:
-            target = blocks[b]
-        elif s == n - 2:
-            target = out
-        else:
-            if len(partials) < 2:
-                partials.append(np.empty_like(blocks[b]))
-            target = partials[s % 2][: blocks[b].size]
-        ufunc(blocks[b], partial, out=target)
-        comm.release(got)
-        sending = comm.send(right, tag + s + 1, target) if s < n - 2 else None
+            return blocks[b]
+        return out if s == steps - 1 else partials[s % 3][: blocks[b].size]
+
+    def post(s: int) -> Awaitable[None]:
+        return recv_reduce(comm, left, tag + s, blocks[(r - s - 2) % n], target(s), ufunc)
+
+    # In place, a block is reduced before this rank ever sends it: post every step's receive now
+    # (they land in order). Into scratch, the next one once the one before it has landed.
+    receiving = [post(s) for s in range(steps if out is None else 1)]
+    sending = comm.send(right, tag, blocks[(r - 1) % n])
+    for s in range(steps):
+        await receiving[s]
+        if len(receiving) == s + 1 and s + 1 < steps:
+            receiving.append(post(s + 1))  # (its scratch is not the one still being sent)
+        await wait_all([sending])
+        sending = comm.send(right, tag + s + 1, target(s)) if s < steps - 1 else None
     await wait_all([sending])
-    for buffer in landing:
-        comm.recycle(buffer)
 
 
 def _post_all_gather(comm: Comm, blocks: list[Array], tag: int) -> list[Awaitable[None]]:
@@ -406,15 +433,11 @@ async def _halving_doubling_lane(comm: Comm, seg: Array, ufunc: np.ufunc, tag: i
         comm.recv_into(partner, tag + 2 * steps - 1 - i, seg[give[0] : give[1]])
         for i, (partner, _, give) in enumerate(levels)
     ]
-    landing = comm.scratch((seg.size + 1) // 2 * seg.itemsize)
     for step, (partner, keep, give) in enumerate(levels):
         mine = seg[keep[0] : keep[1]]
-        receiving = comm.recv_any(partner, tag + step, landing[: mine.nbytes])
+        receiving = recv_reduce(comm, partner, tag + step, mine, mine, ufunc)
         await wait_all([comm.send(partner, tag + step, seg[give[0] : give[1]])])
-        got = await receiving
-        ufunc(mine, _view(got, seg.dtype), out=mine)
-        comm.release(got)
-    comm.recycle(landing)
+        await receiving
     for i in reversed(range(steps)):
         partner, keep, give = levels[i]
         await wait_all([comm.send(partner, tag + 2 * steps - 1 - i, seg[lo:hi])])

@@ -35,6 +35,7 @@ from .errors import (
     NotInitializedError,
     RankFailedError,
 )
+from .fold import Fold
 from .mailbox import Key, Slot, Stats, give, settle
 
 if TYPE_CHECKING:
@@ -180,8 +181,10 @@ class Op:
             self._check()
         return key, slot
 
-    def _wait_slot(self, key: Key, out: memoryview | None, any_buffer: bool = False) -> asyncio.Future[Any]:
-        fut = self.world.mail.post(key, out, self.fp, any_buffer=any_buffer)
+    def _wait_slot(
+        self, key: Key, out: memoryview | None, any_buffer: bool = False, fold: Fold | None = None
+    ) -> asyncio.Future[Any]:
+        fut = self.world.mail.post(key, out, self.fp, any_buffer=any_buffer, fold=fold)
         self.keys.append(key)
         self._wait_on(fut)
         target = key[0]
@@ -218,6 +221,32 @@ class Op:
             return _done()
         return futs[0] if len(futs) == 1 else _gather(futs)
 
+    def recv_reduce(self, peer: int, tag: int, src: Array, out: Array, ufunc: np.ufunc) -> Awaitable[None]:
+        """Receive a message of ``out.nbytes`` and set ``out = ufunc(src, message)`` (``out`` may
+        be ``src``). Over a socket the payload is reduced piece by piece as it arrives
+        (``fold.Fold``); a message that came early or through shared memory is reduced whole."""
+        self._check()
+        raw = byte_view(out)
+        fold = Fold(src, out, ufunc, raw)
+        if raw.nbytes > wire.MAX_SEGMENT:  # (a message of several frames: reduce once it is all here)
+            whole = np.empty(raw.nbytes, np.uint8)
+            return _fold_whole(self.recv_into(peer, tag, whole), whole, fold)
+        key, slot = self._slot(peer, tag, 0)
+        if slot is not None and slot.data is not None:  # it came before we asked
+            self.world.mail.take(key)
+            try:
+                if slot.data.nbytes != raw.nbytes:
+                    theirs = f"{slot.data.nbytes} bytes"
+                    self.group.mismatch(self.seq, f"{self.fp} ({raw.nbytes} bytes)", theirs, key[0])
+                    self._check()
+                fold.write(slot.data)
+            finally:
+                give(slot.give_back)
+            if fold.error is not None:
+                raise fold.error
+            return _done()
+        return self._wait_slot(key, raw, fold=fold)
+
     def link_kind(self) -> str:
         """``"shm"`` if every peer said hello from this host (shared memory on), else ``"tcp"``.
 
@@ -243,6 +272,13 @@ class Op:
         if scratch is None or scratch.nbytes > wire.MAX_SEGMENT:
             return self._wait_slot(key, None)
         return self._wait_slot(key, byte_view(scratch), any_buffer=True)
+
+
+async def _fold_whole(received: Awaitable[None], whole: Array, fold: Fold) -> None:
+    await received
+    fold.write(byte_view(whole))
+    if fold.error is not None:
+        raise fold.error
 
 
 async def _gather(futs: list[asyncio.Future[Any]]) -> None:

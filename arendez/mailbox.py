@@ -6,6 +6,10 @@ A message is keyed by ``(sender, group, seq, tag, segment)``. Either side may co
   transport asks ``destination`` where the payload should land and it is written there;
 - a frame that comes first is stashed (``Slot.data``) until the receive ``take``s it.
 
+A receive may also *fold* its payload into an array (``Slot.fold``, a ``fold.Fold``): the
+transport streams the payload through it, reducing piece by piece; a payload that landed
+elsewhere (early, or in shared memory) is folded when it is delivered.
+
 The mailbox checks the fingerprint every frame carries against the receive's and reports a
 mismatch instead of delivering; it never touches a socket (the tests drive it directly).
 """
@@ -21,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CollectiveMismatchError
+from .fold import Fold
 
 Array = np.ndarray[Any, Any]
 Key = tuple[int, int, int, int, int]  # (sender, gid, seq, tag, segment)
@@ -42,7 +47,7 @@ def settle(fut: asyncio.Future[Any], exc: BaseException) -> None:
 class Slot:
     """A receive: where the payload goes (``out``), who waits (``fut``), or data that came early."""
 
-    __slots__ = ("any", "data", "fp", "fut", "give_back", "out", "shared")
+    __slots__ = ("any", "data", "fold", "fp", "fut", "give_back", "out", "shared")
 
     def __init__(self, fp: str = "") -> None:
         self.any = False  # the receiver takes whichever buffer the payload landed in
@@ -51,6 +56,7 @@ class Slot:
         self.data: memoryview | None = None
         self.give_back: Callable[[], None] | None = None  # returns ``data``'s buffer once read
         self.shared = False  # ``data`` lies in the sender's shared memory
+        self.fold: Fold | None = None  # reduces the payload into an array instead (``out`` is its view)
         self.fp = fp
 
 
@@ -90,22 +96,26 @@ class Mailbox:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def destination(self, key: Key, fp: str, nbytes: int) -> memoryview | None:
-        """Where an incoming ``nbytes`` payload for ``key`` should land (None: not known yet)."""
+    def destination(self, key: Key, fp: str, nbytes: int) -> memoryview | Fold | None:
+        """Where an incoming ``nbytes`` payload for ``key`` should land, or the ``Fold`` that
+        consumes it (None: not known yet)."""
         slot = self._slots.get(key)
         out = slot.out if slot is not None and slot.fp == fp else None
-        return out if out is not None and out.nbytes == nbytes else None
+        if out is None or out.nbytes != nbytes:
+            return None
+        return out if slot is None or slot.fold is None else slot.fold
 
     def peek(self, key: Key) -> Slot | None:
         return self._slots.get(key)
 
     def post(
-        self, key: Key, out: memoryview | None, fp: str, *, any_buffer: bool = False
+        self, key: Key, out: memoryview | None, fp: str, *, any_buffer: bool = False, fold: Fold | None = None
     ) -> asyncio.Future[Any]:
         """Wait for message ``key``: written into ``out``, or (``out`` None / ``any_buffer``) the
-        buffer it arrived in is the future's result."""
+        buffer it arrived in is the future's result, or (``fold``) reduced by ``fold``, whose
+        ``view`` is ``out``."""
         slot = Slot(fp)
-        slot.out, slot.any = out, any_buffer
+        slot.out, slot.any, slot.fold = out, any_buffer, fold
         slot.fut = asyncio.get_running_loop().create_future()
         self._slots[key] = slot
         return slot.fut
@@ -149,12 +159,18 @@ class Mailbox:
                 )
                 give(give_back)
                 return Outcome.MISMATCHED
-            slot.out[:] = payload
-            if not shared:  # (copying out of shared memory is the transfer itself, as the kernel's)
-                self.stats.copied_bytes += payload.nbytes
-                self.stats.copied_messages += 1
+            if slot.fold is not None:  # (reducing it is no copy: it reads the payload once)
+                slot.fold.write(payload)
+            else:
+                slot.out[:] = payload
+                if not shared:  # (copying out of shared memory is the transfer itself, as the kernel's)
+                    self.stats.copied_bytes += payload.nbytes
+                    self.stats.copied_messages += 1
             give(give_back)
-        fut.set_result(None)
+        if slot.fold is not None and slot.fold.error is not None:
+            fut.set_exception(slot.fold.error)
+        else:
+            fut.set_result(None)
         return Outcome.DELIVERED
 
     def expects(self, keys: Iterable[Key], peer: int) -> bool:

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, cast
 
-from . import frames, shm
+from . import frames, shm, wire
 from .algorithms import Chooser
 from .errors import (
     ArendezError,
@@ -210,8 +210,9 @@ class World:
             await self.shm_control.open(list(self.mesh.conns), timeout)
 
     # -- frames from the mesh --------------------------------------------------------------
-    def sink(self, peer: int, frame: frames.Frame, nbytes: int) -> memoryview | None:
-        """Where the ``nbytes`` payload of ``frame`` should land (None: a fresh buffer)."""
+    def sink(self, peer: int, frame: frames.Frame, nbytes: int) -> memoryview | wire.Stream | None:
+        """Where the ``nbytes`` payload of ``frame`` should land, or the stream that consumes it
+        (``Op.recv_reduce``); None: a fresh buffer."""
         if isinstance(frame, frames.Data):
             key = (peer, frame.gid, frame.seq, frame.tag, frame.seg)
             out = self.mail.destination(key, frame.fp, nbytes)

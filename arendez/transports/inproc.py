@@ -17,11 +17,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from .. import frames
+from .. import frames, wire
 from ..errors import RendezvousError
 
 Route = Callable[[int, frames.Frame, memoryview | None], None]
-Sink = Callable[[int, frames.Frame, int], memoryview | None]
+Sink = Callable[[int, frames.Frame, int], memoryview | wire.Stream | None]
 Lost = Callable[[int, str], None]
 
 
@@ -50,11 +50,14 @@ class InprocLink:
             raw = memoryview(payload).cast("B")
             if raw.nbytes:
                 dest = receiver.sink(self._owner.rank, frame, raw.nbytes)
-                if dest is None:
-                    dest = memoryview(cast(Any, np.empty(raw.nbytes, np.uint8)))
-                dest = dest.cast("B")
-                dest[:] = raw
-                data = dest
+                if dest is not None and not isinstance(dest, memoryview):  # a stream: folded now
+                    dest.write(raw)
+                    data = dest.view
+                else:
+                    if dest is None:
+                        dest = memoryview(cast(Any, np.empty(raw.nbytes, np.uint8)))
+                    data = dest.cast("B")
+                    data[:] = raw
         asyncio.get_running_loop().call_soon(other._arrive, frame, data)
 
     def _arrive(self, frame: frames.Frame, payload: memoryview | None) -> None:
@@ -112,7 +115,7 @@ class InprocLinks:
         else:
             self._route(peer, frame, payload)
 
-    def sink(self, peer: int, frame: frames.Frame, nbytes: int) -> memoryview | None:
+    def sink(self, peer: int, frame: frames.Frame, nbytes: int) -> memoryview | wire.Stream | None:
         return self._sink(peer, frame, nbytes) if self._sink is not None else None
 
     def lost(self, peer: int, reason: str) -> None:

@@ -38,7 +38,7 @@ from .pending import PendingLink
 log = logging.getLogger("arendez.tcp")
 
 FrameRouter = Callable[[int, frames.Frame, memoryview | None], None]
-SinkRouter = Callable[[int, frames.Frame, int], memoryview | None]
+SinkRouter = Callable[[int, frames.Frame, int], memoryview | wire.Stream | None]
 LossHandler = Callable[[int, str], None]
 Resolver = Callable[[list[int]], Awaitable[dict[int, str]]]
 ConnectHandler = Callable[[int], None]
