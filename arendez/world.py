@@ -335,6 +335,8 @@ class World:
         if peer in self.dead or peer == self.rank:
             return
         self.dead[peer] = reason
+        if self.mesh is not None:
+            self.mesh.forget(peer, reason)
         if len(self.dead) >= self.world_size - 1:
             self._peers_gone.set()
         if self.closed:  # destroy is under way: nothing left to fail

@@ -79,6 +79,27 @@ def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
     assert "declared failed by the server" in out["message"], out
 
 
+@pytest.mark.timeout(90)
+def test_a_rank_stopped_inside_the_rendezvous_fails_init_by_the_servers_word(arendez_server, tmp_path):
+    """Rank 1 joins, is frozen, then rank 0 completes the round: rank 0's dial to it connects
+    but is never answered. The server's declaration (its lease ran out) ends rank 0's init
+    naming rank 1, not the 60 s init timeout."""
+    url = f"{arendez_server.url}/stop-in-rdzv-{tmp_path.name}"
+    frozen = spawn_rank(failures_jobs.init_outcome, 1, 2, url, str(tmp_path), 60.0)
+    try:
+        wait_for_files(tmp_path, "joining-1", 1)
+        time.sleep(1.0)  # (its join is waiting at the server)
+        os.kill(frozen.pid, signal.SIGSTOP)
+        (result,) = collect([spawn_rank(failures_jobs.init_outcome, 0, 2, url, str(tmp_path), 60.0)], 80)
+    finally:
+        frozen.kill()
+        frozen.wait()
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.value
+    assert out["outcome"].startswith("RendezvousError: could not connect to rank 1"), out
+    assert "declared failed by the server" in out["outcome"], out
+
+
 @pytest.mark.timeout(60)
 def test_timeout_names_the_rank_that_never_arrived(arendez_server):
     url = f"{arendez_server.url}/straggler"

@@ -136,6 +136,9 @@ class InprocLinks:
         link.send(frames.encode(frame), payload)
         return link
 
+    def forget(self, peer: int, reason: str) -> None:
+        """(Every in-process link exists from the start: nothing waits for one.)"""
+
     async def close(self, timeout: float, gone: Collection[int] = ()) -> None:
         """Close every link (the peers see it after what was sent before)."""
         self._closing = True

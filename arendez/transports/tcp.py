@@ -286,6 +286,18 @@ class Mesh:
                 + " (check that the advertised addresses are reachable, or set ARENDEZ_ADVERTISE_ADDR)"
             ) from None
 
+    def forget(self, peer: int, reason: str) -> None:
+        """``peer`` is gone by other news (the server declared it failed, or it left): stop
+        dialing it, fail what waits for a link to it, and let ``preconnect`` say why."""
+        if peer in self.conns or peer in self._unreachable or peer == self.rank:
+            return  # (a connection tells its own loss)
+        self._unreachable.add(peer)
+        self._dial_errors[peer] = reason
+        pending = self._waiting_links.pop(peer, None)
+        if pending is not None:
+            pending.fail(ConnectionResetError(f"rank {peer}: {reason}"))
+        self._connected.set()
+
     def _describe(self, ranks: list[int], what: str) -> str:
         detail = "; ".join(
             f"rank {r} at {self._addresses.get(r, '(address not fetched)')}"
@@ -320,7 +332,9 @@ class Mesh:
                 address = await self._address(peer)
                 conn = await self._connect(peer, address)
             self._dialing.discard(peer)
-            if conn is not None:
+            if conn is not None and peer in self._unreachable:  # declared gone meanwhile
+                conn.abort()
+            elif conn is not None:
                 self._adopt(peer, conn)
             # else: its own dial to us wins, and _admit adopts that one
         except asyncio.CancelledError:

@@ -127,3 +127,18 @@ async def guarded_job(rank: int, ws: int, url: str, out_dir: str) -> list[float]
     await dist.all_reduce(y)
     await dist.destroy_process_group()
     return [float(x[0]), float(y[0])]
+
+
+async def init_outcome(rank: int, ws: int, url: str, out_dir: str, timeout: float) -> dict[str, Any]:
+    """Mark ``joining-<rank>``, then initialise: how init ended and how long it took."""
+    from pathlib import Path
+
+    Path(out_dir, f"joining-{rank}").touch()
+    began = time.monotonic()
+    try:
+        await dist.init_process_group(init_method=url, world_size=ws, rank=rank, timeout=timeout)
+        outcome = "initialised"
+        await dist.destroy_process_group(timeout=1.0)
+    except dist.ArendezError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    return {"outcome": outcome, "seconds": time.monotonic() - began}
