@@ -13,10 +13,10 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from . import frames, shm, wire
+from . import burstlog, frames, shm, wire
 from .algorithms import Chooser
 from .errors import (
     ArendezError,
@@ -40,6 +40,19 @@ Array = Any
 
 #: Payloads at least this large that arrive before their receive land in pooled buffers.
 POOLED_EARLY_BYTES = 64 * 1024
+
+
+def _summarise_losses(items: Sequence[tuple[str, int, int, str]]) -> str:
+    jobs = ", ".join(sorted({repr(job) for job, _, _, _ in items}))
+    return (
+        f"{len(items)} more peer(s) lost in job {jobs} (heard by rank(s)"
+        f" {burstlog.span([r for _, r, _, _ in items])} of this process): ranks"
+        f" {burstlog.listing([p for _, _, p, _ in items])}; the first: {items[0][3]}"
+    )
+
+
+#: a process logs each lost peer once, and a burst of losses as one more line (QA3-F9)
+_LOSSES = burstlog.BurstLog(log, _summarise_losses)
 
 
 class World:
@@ -330,6 +343,13 @@ class World:
                 if not isinstance(op.error, RankFailedError):
                     op.fail(RankFailedError(self.rank, op.name, why))
 
+    def _round_id(self) -> object:
+        """What tells this world apart from the process's others (of the same job too)."""
+        return self.mesh.nonce if self.mesh is not None and self.mesh.nonce else id(self)
+
+    def _job(self) -> str:
+        return str(getattr(self.store, "job", "") or "local")
+
     def peer_lost(self, peer: int, reason: str, *, left: bool = False) -> None:
         """``peer`` died, left or was declared failed: fail everything that depends on it."""
         if peer in self.dead or peer == self.rank:
@@ -344,7 +364,15 @@ class World:
         self.shm_control.drop(peer)
         if not left:
             self.failed[peer] = reason
-        (log.info if left else log.warning)("rank %d: peer rank %d: %s", self.rank, peer, reason)
+        _LOSSES.note(
+            (self._round_id(), peer),
+            logging.INFO if left else logging.WARNING,
+            (self._job(), self.rank, peer, reason),
+            "rank %d: peer rank %d: %s",
+            self.rank,
+            peer,
+            reason,
+        )
         for group in list(self.groups.values()):
             if peer in group.ranks:
                 for op in list(group.active.values()):

@@ -8,7 +8,7 @@ know (which peers it heard from, which it still waits on, bytes and dtype) is wo
 when a dump is taken, from what the op and the mailbox hold; the hot path is one small object
 (five fields set), three clock reads and a dict store per collective.
 
-A rank dumps (one JSON file per rank, ``arendez-flightrec-<job>-rank<R>-<pid>.json`` in
+A rank dumps (one JSON file per rank, ``arendez-flightrec-<job>-rank<R>.json`` in
 ``ARENDEZ_FLIGHT_RECORDER_DIR``, default the temp dir; the path is logged at WARNING) when a
 collective raises ``CollectiveTimeoutError`` or ``RankFailedError``, on ``SIGUSR1`` (the handler
 is installed only over the default action, and dumps from the event loop), and on demand
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import burstlog
 from ..errors import CollectiveCancelledError, CollectiveTimeoutError, RankFailedError
 from ..settings import env_int
 
@@ -259,7 +260,7 @@ class Recorder:
             now = time.monotonic()
             if now - self._last_auto >= AUTO_DUMP_GAP:
                 self._last_auto = now
-                self.dump(reason=reason)
+                self.dump(reason=reason, burst=True)
             elif self._later is None and self.loop is not None and not self.loop.is_closed():
                 wait = AUTO_DUMP_GAP - (now - self._last_auto)
                 self._later = self.loop.call_later(wait, self._dump_later, reason)
@@ -270,7 +271,7 @@ class Recorder:
         self._later = None
         self._last_auto = time.monotonic()
         try:
-            self.dump(reason=f"{reason} (and later failures)")
+            self.dump(reason=f"{reason} (and later failures)", burst=True)
         except Exception as err:
             log.warning("rank %d: flight recorder dump failed: %r", self.rank, err)
 
@@ -350,9 +351,12 @@ class Recorder:
             "entries": [self._entry(e, mail, now) for e in list(self._ring)] if self.capacity else [],
         }
 
-    def dump(self, path: str | os.PathLike[str] | None = None, reason: str = "on demand") -> str:
+    def dump(
+        self, path: str | os.PathLike[str] | None = None, reason: str = "on demand", *, burst: bool = False
+    ) -> str:
         """Write the dump as JSON to ``path`` (default: this rank's file in the dump
-        directory) and return where it went; logged at WARNING."""
+        directory) and return where it went; logged at WARNING (with ``burst``, one of many
+        ranks' dumps at once: the process's first is logged, the rest summarised)."""
         data = self.snapshot(reason)
         target = os.fspath(path) if path is not None else self.default_path(data["job"])
         folder = os.path.dirname(target) or "."
@@ -367,19 +371,31 @@ class Recorder:
                 os.unlink(tmp)
             raise
         self.path = target
-        log.warning(
-            "rank %d: flight recorder dump (%s) written to %s; read it with: python -m arendez.flightrec %s",
-            self.rank,
-            reason,
-            target,
-            target,
+        line = (
+            "rank %d: flight recorder dump (%s) written to %s; read it with: python -m arendez.flightrec %s"
         )
+        if burst:
+            _DUMPS.note(None, logging.WARNING, (self.rank, target), line, self.rank, reason, target, target)
+        else:
+            log.warning(line, self.rank, reason, target, target)
         return target
 
     def default_path(self, job: str) -> str:
         folder = os.environ.get(ENV_DIR) or tempfile.gettempdir()
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job)[:64] or "local"
-        return os.path.join(folder, f"arendez-flightrec-{safe}-rank{self.rank}-{os.getpid()}.json")
+        return os.path.join(folder, f"arendez-flightrec-{safe}-rank{self.rank}.json")
+
+
+def _summarise_dumps(items: Sequence[tuple[int, str]]) -> str:
+    folders = sorted({os.path.dirname(path) or "." for _, path in items})
+    return (
+        f"{len(items)} more flight recorder dump(s) written by rank(s)"
+        f" {burstlog.span([rank for rank, _ in items])} of this process, to {', '.join(folders)}"
+    )
+
+
+#: many ranks of a process dumping at once (a failure at scale) log two lines, not one each
+_DUMPS = burstlog.BurstLog(log, _summarise_dumps)
 
 
 # -- the process: SIGUSR1, and the public functions -------------------------------------------
@@ -406,7 +422,7 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 
 def _dump_quietly(rec: Recorder, reason: str) -> None:
     try:
-        rec.dump(reason=reason)
+        rec.dump(reason=reason, burst=True)
     except Exception as err:
         log.warning("rank %d: flight recorder dump failed: %r", rec.rank, err)
 

@@ -1,0 +1,87 @@
+"""A failure at scale is a few log lines per process, not one per rank and lost peer (QA3-F9)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+
+import numpy as np
+import pytest
+
+import arendez as dist
+from arendez.testing import fresh_context
+from tests.harness import spawn_rank
+from tests.jobs import failures as failures_jobs
+
+LOCAL, REMOTE = 16, 6  # ranks as tasks of this process; rank processes killed at once
+
+
+async def _survivor(url: str, world_size: int, rank: int) -> str:
+    await dist.init_process_group(init_method=url, world_size=world_size, rank=rank, timeout=60)
+    x = np.ones(1000, np.float32)
+    try:
+        for _ in range(100_000):  # (bounded: the kill ends it within seconds)
+            await dist.all_reduce(x)
+        return "no error"
+    except dist.RankFailedError as exc:
+        return type(exc).__name__
+    finally:
+        await dist.destroy_process_group(timeout=5)
+
+
+async def _files(folder, pattern: str, count: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while len(list(folder.glob(pattern))) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} {pattern} in {folder}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+async def test_a_failure_at_scale_is_a_few_lines_per_process(arendez_server, tmp_path, monkeypatch, caplog):
+    """16 ranks here, 6 rank processes killed at once: 16 x 6 losses and 16 flight-recorder
+    dumps come out as a first line and a summary each, naming every lost rank; each rank's
+    dump is one file."""
+    dumps = tmp_path / "dumps"
+    monkeypatch.setenv("ARENDEZ_FLIGHT_RECORDER_DIR", str(dumps))
+    caplog.set_level(logging.INFO, logger="arendez")
+    world_size = LOCAL + REMOTE
+    url = f"{arendez_server.url}/burst-{tmp_path.name}"
+    procs = [
+        spawn_rank(failures_jobs.reduce_until_failure, r, world_size, url, str(tmp_path), 1000, 60.0)
+        for r in range(LOCAL, world_size)
+    ]
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(_survivor(url, world_size, r), context=fresh_context()) for r in range(LOCAL)]
+    try:
+        await _files(tmp_path, "ready-*", REMOTE, 60)
+        for proc in procs:
+            proc.kill()
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        for task in tasks:
+            task.cancel()
+    assert outcomes == ["RankFailedError"] * LOCAL
+    await asyncio.sleep(2.5)  # (the summaries close a second after their first line)
+
+    lines = [r.getMessage() for r in caplog.records]
+    losses = [m for m in lines if re.search(r"peer rank \d+:|more peer\(s\) lost", m)]
+    assert 2 <= len(losses) <= 6, "\n".join(losses)  # (16 x 6 = 96 lines, one per rank and peer)
+    named: set[int] = set()
+    for line in losses:
+        if "more peer(s) lost" in line:
+            named.update(int(n) for n in line.split("): ranks ", 1)[1].split(";")[0].split(", "))
+        else:
+            named.add(int(re.search(r"peer rank (\d+):", line).group(1)))  # type: ignore[union-attr]
+    assert named == set(range(LOCAL, world_size)), "\n".join(losses)
+
+    told = [m for m in lines if "flight recorder dump" in m]
+    assert 2 <= len(told) <= 4, "\n".join(told)  # (one per rank and dump: 16-32)
+    assert any("more flight recorder dump(s) written by rank(s)" in m for m in told), told
+    assert sorted(p.name for p in dumps.glob("arendez-flightrec-*.json")) == sorted(
+        f"arendez-flightrec-burst-{tmp_path.name}-rank{r}.json" for r in range(LOCAL)
+    )
