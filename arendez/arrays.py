@@ -7,6 +7,8 @@ from typing import Any, cast
 
 import numpy as np
 
+from .errors import InvalidArgumentError
+
 
 class ReduceOp(enum.Enum):
     SUM = "sum"
@@ -27,7 +29,9 @@ class ReduceOp(enum.Enum):
         try:
             return cls[name.upper()]
         except KeyError:
-            raise ValueError(f"unknown reduce op {op!r}; use one of {[m.name for m in cls]}") from None
+            raise InvalidArgumentError(
+                f"unknown reduce op {op!r}; use one of {[m.name for m in cls]}"
+            ) from None
 
 
 _UFUNCS: dict[ReduceOp, np.ufunc] = {
@@ -58,13 +62,13 @@ def ufunc_for(op: ReduceOp, dtype: np.dtype[Any]) -> np.ufunc:
 
 def _check_ufunc(op: ReduceOp, dtype: np.dtype[Any]) -> np.ufunc:
     if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dtype.kind not in "iub":
-        raise ValueError(f"ReduceOp.{op.name} needs an integer or bool array, got {dtype}")
+        raise InvalidArgumentError(f"ReduceOp.{op.name} needs an integer or bool array, got {dtype}")
     if op is ReduceOp.AVG and dtype.kind not in "fc":
-        raise ValueError(f"ReduceOp.AVG needs a floating-point array, got {dtype}")
+        raise InvalidArgumentError(f"ReduceOp.AVG needs a floating-point array, got {dtype}")
     if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "c":
-        raise ValueError(f"ReduceOp.{op.name} is undefined for complex arrays")
+        raise InvalidArgumentError(f"ReduceOp.{op.name} is undefined for complex arrays")
     if dtype.kind not in "biufc":
-        raise ValueError(f"cannot reduce arrays of dtype {dtype}")
+        raise InvalidArgumentError(f"cannot reduce arrays of dtype {dtype}")
     return _UFUNCS[op]
 
 
@@ -73,9 +77,9 @@ def _torch_numpy(obj: Any) -> np.ndarray[Any, Any] | None:
     if not module.startswith("torch"):
         return None
     if getattr(obj, "device", None) is not None and obj.device.type != "cpu":
-        raise ValueError(f"only CPU tensors are supported, got a tensor on {obj.device}")
+        raise InvalidArgumentError(f"only CPU tensors are supported, got a tensor on {obj.device}")
     if not obj.is_contiguous():
-        raise ValueError("tensor is not contiguous; call .contiguous() first")
+        raise InvalidArgumentError("tensor is not contiguous; call .contiguous() first")
     array: np.ndarray[Any, Any] = obj.detach().numpy()  # shares memory with the tensor
     return array
 
@@ -95,12 +99,12 @@ def as_array(obj: Any, *, writable: bool = True, what: str = "tensor") -> np.nda
                 f"{what} must be a numpy array, CPU torch tensor or buffer, not {type(obj).__name__}"
             ) from None
         if not view.c_contiguous:
-            raise ValueError(f"{what} is not C-contiguous")
+            raise InvalidArgumentError(f"{what} is not C-contiguous")
         array = np.asarray(view)
     if not array.flags.c_contiguous:
-        raise ValueError(f"{what} is not C-contiguous; pass np.ascontiguousarray(...) explicitly")
+        raise InvalidArgumentError(f"{what} is not C-contiguous; pass np.ascontiguousarray(...) explicitly")
     if writable and not array.flags.writeable:
-        raise ValueError(f"{what} is read-only; collectives write their result in place")
+        raise InvalidArgumentError(f"{what} is read-only; collectives write their result in place")
     return array.reshape(-1)
 
 

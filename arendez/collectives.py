@@ -14,6 +14,7 @@ import numpy as np
 
 from . import algorithms as algo
 from .arrays import ReduceOp, as_array, as_bytes, ufunc_for
+from .errors import InvalidArgumentError
 from .group import ProcessGroup
 from .registry import on_group, seconds
 from .validate import index
@@ -77,11 +78,11 @@ def _blocks(
     arrays: Sequence[Any], size: int, like: np.ndarray[Any, Any], what: str
 ) -> list[np.ndarray[Any, Any]]:
     if len(arrays) != size:
-        raise ValueError(f"{what} must hold {size} tensors (one per rank), got {len(arrays)}")
+        raise InvalidArgumentError(f"{what} must hold {size} tensors (one per rank), got {len(arrays)}")
     out = [as_array(a, what=what) for a in arrays]
     for a in out:
         if a.dtype != like.dtype or a.size != like.size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"every tensor in {what} must be {like.dtype} x {like.size}, got {a.dtype} x {a.size}"
             )
     return out
@@ -106,7 +107,9 @@ async def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: A
     x = as_array(input_tensor, writable=False)
     out = as_array(output_tensor, what="output_tensor")
     if out.dtype != x.dtype or out.size != x.size * g.size:
-        raise ValueError(f"output_tensor must be {x.dtype} x {x.size * g.size}, got {out.dtype} x {out.size}")
+        raise InvalidArgumentError(
+            f"output_tensor must be {x.dtype} x {x.size * g.size}, got {out.dtype} x {out.size}"
+        )
     blocks = np.split(as_bytes(out), g.size) if out.size else [as_bytes(out)] * g.size
     mine = out[g.rank * x.size : (g.rank + 1) * x.size]
     if x.size and mine.ctypes.data != x.ctypes.data:
@@ -123,7 +126,7 @@ async def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int = 0
     outs = None
     if g.rank == root:
         if gather_list is None:
-            raise ValueError("gather_list is required on the dst rank")
+            raise InvalidArgumentError("gather_list is required on the dst rank")
         outs = _blocks(gather_list, g.size, x, "gather_list")
     await g.run("gather", _fp("gather", x, dst), lambda c: algo.gather(c, x, outs, root))
 
@@ -139,7 +142,7 @@ async def scatter(
     ins = None
     if g.rank == root:
         if scatter_list is None:
-            raise ValueError("scatter_list is required on the src rank")
+            raise InvalidArgumentError("scatter_list is required on the src rank")
         ins = [as_array(a, writable=False, what="scatter_list") for a in scatter_list]
         _blocks(ins, g.size, out, "scatter_list")
     await g.run("scatter", _fp("scatter", out, src), lambda c: algo.scatter(c, out, ins, root))
@@ -167,7 +170,9 @@ async def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM,
     out, rop = _reduction(output, op, "output")
     x = as_array(input, writable=False, what="input")
     if x.dtype != out.dtype or x.size != out.size * g.size:
-        raise ValueError(f"input must be {out.dtype} x {out.size * g.size}, got {x.dtype} x {x.size}")
+        raise InvalidArgumentError(
+            f"input must be {out.dtype} x {out.size * g.size}, got {x.dtype} x {x.size}"
+        )
     ins = [x[i * out.size : (i + 1) * out.size] for i in range(g.size)]
     await g.run(
         "reduce_scatter",
@@ -181,12 +186,12 @@ async def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any]
     """``output_tensor_list[j]`` on rank ``i`` = ``input_tensor_list[i]`` of rank ``j``."""
     g: ProcessGroup = group
     if len(input_tensor_list) != g.size or len(output_tensor_list) != g.size:
-        raise ValueError(f"all_to_all needs {g.size} input and output tensors")
+        raise InvalidArgumentError(f"all_to_all needs {g.size} input and output tensors")
     ins = [as_array(a, writable=False, what="input_tensor_list") for a in input_tensor_list]
     outs = [as_array(a, what="output_tensor_list") for a in output_tensor_list]
     for i, (a, b) in enumerate(zip(ins, outs, strict=True)):
         if a.dtype != ins[0].dtype or b.dtype != ins[0].dtype:
-            raise ValueError(f"all_to_all tensors must share one dtype (tensor {i} differs)")
+            raise InvalidArgumentError(f"all_to_all tensors must share one dtype (tensor {i} differs)")
     fp = "|".join(["all_to_all", ins[0].dtype.str, str(g.size)])
     await g.run("all_to_all", fp, lambda c: algo.all_to_all(c, outs, ins))
 
@@ -198,10 +203,10 @@ def _split(
     row = array.size // rows if rows else 0
     if sizes is None:
         if rows % n:
-            raise ValueError(f"{what} has {rows} rows, not divisible by the group size {n}")
+            raise InvalidArgumentError(f"{what} has {rows} rows, not divisible by the group size {n}")
         sizes = [rows // n] * n
     if len(sizes) != n or sum(sizes) != rows:
-        raise ValueError(f"{what} split sizes {list(sizes)} must be {n} numbers summing to {rows}")
+        raise InvalidArgumentError(f"{what} split sizes {list(sizes)} must be {n} numbers summing to {rows}")
     bounds = np.cumsum([0, *sizes]) * row
     return [array[bounds[i] : bounds[i + 1]] for i in range(n)]
 

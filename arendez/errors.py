@@ -9,6 +9,11 @@ class ArendezError(RuntimeError):
     """Base of every error arendez raises on purpose."""
 
 
+class InvalidArgumentError(ArendezError, ValueError):
+    """A call's arguments are wrong (sizes, dtypes, ranks, ops): a ``ValueError``, and a
+    ``RuntimeError`` as torch's backends raise for the same mistakes."""
+
+
 class ProtocolError(ArendezError):
     """A peer or server sent bytes that break the wire protocol."""
 
@@ -94,6 +99,14 @@ class RankFailedError(NetworkError):
         """Every failed rank this error names, the first failure first."""
         return [self.rank, *(r for r, _ in self.also)]
 
+    def during(self, collective: str) -> RankFailedError:
+        """The same failure, told of ``collective`` (a call built of smaller steps names the
+        call, not its step)."""
+        told = RankFailedError(self.rank, collective, self.reason)
+        for rank, reason in self.also:
+            told.add(rank, reason)
+        return told
+
     def add(self, rank: int, reason: str) -> None:
         """Name one more failed rank (after the first), e.g. the messenger that died later."""
         if rank in self.ranks:
@@ -157,6 +170,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "GroupDestroyedError",
+    "InvalidArgumentError",
     "LimitError",
     "NetworkError",
     "NotInitializedError",

@@ -32,6 +32,7 @@ from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     GroupDestroyedError,
+    InvalidArgumentError,
     NotInitializedError,
     RankFailedError,
 )
@@ -340,7 +341,9 @@ class ProcessGroup:
         try:
             return self.ranks.index(global_rank)
         except ValueError:
-            raise ValueError(f"{what} {global_rank} is not in this group (ranks {self.ranks})") from None
+            raise InvalidArgumentError(
+                f"{what} {global_rank} is not in this group (ranks {self.ranks})"
+            ) from None
 
     def check_usable(self, name: str = "this group") -> None:
         """Raise if collective ``name`` cannot start: the group is destroyed or a member failed."""

@@ -8,6 +8,7 @@ import msgpack
 import numpy as np
 
 from .algorithms import Comm, others, wait_all
+from .errors import InvalidArgumentError
 from .group import ProcessGroup
 from .registry import on_group
 from .validate import index
@@ -20,7 +21,7 @@ def _pack(obj: Any) -> bytes:
     except TypeError as exc:
         raise TypeError(f"object collectives carry msgpack-serialisable values only: {exc}") from None
     except OverflowError:
-        raise ValueError(
+        raise InvalidArgumentError(
             "object collectives carry msgpack values: integers must lie in -2**63..2**64-1 "
             "(send a larger one as a string)"
         ) from None
@@ -35,7 +36,7 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: Any = None)
     """Fill ``object_list[i]`` with rank ``i``'s ``obj``."""
     g: ProcessGroup = group
     if len(object_list) != g.size:
-        raise ValueError(f"object_list must have {g.size} entries, got {len(object_list)}")
+        raise InvalidArgumentError(f"object_list must have {g.size} entries, got {len(object_list)}")
     mine = _pack(obj)
 
     parts = await g.run("all_gather_object", "all_gather_object", lambda c: _all_gather_bytes(c, mine))
@@ -62,7 +63,7 @@ async def gather_object(
     g: ProcessGroup = group
     root = g.group_rank(index(dst, "dst"), "dst")
     if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
-        raise ValueError(f"object_gather_list on the dst rank must have {g.size} entries")
+        raise InvalidArgumentError(f"object_gather_list on the dst rank must have {g.size} entries")
     mine = _pack(obj)
 
     parts = await g.run("gather_object", f"gather_object|{dst}", lambda c: _gather_bytes(c, mine, root))
@@ -83,10 +84,12 @@ async def scatter_object_list(
     parts = None
     if g.rank == root:
         if scatter_object_input_list is None or len(scatter_object_input_list) != g.size:
-            raise ValueError(f"scatter_object_input_list on the src rank must have {g.size} entries")
+            raise InvalidArgumentError(
+                f"scatter_object_input_list on the src rank must have {g.size} entries"
+            )
         parts = [_pack(o) for o in scatter_object_input_list]
     if not scatter_object_output_list:
-        raise ValueError("scatter_object_output_list must have at least one entry")
+        raise InvalidArgumentError("scatter_object_output_list must have at least one entry")
 
     fp = f"scatter_object_list|{src}"
     data = await g.run("scatter_object_list", fp, lambda c: _scatter_bytes(c, parts, root))

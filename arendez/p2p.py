@@ -6,6 +6,7 @@ from typing import Any
 
 from . import wire
 from .arrays import as_array, byte_view
+from .errors import InvalidArgumentError
 from .group import ProcessGroup
 from .registry import on_group
 from .validate import index
@@ -14,7 +15,7 @@ from .validate import index
 def _tag(tag: object) -> int:
     value = index(tag, "tag")
     if not -(1 << 63) <= value < 1 << 63:
-        raise ValueError(f"tag must fit in 64 signed bits, got {value}")
+        raise InvalidArgumentError(f"tag must fit in 64 signed bits, got {value}")
     return value
 
 
@@ -30,10 +31,10 @@ async def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
     x = as_array(tensor, writable=False)
     g.group_rank(index(dst, "dst"), "dst")
     if dst == g.world.rank:
-        raise ValueError("cannot send to this rank itself")
+        raise InvalidArgumentError("cannot send to this rank itself")
     raw = byte_view(x)
     if raw.nbytes > wire.MAX_SEGMENT:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"send carries at most {wire.MAX_SEGMENT} bytes; split the tensor (got {raw.nbytes})"
         )
     await g.world.send_p2p(dst, g.gid, _tag(tag), _fp(x), raw, g.timeout)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import arendez
 
 from . import farewell
-from .errors import RendezvousError
+from .errors import InvalidArgumentError, RendezvousError
 from .loop import shared
 from .torchstage import Stage, split_rows
 from .torchstore import ServerStore, arendez_rendezvous, close_stores, seconds
@@ -82,7 +82,9 @@ def _op(opts: Any) -> arendez.ReduceOp:
     found = _OPS.get(kind)
     if found is None:
         names = [k.name for k in _OPS]
-        raise ValueError(f"ReduceOp.{kind.name} is not supported by the arendez backend; use one of {names}")
+        raise InvalidArgumentError(
+            f"ReduceOp.{kind.name} is not supported by the arendez backend; use one of {names}"
+        )
     return found
 
 
@@ -121,7 +123,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         return self._desc
 
     def _global(self, group_rank: int, arg: str) -> int:
-        if not 0 <= group_rank < len(self._ranks):
+        if not 0 <= group_rank < len(self._ranks):  # (a ValueError, as torch's own check raises)
             raise ValueError(
                 f"{arg}={group_rank} is not a rank of this group: it must be in [0, {len(self._ranks) - 1}]"
             )

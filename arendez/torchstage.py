@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .errors import InvalidArgumentError
+
 _RAW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: it travels as its bits
 _WIDEN = (torch.bfloat16,)  # ... and is reduced as float32
 
@@ -64,6 +66,6 @@ def split_rows(t: torch.Tensor, sizes: list[int], n: int) -> list[torch.Tensor]:
     rows = t.shape[0] if t.dim() else t.numel()
     sizes = sizes or [rows // n] * n
     if len(sizes) != n or sum(sizes) != rows:
-        raise ValueError(f"split sizes {sizes} must be {n} numbers summing to {rows}")
+        raise InvalidArgumentError(f"split sizes {sizes} must be {n} numbers summing to {rows}")
     parts: tuple[torch.Tensor, ...] = torch.split(t, sizes)
     return [p.reshape(-1) for p in parts]

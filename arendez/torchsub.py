@@ -37,14 +37,19 @@ class Direct:
         self.ranks, self.me, self.tag = ranks, me, tag
         self._lock: asyncio.Lock | None = None
 
-    async def _exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+    async def _exchange(
+        self, collective: str, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]
+    ) -> None:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:  # subgroup collectives match by order: one at a time
-            await asyncio.gather(
-                *(arendez.send(t, self.ranks[p], None, self.tag) for p, t in sends.items()),
-                *(arendez.recv(t, self.ranks[p], None, self.tag) for p, t in recvs.items()),
-            )
+            try:
+                await asyncio.gather(
+                    *(arendez.send(t, self.ranks[p], None, self.tag) for p, t in sends.items()),
+                    *(arendez.recv(t, self.ranks[p], None, self.tag) for p, t in recvs.items()),
+                )
+            except arendez.RankFailedError as exc:  # (name the call, not its send or recv)
+                raise exc.during(collective) from exc
 
     def _others(self) -> Iterator[int]:
         return (p for p in range(len(self.ranks)) if p != self.me)
@@ -57,19 +62,19 @@ class Direct:
             acc.div_(len(parts))
         out.copy_(acc.view_as(out))
 
-    async def all_reduce(self, t: torch.Tensor, op: arendez.ReduceOp) -> None:
+    async def all_reduce(self, t: torch.Tensor, op: arendez.ReduceOp, name: str = "all_reduce") -> None:
         flat = t.reshape(-1)
         parts = [flat if p == self.me else torch.empty_like(flat) for p in range(len(self.ranks))]
-        await self._exchange({p: flat for p in self._others()}, {p: parts[p] for p in self._others()})
+        await self._exchange(name, {p: flat for p in self._others()}, {p: parts[p] for p in self._others()})
         self._combine(parts, t, op)
 
     async def reduce(self, t: torch.Tensor, root: int, op: arendez.ReduceOp) -> None:
         r = self.ranks.index(root)
         if self.me != r:
-            await self._exchange({r: t}, {})
+            await self._exchange("reduce", {r: t}, {})
             return
         parts = [t.reshape(-1) if p == r else torch.empty_like(t.reshape(-1)) for p in range(len(self.ranks))]
-        await self._exchange({}, {p: parts[p] for p in self._others()})
+        await self._exchange("reduce", {}, {p: parts[p] for p in self._others()})
         self._combine(parts, t, op)
 
     async def reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: arendez.ReduceOp) -> None:
@@ -77,41 +82,49 @@ class Direct:
             ins[self.me].reshape(-1) if p == self.me else torch.empty_like(out.reshape(-1))
             for p in range(len(self.ranks))
         ]
-        await self._exchange({p: ins[p] for p in self._others()}, {p: parts[p] for p in self._others()})
+        await self._exchange(
+            "reduce_scatter", {p: ins[p] for p in self._others()}, {p: parts[p] for p in self._others()}
+        )
         self._combine(parts, out, op)
 
     async def broadcast(self, t: torch.Tensor, root: int) -> None:
         r = self.ranks.index(root)
         await self._exchange(
-            {p: t for p in self._others()} if self.me == r else {}, {} if self.me == r else {r: t}
+            "broadcast",
+            {p: t for p in self._others()} if self.me == r else {},
+            {} if self.me == r else {r: t},
         )
 
     async def all_gather(self, outs: list[torch.Tensor], x: torch.Tensor) -> None:
         outs[self.me].copy_(x.view_as(outs[self.me]))
-        await self._exchange({p: x for p in self._others()}, {p: outs[p] for p in self._others()})
+        await self._exchange(
+            "all_gather", {p: x for p in self._others()}, {p: outs[p] for p in self._others()}
+        )
 
     async def gather(self, x: torch.Tensor, outs: list[torch.Tensor] | None, root: int) -> None:
         r = self.ranks.index(root)
         if self.me != r:
-            await self._exchange({r: x}, {})
+            await self._exchange("gather", {r: x}, {})
             return
         assert outs is not None
         outs[r].copy_(x.view_as(outs[r]))
-        await self._exchange({}, {p: outs[p] for p in self._others()})
+        await self._exchange("gather", {}, {p: outs[p] for p in self._others()})
 
     async def scatter(self, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> None:
         r = self.ranks.index(root)
         if self.me != r:
-            await self._exchange({}, {r: out})
+            await self._exchange("scatter", {}, {r: out})
             return
         assert ins is not None
         out.copy_(ins[r].view_as(out))
-        await self._exchange({p: ins[p] for p in self._others()}, {})
+        await self._exchange("scatter", {p: ins[p] for p in self._others()}, {})
 
     async def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
         outs[self.me].copy_(ins[self.me].view_as(outs[self.me]))
-        await self._exchange({p: ins[p] for p in self._others()}, {p: outs[p] for p in self._others()})
+        await self._exchange(
+            "all_to_all", {p: ins[p] for p in self._others()}, {p: outs[p] for p in self._others()}
+        )
 
     async def barrier(self) -> None:
         flag = torch.zeros(1, dtype=torch.uint8)
-        await self.all_reduce(flag, arendez.ReduceOp.MAX)
+        await self.all_reduce(flag, arendez.ReduceOp.MAX, "barrier")

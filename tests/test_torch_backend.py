@@ -125,6 +125,27 @@ def test_kill_9_during_ddp_fails_every_survivor_within_3s(tmp_path: Any) -> None
         assert out["at"] - killed_at < 3.0, f"detected after {out['at'] - killed_at:.2f}s: {out}"
 
 
+@pytest.mark.timeout(90)
+def test_kill_9_in_a_subgroup_names_the_rank_and_the_collective(tmp_path: Any) -> None:
+    """A subgroup's collectives run as sends and receives; the error names the call, not its step."""
+    procs = _spawn("subgroup_until_failure", 3, f"tcp://127.0.0.1:{_free_port()}", str(tmp_path))
+    try:
+        wait_for_files(tmp_path, "ready-*", 3, timeout=60)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        killed_at = time.time()
+        (survivor,) = collect(procs[:1], 30)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert survivor.returncode == 0, survivor.stderr[-3000:]
+    out = survivor.value
+    assert out["type"] == "RankFailedError" and out["message"].startswith(
+        "rank 1 failed during all_reduce: "
+    ), out
+    assert out["at"] - killed_at < 3.0, out
+
+
 def _tcp() -> str:
     return f"tcp://127.0.0.1:{_free_port()}"
 
@@ -155,7 +176,9 @@ def test_fsdp2_training_matches_single_process_reference() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_out_of_range_dst_or_src_is_a_value_error_naming_it() -> None:
+def test_bad_arguments_raise_what_gloo_raises_naming_them() -> None:
+    """Out-of-range dst/src: torch's ValueError; sizes and ops arendez refuses: RuntimeError
+    (``InvalidArgumentError``), as gloo's."""
     ws = 2
     for out in _run("bad_rank_args", ws, _tcp()):
         errors = out["errors"]
@@ -168,6 +191,11 @@ def test_out_of_range_dst_or_src_is_a_value_error_naming_it() -> None:
             assert (
                 errors[name] == f"ValueError: {arg}={value} is not a rank of this group: it must be in [0, 1]"
             )
+        wrong = out["wrong"]
+        assert wrong["all_gather_into_tensor"].startswith("RuntimeError: output_tensor must be"), wrong
+        assert wrong["all_reduce AVG int64"].startswith(
+            "RuntimeError: ReduceOp.AVG needs a floating-point"
+        ), wrong
         assert out["after"] == [2.0, 2.0]  # the group still works
 
 

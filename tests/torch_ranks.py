@@ -116,6 +116,30 @@ def ddp_until_failure(rank: int, ws: int, init: str, marks: str) -> dict[str, An
     return {"at": None, "type": None, "message": "training never failed"}
 
 
+@scenario
+def subgroup_until_failure(rank: int, ws: int, init: str, marks: str) -> dict[str, Any]:
+    """Ranks 0 and 1 all_reduce over their subgroup until one fails; the others wait."""
+    _init(rank, ws, init)
+    group = dist.new_group([0, 1])
+    if rank > 1:
+        Path(marks, f"ready-{rank}").touch()
+        time.sleep(8)
+        return {"at": None, "message": "not in the subgroup"}
+    t = torch.ones(4)
+    deadline = time.monotonic() + 30
+    step = 0
+    try:
+        while time.monotonic() < deadline:
+            dist.all_reduce(t, group=group)
+            step += 1
+            if step == 3:
+                Path(marks, f"ready-{rank}").touch()
+            time.sleep(0.005)
+    except Exception as exc:
+        return {"at": time.time(), "type": type(exc).__name__, "message": str(exc)}
+    return {"at": None, "message": "never failed"}
+
+
 def _np(t: torch.Tensor) -> np.ndarray[Any, Any]:
     return t.numpy().copy()
 
@@ -352,10 +376,23 @@ def bad_rank_args(rank: int, ws: int, init: str) -> dict[str, Any]:
             errors[name] = "returned"
         except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
+    wrong = {}  # arguments gloo refuses with a RuntimeError
+    for name, call in [
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2))),
+        (
+            "all_reduce AVG int64",
+            lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG),
+        ),
+    ]:
+        try:
+            call()
+            wrong[name] = "returned"
+        except Exception as exc:
+            wrong[name] = f"{'RuntimeError' if isinstance(exc, RuntimeError) else 'not RuntimeError'}: {exc}"
     t = torch.ones(2)
     dist.all_reduce(t)
     dist.destroy_process_group()
-    return {"errors": errors, "after": t.tolist()}
+    return {"errors": errors, "wrong": wrong, "after": t.tolist()}
 
 
 def _strided_and_bf16_cases(rank: int, ws: int) -> dict[str, Callable[[Any], Any]]:
