@@ -127,8 +127,9 @@ class TCPStore(Store):
     """torch's ``TCPStore``: a client of an arendez store server at ``host_name:port``;
     ``is_master`` hosts that server in this process (``port=0`` picks a free one: read ``.port``).
 
-    As in torch, ``world_size`` counts every store user (the master included); each one adds
-    itself on creation, and only the master (with ``wait_for_workers``) waits for all of them.
+    As in torch, ``world_size`` counts every store user (the master included) created with
+    ``wait_for_workers`` (the default): each adds itself on creation, and the master waits for
+    all of them; one created with ``wait_for_workers=False`` neither counts nor waits.
     """
 
     def __init__(
@@ -164,9 +165,9 @@ class TCPStore(Store):
         self._store = BlockingStore(host_name, port, _JOB, timeout=limit)
         self._lock = threading.Lock()  # one request at a time on the connection (torch's too)
         self._connect(limit)
-        if world_size is not None:
+        if world_size is not None and wait_for_workers:  # (torch counts only these users)
             self._store.add(_WORKERS, 1)
-            if is_master and wait_for_workers:
+            if is_master:
                 self._wait_for_workers(world_size, limit)
 
     def _connect(self, limit: float) -> None:

@@ -236,3 +236,24 @@ def test_queued_values_count_against_the_job_limits() -> None:
                 store.queue_push("q", b"")
         assert store.queue_pop("q") == b"x"
         store.close()
+
+
+@pytest.mark.timeout(30)
+def test_only_users_that_wait_for_workers_count_as_torchs() -> None:
+    """A store made with ``wait_for_workers=False`` (or no world_size) neither waits nor counts
+    towards world_size; one made with it does: num_keys after each, side by side with torch."""
+    torch_dist = pytest.importorskip("torch.distributed")
+    seen = {}
+    for name, make in [("torch", torch_dist.TCPStore), ("arendez", sync.TCPStore)]:
+        timeout = datetime.timedelta(seconds=10)
+        master = make("127.0.0.1", 0, 3, True, timeout, wait_for_workers=False)
+        counts = [master.num_keys()]
+        stores = [make("127.0.0.1", master.port, 3, False, timeout, wait_for_workers=False)]
+        counts.append(master.num_keys())
+        stores.append(make("127.0.0.1", master.port, None, False, timeout))
+        counts.append(master.num_keys())
+        stores.append(make("127.0.0.1", master.port, 3, False, timeout))
+        counts.append(master.num_keys())
+        seen[name] = counts
+        del stores, master  # (torch's stores close when dropped)
+    assert seen["arendez"] == seen["torch"] == [0, 0, 0, 1], seen
