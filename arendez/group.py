@@ -353,6 +353,8 @@ class ProcessGroup:
             )
         if self.closing:
             raise GroupDestroyedError("the process group is being destroyed")
+        if self.world.expulsion is not None:  # (not the peers that left because of it)
+            raise RankFailedError(self.world.rank, name, self.world.expulsion)
         for peer in self.ranks:  # (a peer that left cleanly may have sent all we still need)
             if peer in self.world.failed:
                 raise RankFailedError(peer, name, self.world.failed[peer])

@@ -70,6 +70,7 @@ class World:
         self.next_gid = 0
         self.dead: dict[int, str] = {}  # ranks gone for good, with why
         self.failed: dict[int, str] = {}  # the subset that died rather than left
+        self.expulsion: str | None = None  # why the others count this rank as failed, if they do
         self.stats = Stats()
         self.chooser = Chooser()  # (reads ARENDEZ_ALGORITHM and the link variables now, once)
         self.mail = Mailbox(self.stats)
@@ -335,8 +336,9 @@ class World:
         """The others count this rank as failed (the server declared it while the process was
         stopped or its loop stalled): the collectives running here fail naming this rank and
         why, rather than the peer that then left."""
-        if self.closed:
+        if self.closed or self.expulsion is not None:
             return
+        self.expulsion = why  # (collectives started from now on are refused naming it)
         log.warning("rank %d: %s", self.rank, why)
         for group in list(self.groups.values()):
             for op in list(group.active.values()):

@@ -79,6 +79,29 @@ def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
     assert "declared failed by the server" in out["message"], out
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_between_collectives_names_itself_in_its_next_one(arendez_server, tmp_path):
+    """Rank 2 is frozen between two collectives; the others' next collective fails naming it and
+    they leave. Resumed, rank 2's next collective names rank 2, not the peers that then left."""
+    url = f"{arendez_server.url}/stop-between-{tmp_path.name}"
+    procs = [spawn_rank(failures_jobs.between_collectives, r, 3, url, str(tmp_path)) for r in range(3)]
+    try:
+        wait_for_files(tmp_path, "idle-*", 3)
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        (tmp_path / "go").touch()
+        survivors = collect(procs[:2], 20)
+        os.kill(procs[2].pid, signal.SIGCONT)
+        (resumed,) = collect(procs[2:], 20)
+    finally:
+        procs[2].kill()
+        procs[2].wait()
+    for res in survivors:
+        assert res.value["error"] == "RankFailedError", res.value
+    out = resumed.value
+    assert out["error"] == "RankFailedError" and out["rank_named"] == 2, out
+    assert "this rank" in out["message"], out
+
+
 @pytest.mark.timeout(90)
 def test_a_rank_stopped_inside_the_rendezvous_fails_init_by_the_servers_word(arendez_server, tmp_path):
     """Rank 1 joins, is frozen, then rank 0 completes the round: rank 0's dial to it connects

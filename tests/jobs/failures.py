@@ -142,3 +142,24 @@ async def init_outcome(rank: int, ws: int, url: str, out_dir: str, timeout: floa
     except dist.ArendezError as exc:
         outcome = f"{type(exc).__name__}: {exc}"
     return {"outcome": outcome, "seconds": time.monotonic() - began}
+
+
+async def between_collectives(rank: int, ws: int, url: str, out_dir: str) -> dict[str, Any]:
+    """all_reduce, mark ``idle-<rank>``, wait for ``go`` (the test may stop this rank meanwhile),
+    all_reduce again: what the second one raised."""
+    from pathlib import Path
+
+    await join(url, ws, rank)
+    await dist.all_reduce(np.ones(10, np.float32))
+    Path(out_dir, f"idle-{rank}").touch()
+    deadline = time.monotonic() + 30
+    while not Path(out_dir, "go").exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1.0)  # (a stopped rank, resumed, hears the news before it calls again)
+    try:
+        await dist.all_reduce(np.ones(10, np.float32))
+        outcome: dict[str, Any] = {"error": None}
+    except dist.RankFailedError as exc:
+        outcome = {"error": type(exc).__name__, "rank_named": exc.rank, "message": str(exc)}
+    await dist.destroy_process_group(timeout=2)
+    return outcome
