@@ -11,7 +11,8 @@ Two measurements, each run against both servers in turn:
   joins, and learns the addresses of its two ring neighbours. arendez: ``Store.connect``,
   ``join(peers=False, neighbours=[-1, 1])`` (the answer carries them); TCPStore: ``add`` for
   the rank, ``set`` of the address, the last rank ``set`` s ``done``, ``wait(done)``, ``wait``
-  + ``multi_get`` of the neighbours.
+  + ``multi_get`` of the neighbours. The same TCPStore code also runs with
+  ``arendez.sync.TCPStore`` against arendez-server (a torch script ported by its import).
   The arendez ranks then hold their membership for ``--hold`` s and count every failure event
   the server sent (must be 0: all ranks are healthy).
 
@@ -84,6 +85,17 @@ def _arendez_ranks(port: int, job: str, world: int, count: int, hold: float) -> 
 def _tcpstore_ranks(port: int, job: str, world: int, count: int, hold: float) -> dict[str, Any]:
     from torch.distributed import TCPStore
 
+    return _store_idiom_ranks(TCPStore, port, job, world, count)
+
+
+def _synctcp_ranks(port: int, job: str, world: int, count: int, hold: float) -> dict[str, Any]:
+    """The same torch code with ``arendez.sync.TCPStore`` (a script ported by its import)."""
+    from arendez.sync import TCPStore
+
+    return _store_idiom_ranks(TCPStore, port, job, world, count)
+
+
+def _store_idiom_ranks(store_class: Any, port: int, job: str, world: int, count: int) -> dict[str, Any]:
     go = _wait_go()
     ends: list[float] = []
     errors: list[str] = []
@@ -91,7 +103,9 @@ def _tcpstore_ranks(port: int, job: str, world: int, count: int, hold: float) ->
     def one(i: int) -> None:
         try:
             time.sleep(max(0.0, go - time.time()))
-            s = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120), use_libuv=True)
+            s = store_class(
+                "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120), use_libuv=True
+            )
             rank = s.add(f"{job}/count", 1) - 1
             s.set(f"{job}/addr/{rank}", f"10.0.{i // 250}.{i % 250}:{29500 + i}")
             if rank == world - 1:
@@ -206,6 +220,7 @@ def _tcpstore_ops(port: int, job: str, clients: int, depth: int, seconds: float,
 WORKERS = {
     "arendez-ranks": _arendez_ranks,
     "tcpstore-ranks": _tcpstore_ranks,
+    "synctcp-ranks": _synctcp_ranks,
     "arendez-ops": _arendez_ops,
     "blocking-ops": _blocking_ops,
     "tcpstore-ops": _tcpstore_ops,
@@ -386,8 +401,8 @@ def main() -> int:
                             file=sys.stderr,
                         )
         for world in args.worlds:
-            for backend in ("arendez", "arendez-tcp", "tcpstore"):
-                if backend == "tcpstore" and world > args.tcpstore_max_world:
+            for backend in ("arendez", "arendez-tcp", "synctcp", "tcpstore"):
+                if backend in ("tcpstore", "synctcp") and world > args.tcpstore_max_world:
                     continue
                 r = rendezvous(servers, backend, world, args.procs, args.hold, args.case_timeout)
                 rows["rendezvous"].append(r)
@@ -425,12 +440,14 @@ def table(rows: dict[str, Any]) -> str:
     out.append("")
     out.append(
         "| N | TCPStore | arendez | TCPStore/arendez | arendez, TCP only | TCPStore/that "
-        "| arendez ranks declared failed |"
+        "| TCPStore code on arendez.sync.TCPStore | TCPStore/that | arendez ranks declared failed |"
     )
-    out.append("|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|")
     rz = {(r["backend"], r["world"]): r for r in rows["rendezvous"]}
     for world in sorted({r["world"] for r in rows["rendezvous"]}):
         t, a, at = rz.get(("tcpstore", world)), rz.get(("arendez", world)), rz.get(("arendez-tcp", world))
+        sy = rz.get(("synctcp", world))
+        sys_ = sy["seconds"] if sy else None
         ts = t["seconds"] if t else None
         as_ = a["seconds"] if a else None
         ats = at["seconds"] if at else None
@@ -438,7 +455,7 @@ def table(rows: dict[str, Any]) -> str:
         declared = "—" if a is None else str(a["declared_failed"] + (at["declared_failed"] if at else 0))
         out.append(
             f"| {world} | {fmt(ts)} | {fmt(as_)} | {_ratio(ts, as_)} | {fmt(ats)} | {_ratio(ts, ats)} "
-            f"| {declared} |"
+            f"| {fmt(sys_)} | {_ratio(ts, sys_)} | {declared} |"
         )
     return "\n".join(out)
 
