@@ -8,8 +8,12 @@ already logged (the same peer heard of by another rank of this process) is dropp
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -20,7 +24,11 @@ REMEMBERED = 100_000
 
 
 class BurstLog:
-    """The first line now, the rest of its burst as one line ``summarise(items)``."""
+    """The first line now, the rest of its burst as one line ``summarise(items)``.
+
+    The summary is written by a timer on the event loop that logged the first line (no thread
+    of its own), or, if that loop is gone before the window closes, by the next line noted after
+    it, or at interpreter exit."""
 
     def __init__(self, log: logging.Logger, summarise: Callable[[Sequence[Any]], str]) -> None:
         self._log = log
@@ -29,10 +37,15 @@ class BurstLog:
         self._told: dict[Hashable, None] = {}  # (insertion-ordered: the oldest go first)
         self._items: list[Any] | None = None  # the open window's items
         self._level = logging.NOTSET
+        self._closes = 0.0  # when the open window closes (monotonic)
+        atexit.register(self.flush)
 
     def note(self, key: Hashable, level: int, item: Any, message: str, *args: Any) -> None:
         """Log ``message % args`` at ``level`` if no burst is open; else gather ``item``.
         A ``key`` seen before (``None``: never) is dropped."""
+        now = time.monotonic()
+        if self._items is not None and now >= self._closes:  # (its timer's loop is gone)
+            self.flush()
         with self._lock:
             if key is not None:
                 if key in self._told:
@@ -45,13 +58,13 @@ class BurstLog:
                 self._items.append(item)
                 self._level = max(self._level, level)
                 return
-            self._items, self._level = [], logging.NOTSET
-            timer = threading.Timer(WINDOW, self._flush)
-            timer.daemon = True
-            timer.start()
+            self._items, self._level, self._closes = [], logging.NOTSET, now + WINDOW
+        with contextlib.suppress(RuntimeError):  # (no loop here: the next note or the exit flushes)
+            asyncio.get_running_loop().call_later(WINDOW, self.flush)
         self._log.log(level, message, *args)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write the open window's summary now (if it gathered anything)."""
         with self._lock:
             items, self._items = self._items, None
         if items:

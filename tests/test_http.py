@@ -155,7 +155,7 @@ def test_status_shows_the_job_then_the_rank_stopped_with_sigstop() -> None:
             assert m["address"].startswith("127.0.0.1:") and 0 <= m["lease_age"] < LEASE + 1
         os.kill(procs[2].pid, signal.SIGSTOP)
         want = {**ALL_ACTIVE, 2: "failed"}
-        until(lambda: members(status(base), "s") == want, LEASE + 3, "rank 2 failed in /status")
+        until(lambda: members(status(base), "s") == want, LEASE + 8, "rank 2 failed in /status")
         job = next(j for j in status(base)["jobs"] if j["name"] == "s")
         assert [(e["rank"], e["kind"]) for e in job["events"]] == [(2, "failed")]
         assert metrics(base)[("arendez_departures_total", (("kind", "failed"),))] == 1

@@ -165,10 +165,10 @@ def test_group_and_collective_arguments() -> None:
             "ValueError: timeout must be finite and > 0 seconds, got -1",
             "TypeError: src must be an int, got bool True",
             "TypeError: src must be an int, got float 1.0",
-            "ValueError: dst 5 is not in this group (ranks [0, 1])",
-            "ValueError: unknown reduce op 'median'; use one of "
+            "InvalidArgumentError: dst 5 is not in this group (ranks [0, 1])",
+            "InvalidArgumentError: unknown reduce op 'median'; use one of "
             "['SUM', 'PRODUCT', 'MIN', 'MAX', 'BAND', 'BOR', 'BXOR', 'AVG']",
             "ValueError: timeout must be finite and > 0 seconds, got nan",
-            f"ValueError: tag must fit in 64 signed bits, got {1 << 70}",
+            f"InvalidArgumentError: tag must fit in 64 signed bits, got {1 << 70}",
             "TypeError: src must be an int, got str '1'",
         ], out
