@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 
 class ArendezError(RuntimeError):
     """Base of every error arendez raises on purpose."""
+
+    _init_args: tuple[Any, ...] | None = None  # set by subclasses whose __init__ takes others
+
+    def __reduce__(self) -> Any:
+        """Pickle with the constructor's own arguments (``multiprocessing``, ``concurrent.futures``
+        and torch's elastic agent carry errors between processes)."""
+        if self._init_args is None:
+            return super().__reduce__()
+        return (self.__class__, self._init_args, {**self.__dict__, "args": self.args})
 
 
 class InvalidArgumentError(ArendezError, ValueError):
@@ -77,6 +87,7 @@ class CollectiveCancelledError(ArendezError):
     """
 
     def __init__(self, rank: int, collective: str, seq: int = -1) -> None:
+        self._init_args = (rank, collective, seq)
         self.rank = rank
         self.collective = collective
         self.seq = seq
@@ -87,11 +98,16 @@ class CollectiveCancelledError(ArendezError):
 class RankFailedError(NetworkError):
     """A rank the collective depends on died, left or lost its connection."""
 
+    #: later failures the message tells with their reasons (the rest are counted)
+    TOLD = 8
+
     def __init__(self, rank: int, collective: str, reason: str) -> None:
+        self._init_args = (rank, collective, reason)
         self.rank = rank
         self.collective = collective
         self.reason = reason
         self.also: list[tuple[int, str]] = []  # later failures seen before this was raised
+        self._named: set[int] = set()
         super().__init__(f"rank {rank} failed during {collective}: {reason}")
 
     @property
@@ -108,11 +124,18 @@ class RankFailedError(NetworkError):
         return told
 
     def add(self, rank: int, reason: str) -> None:
-        """Name one more failed rank (after the first), e.g. the messenger that died later."""
-        if rank in self.ranks:
+        """Name one more failed rank (after the first), e.g. the messenger that died later.
+        The message tells the first ``TOLD`` of them with their reasons and counts the rest
+        (a failure at scale); ``ranks`` has them all."""
+        if rank == self.rank or rank in self._named:
             return
+        self._named.add(rank)
         self.also.append((rank, reason))
-        later = "; ".join(f"rank {r}: {why}" for r, why in self.also)
+        later = "; ".join(f"rank {r}: {why}" for r, why in self.also[: self.TOLD])
+        if len(self.also) > self.TOLD:
+            rest = [r for r, _ in self.also[self.TOLD :]]
+            shown = ", ".join(map(str, rest[:16])) + (", ..." if len(rest) > 16 else "")
+            later += f"; and {len(rest)} more rank(s): {shown} (all in .ranks)"
         self.args = (f"rank {self.rank} failed during {self.collective}: {self.reason}; then {later}",)
 
 
@@ -121,6 +144,7 @@ class WaitTimeoutError(ArendezError, TimeoutError):
     torch's gloo): wait again for its result; destroying the group ends it."""
 
     def __init__(self, what: str, timeout: float) -> None:
+        self._init_args = (what, timeout)
         self.timeout = timeout
         super().__init__(
             f"{what} did not finish within {timeout:g}s; it goes on (wait again for its result, "
@@ -148,10 +172,11 @@ class CollectiveTimeoutError(ArendezError, TimeoutError):
         missing: Iterable[int] = (),
         unresponsive: Iterable[int] = (),
     ) -> None:
+        self._init_args = (collective, timeout, list(missing), list(unresponsive))
         self.collective = collective
         self.timeout = timeout
-        self.missing = sorted(missing)
-        self.unresponsive = sorted(unresponsive)
+        self.missing = sorted(self._init_args[2])
+        self.unresponsive = sorted(self._init_args[3])
         parts = [f"{collective} timed out after {timeout:.3g}s"]
         if self.missing:
             parts.append(f"ranks that never arrived: {self.missing}")
