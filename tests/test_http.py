@@ -63,6 +63,13 @@ def ranks(url: str, job: str, seconds: float, env: dict[str, str] | None = None)
             proc.communicate(timeout=10)
 
 
+def initialised(procs: list[Any]) -> None:
+    """Wait until every rank's init returned: its round completes (and shows in /status) before
+    the rank has connected to its peers, and a rank stopped in between fails their init."""
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "joined"
+
+
 def get(url: str, token: str | None = None) -> tuple[int, str, bytes]:
     """Status code, content type and body of a GET."""
     request = urllib.request.Request(url)
@@ -147,6 +154,7 @@ def test_metrics_parse_and_move_when_a_job_runs() -> None:
 def test_status_shows_the_job_then_the_rank_stopped_with_sigstop() -> None:
     with http_server() as (srv, base), ranks(srv.url, "s", 40.0) as procs:
         until(lambda: members(status(base), "s") == ALL_ACTIVE, 30, "4 active ranks in /status")
+        initialised(procs)
         snap = status(base)
         job = next(j for j in snap["jobs"] if j["name"] == "s")
         (round_,) = job["rounds"]
@@ -298,6 +306,7 @@ def test_dashboard_in_headless_chromium_shows_ranks_then_the_failed_one(tmp_path
     pytest.importorskip("PIL", reason="the screenshot check needs pillow (the test extra)")
     with http_server() as (srv, base), ranks(srv.url, "web", 60.0) as procs:
         until(lambda: members(status(base), "web") == ALL_ACTIVE, 30, "4 active ranks in /status")
+        initialised(procs)
         browser = Browser(binary)
         try:
             browser.open(base + "/")
