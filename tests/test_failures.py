@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,6 +53,24 @@ def test_kill_9_during_all_reduce_fails_every_survivor_fast(arendez_server, tmp_
             assert out["destroy_seconds"] < 3.0
 
 
+def _stop_then_resume(
+    procs: list[Any], then: Callable[[], Any] = lambda: None
+) -> tuple[float, list[Any], Any]:
+    """SIGSTOP the last rank (then run ``then``), collect the others, resume it and collect it:
+    when it was stopped, the others' results, its result."""
+    try:
+        os.kill(procs[-1].pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        then()
+        others = collect(procs[:-1], 20)
+        os.kill(procs[-1].pid, signal.SIGCONT)
+        (resumed,) = collect(procs[-1:], 20)
+    finally:
+        procs[-1].kill()
+        procs[-1].wait()
+    return stopped_at, others, resumed
+
+
 @pytest.mark.timeout(60)
 def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
     """SIGSTOP keeps the sockets open: only the server's lease can tell. Resumed, the stopped
@@ -59,16 +79,8 @@ def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
     procs = [
         spawn_rank(failures_jobs.reduce_until_failure, r, 3, url, str(tmp_path), 1000, 40.0) for r in range(3)
     ]
-    try:
-        wait_for_files(tmp_path, "ready-*", 3)
-        os.kill(procs[2].pid, signal.SIGSTOP)
-        stopped_at = time.time()
-        results = collect(procs[:2], 20)
-        os.kill(procs[2].pid, signal.SIGCONT)
-        (resumed,) = collect(procs[2:], 20)
-    finally:
-        procs[2].kill()
-        procs[2].wait()
+    wait_for_files(tmp_path, "ready-*", 3)
+    stopped_at, results, resumed = _stop_then_resume(procs)
     for res in results:
         out = res.value
         assert out["error"] == "RankFailedError" and out["rank_named"] == 2, out
@@ -85,16 +97,8 @@ def test_a_rank_stopped_between_collectives_names_itself_in_its_next_one(arendez
     they leave. Resumed, rank 2's next collective names rank 2, not the peers that then left."""
     url = f"{arendez_server.url}/stop-between-{tmp_path.name}"
     procs = [spawn_rank(failures_jobs.between_collectives, r, 3, url, str(tmp_path)) for r in range(3)]
-    try:
-        wait_for_files(tmp_path, "idle-*", 3)
-        os.kill(procs[2].pid, signal.SIGSTOP)
-        (tmp_path / "go").touch()
-        survivors = collect(procs[:2], 20)
-        os.kill(procs[2].pid, signal.SIGCONT)
-        (resumed,) = collect(procs[2:], 20)
-    finally:
-        procs[2].kill()
-        procs[2].wait()
+    wait_for_files(tmp_path, "idle-*", 3)
+    _, survivors, resumed = _stop_then_resume(procs, then=lambda: (tmp_path / "go").touch())
     for res in survivors:
         assert res.value["error"] == "RankFailedError", res.value
     out = resumed.value
