@@ -116,6 +116,8 @@ def _rule(
                 return "rdb"
             if collective in ("all_gather", "reduce_scatter"):
                 return "ring"
+            if collective == "broadcast":
+                return "tree"  # (the root would connect every rank)
         return "direct"
     if collective == "all_reduce" and size > 2 and power_of_two:
         return "rhd"
@@ -533,6 +535,9 @@ async def broadcast(comm: Comm, x: Array, src: int, algorithm: str | None = None
     if n == 1 or not x.size:
         return
     algo = chose(comm, algorithm or _choose_for(comm, "broadcast", x.nbytes, n))
+    if algo == "tree":
+        await tree_broadcast(comm, x, src, lambda peer: comm.recv_into(peer, 0, x))
+        return
     if algo != "ring":
         if r == src:
             await wait_all([comm.send(p, 0, x) for p in others(comm)])
@@ -553,6 +558,41 @@ async def broadcast(comm: Comm, x: Array, src: int, algorithm: str | None = None
         if not last:
             sends.append(comm.send(nxt, i, c))
     await wait_all(sends)
+
+
+def tree_parent(comm: Comm, root: int) -> tuple[int | None, list[int]]:
+    """This rank's parent (None at ``root``) and children in the binomial tree rooted at
+    ``root``: ranks at distance 2^k, so O(log n) peers each (the neighbours init connects)."""
+    size, me = comm.size, (comm.rank - root) % comm.size
+    mask, parent = 1, None
+    while mask < size:
+        if me & mask:
+            parent = (me - mask + root) % size
+            break
+        mask <<= 1
+    children = []
+    mask >>= 1
+    while mask > 0:
+        if me + mask < size:
+            children.append((me + mask + root) % size)
+        mask >>= 1
+    return parent, children
+
+
+async def tree_broadcast(
+    comm: Comm, x: Array, root: int, receive: Callable[[int], Awaitable[Any]], tag: int = 0
+) -> Any:
+    """Binomial-tree broadcast of ``x`` (``root``'s) in ceil(log2 n) rounds: ``receive(parent)``
+    gets it (returning what landed, or None when it lands in ``x``), then it goes on to the
+    children. Returns what ``receive`` returned (None at the root)."""
+    parent, children = tree_parent(comm, root)
+    got = None
+    if parent is not None:
+        got = await receive(parent)
+        if got is not None:
+            x = np.frombuffer(got, np.uint8)
+    await wait_all([comm.send(child, tag, x) for child in children])
+    return got
 
 
 async def all_gather(comm: Comm, blocks: list[Array], algorithm: str | None = None) -> None:

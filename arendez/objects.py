@@ -7,7 +7,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .algorithms import Comm, others, wait_all
+from .algorithms import Comm, others, tree_broadcast, tree_parent, wait_all
+from .costmodel import DIRECT_MAX_RANKS
 from .errors import InvalidArgumentError
 from .group import ProcessGroup
 from .registry import on_group
@@ -97,7 +98,42 @@ async def scatter_object_list(
 
 
 # -- variable-size byte messages --------------------------------------------------------------
+# Up to DIRECT_MAX_RANKS every rank talks to every other in one round; past it, binomial trees
+# (ranks at distance 2^k: O(log n) peers each, the neighbours init connects), so an object
+# collective at scale does not open every pair.
+
+
+def _tree(comm: Comm) -> bool:
+    return comm.size > DIRECT_MAX_RANKS
+
+
+async def _tree_gather(comm: Comm, mine: bytes, root: int) -> list[bytes] | None:
+    """Every rank's bytes at ``root`` (None elsewhere): each rank passes its subtree's up."""
+    parent, children = tree_parent(comm, root)
+    arrivals = [comm.recv_any(child, 0) for child in children]
+    blocks: dict[int, bytes] = {comm.rank: mine}
+    for got in await wait_all(arrivals):
+        blocks.update(_unpack(bytes(got)))
+    if parent is not None:
+        await wait_all([comm.send(parent, 0, np.frombuffer(_pack(blocks), np.uint8))])
+        return None
+    return [blocks[p] for p in range(comm.size)]
+
+
+async def _tree_broadcast_bytes(comm: Comm, mine: bytes | None, root: int) -> bytes:
+    data = np.frombuffer(mine if mine is not None else b"", np.uint8)
+    got = await tree_broadcast(comm, data, root, lambda peer: comm.recv_any(peer, 1), tag=1)
+    if got is None:  # (the root)
+        assert mine is not None
+        return mine
+    return bytes(got)
+
+
 async def _all_gather_bytes(comm: Comm, mine: bytes) -> list[bytes]:
+    if _tree(comm):  # gather at rank 0, then a broadcast of all of them
+        gathered = await _tree_gather(comm, mine, 0)
+        every = await _tree_broadcast_bytes(comm, _pack(gathered) if gathered is not None else None, 0)
+        return gathered if gathered is not None else list(_unpack(every))
     peers = others(comm)
     recvs = [comm.recv_any(p, 0) for p in peers]
     data = np.frombuffer(mine, np.uint8)
@@ -111,6 +147,8 @@ async def _all_gather_bytes(comm: Comm, mine: bytes) -> list[bytes]:
 
 
 async def _broadcast_bytes(comm: Comm, mine: bytes | None, src: int) -> bytes:
+    if _tree(comm):
+        return await _tree_broadcast_bytes(comm, mine, src)
     if comm.rank == src:
         assert mine is not None
         data = np.frombuffer(mine, np.uint8)
@@ -120,6 +158,8 @@ async def _broadcast_bytes(comm: Comm, mine: bytes | None, src: int) -> bytes:
 
 
 async def _gather_bytes(comm: Comm, mine: bytes, dst: int) -> list[bytes] | None:
+    if _tree(comm):
+        return await _tree_gather(comm, mine, dst)
     if comm.rank != dst:
         await wait_all([comm.send(dst, 0, np.frombuffer(mine, np.uint8))])
         return None

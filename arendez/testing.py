@@ -30,6 +30,10 @@ T = TypeVar("T")
 __all__ = ["current_world", "run_ranks"]
 
 
+#: Seconds ``run_ranks`` gives cancelled ranks beyond their destroy timeout before it raises.
+WIND_DOWN_SECONDS = 5.0
+
+
 async def run_ranks(
     world_size: int,
     fn: Callable[..., Awaitable[T]],
@@ -44,7 +48,8 @@ async def run_ranks(
 
     Every rank is initialised before ``fn`` runs and destroyed after it returns (or fails). If
     one rank fails, the others are cancelled and its exception is raised; ``TimeoutError``
-    if the ranks do not all finish within ``timeout`` seconds.
+    if the ranks do not all finish within ``timeout`` seconds (the unfinished ones are
+    cancelled, and given ``destroy_timeout`` + ``WIND_DOWN_SECONDS`` to end).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -66,8 +71,15 @@ async def run_ranks(
         pending = [t for t in tasks if not t.done()]
         for task in pending:
             task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+        if pending:  # (their destroys are bounded; this bounds the rest)
+            await asyncio.wait(pending, timeout=destroy_timeout + WIND_DOWN_SECONDS)
+        stuck = [rank for rank, t in enumerate(tasks) if not t.done()]
+        if stuck:
+            raise TimeoutError(
+                f"run_ranks: {len(stuck)} of {world_size} ranks did not end within "
+                f"{destroy_timeout + WIND_DOWN_SECONDS:g}s of being cancelled (ranks {stuck[:16]}"
+                f"{', ...' if len(stuck) > 16 else ''}); their tasks are left running"
+            )
     for task in tasks:
         error = None if task.cancelled() else task.exception()
         if error is not None:

@@ -92,3 +92,29 @@ async def test_a_short_deadline_fires_while_a_longer_one_is_pending():
                 await long
 
     assert (await testing.run_ranks(2, rank))[0] == "timed out in time"
+
+
+@pytest.mark.timeout(30)
+async def test_run_ranks_raises_at_its_timeout_even_when_ranks_ignore_their_cancel(monkeypatch):
+    """Ranks that swallow their cancellation do not keep run_ranks past its bounds: it raises
+    ``TimeoutError`` naming them (QA4-F2: 512 ranks ran on silently at twice the timeout)."""
+    monkeypatch.setattr(testing, "WIND_DOWN_SECONDS", 0.5)
+    release = asyncio.Event()
+
+    async def stubborn(rank: int) -> None:
+        for _ in range(100):  # (bounded: released by the test)
+            try:
+                await release.wait()
+                return
+            except asyncio.CancelledError:
+                continue
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(
+        TimeoutError, match=r"run_ranks: 3 of 3 ranks did not end within 1s of being cancelled"
+    ):
+        await testing.run_ranks(3, stubborn, timeout=0.5, destroy_timeout=0.5)
+    assert loop.time() - started < 10
+    release.set()
+    await asyncio.sleep(0.1)  # (they end now, and destroy their worlds)

@@ -124,9 +124,10 @@ def test_death_of_a_rank_never_connected_to_is_seen(arendez_server, tmp_path):
 
 @pytest.mark.timeout(90)
 async def test_small_collectives_of_a_group_of_no_power_of_two_connect_few_pairs(arendez_server, monkeypatch):
-    """24 ranks over TCP: a barrier, a small all_reduce and a small all_gather leave each rank
-    with its O(log W) neighbours and the fold partners, not all 23 peers (QA: a 72-rank job
-    dialed every pair on its first barrier and timed out)."""
+    """24 ranks over TCP: a barrier, a small all_reduce, all_gather and broadcast, and the
+    object collectives leave each rank with its O(log W) neighbours and the fold partners, not
+    all 23 peers (QA: a 72-rank job dialed every pair on its first barrier and timed out; 256
+    ranks in one process ran out of fds on all_gather_object)."""
     monkeypatch.setenv("ARENDEZ_SHM", "0")
     ws = 24
 
@@ -138,6 +139,18 @@ async def test_small_collectives_of_a_group_of_no_power_of_two_connect_few_pairs
         blocks = [np.zeros(2) for _ in range(ws)]
         await dist.all_gather(blocks, np.full(2, float(rank)))
         assert [b[0] for b in blocks] == [float(r) for r in range(ws)]
+        y = np.full(4, float(rank))
+        await dist.broadcast(y, src=7)
+        assert y.tolist() == [7.0] * 4
+        objects: list[object] = [None] * ws
+        await dist.all_gather_object(objects, {"rank": rank, "pad": "x" * rank})
+        assert objects == [{"rank": r, "pad": "x" * r} for r in range(ws)]
+        chosen = [rank, "from 5"] if rank == 5 else [None, None]
+        await dist.broadcast_object_list(chosen, src=5)
+        assert chosen == [5, "from 5"]
+        squares = [None] * ws if rank == 3 else None
+        await dist.gather_object(rank * rank, squares, dst=3)
+        assert rank != 3 or squares == [r * r for r in range(ws)]
         return lazy_jobs._peers()
 
     url = f"arendez://127.0.0.1:{arendez_server.port}/few-pairs"
