@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -94,14 +95,66 @@ class Work:
         return self._done.result()
 
 
+#: Collectives that reduce: a bfloat16 tensor travels as a float32 copy in them (as its bits
+#: in the others), as in the torch backend (``arendez.torchstage``).
+_REDUCING = frozenset(
+    {
+        "all_reduce",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_reduce_coalesced",
+        "reduce_scatter_single",
+    }
+)
+
+
 def _blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]:
+    reduces = fn.__name__ in _REDUCING
+
     @functools.wraps(fn)
     def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        run = fn
+        if "torch" in sys.modules:  # (bfloat16 and non-contiguous tensors go as stand-ins)
+            staged = _staged(fn, args, kwargs, reduces)
+            if staged is not None:
+                run, args, kwargs = staged
         if async_op:
-            return Work(shared.start(fn, args, kwargs))
-        return shared.call(fn, *args, **kwargs)
+            return Work(shared.start(run, args, kwargs))
+        return shared.call(run, *args, **kwargs)
 
     return call
+
+
+def _staged(
+    fn: Callable[..., Coroutine[Any, Any, Any]], args: tuple[Any, ...], kwargs: dict[str, Any], widen: bool
+) -> tuple[Callable[..., Coroutine[Any, Any, Any]], tuple[Any, ...], dict[str, Any]] | None:
+    """The call with stand-ins for the torch tensors arendez cannot carry as they are (None if
+    there are none); the stand-ins written are copied back when the call succeeds."""
+    import torch
+
+    from .torchstage import Stage
+
+    def needs(v: Any) -> bool:
+        return isinstance(v, torch.Tensor) and (v.dtype == torch.bfloat16 or not v.is_contiguous())
+
+    values = [*args, *kwargs.values()]
+    if not any(needs(v) or (isinstance(v, list) and any(needs(t) for t in v)) for v in values):
+        return None
+    stage = Stage(widen=widen)
+
+    def swap(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return stage(v) if needs(v) else v
+        if isinstance(v, list) and any(isinstance(t, torch.Tensor) for t in v):
+            return [swap(t) for t in v]
+        return v
+
+    return (
+        functools.partial(stage.run, functools.partial(fn, **{k: swap(v) for k, v in kwargs.items()})),
+        tuple(swap(a) for a in args),
+        {},
+    )
 
 
 _init_process_group = _blocking(api.init_process_group)  # (a world left up is closed at exit: loop.py)

@@ -134,9 +134,36 @@ def extras(rank: int, size: int) -> None:
     print("monitored barrier passed")
 
 
+def dtypes_and_layouts(rank: int, size: int) -> None:
+    """bfloat16 (mixed-precision code) and non-contiguous tensors, as gloo takes them."""
+    t = torch.full((3,), rank + 1.5, dtype=torch.bfloat16)
+    dist.all_reduce(t)
+    print("bf16 all_reduce", t.dtype, t.tolist())
+    b = torch.full((2,), rank + 5.25, dtype=torch.bfloat16)
+    dist.broadcast(b, src=1)
+    print("bf16 broadcast", b.tolist())
+    outs = [torch.zeros(2, dtype=torch.bfloat16) for _ in range(size)]
+    dist.all_gather(outs, torch.full((2,), rank + 0.5, dtype=torch.bfloat16))
+    print("bf16 all_gather", [o.tolist() for o in outs])
+    m = torch.arange(8.0).reshape(2, 4).t() * (rank + 1)  # (gloo reduces a strided slice wrongly)
+    dist.all_reduce(m)
+    print("transposed all_reduce", m.tolist())
+    w = torch.arange(6.0).reshape(2, 3).t() * (rank + 1)
+    dist.all_reduce(w, op=dist.ReduceOp.MAX, async_op=True).wait()
+    print("transposed async max", w.tolist())
+
+
 def everything(rank: int, size: int) -> None:
     """Every two-rank scenario above, one after the other in one world."""
-    for scenario in (p2p_blocking, p2p_nonblocking, group_all_reduce, ring, training, extras):
+    for scenario in (
+        p2p_blocking,
+        p2p_nonblocking,
+        group_all_reduce,
+        ring,
+        training,
+        extras,
+        dtypes_and_layouts,
+    ):
         print("--", scenario.__name__)
         scenario(rank, size)
 
