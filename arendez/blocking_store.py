@@ -42,7 +42,7 @@ from .transports import local
 _REPLY_LIMIT = 64 << 20  # replies carry values in their header (server bound: 1 MiB by default)
 _TIMEVAL = struct.Struct("@ll")
 _CALL_TIMEOUT = 30.0
-_REPLY_SLACK = 2.0
+_REPLY_SLACK = 1.0  # how long past a waiting op's timeout the server's own answer may take
 
 transport.register_remote_errors(*STORE_ERRORS)
 
@@ -166,8 +166,9 @@ class BlockingStore:
             self._set_wait(sock, remaining)
         return ready.popleft()
 
-    def _call(self, op: str, budget: float, *args: Any) -> Any:
-        """Send the compact request ``[op, id, *args]``; its answer within ``budget`` seconds."""
+    def _call(self, op: str, budget: float, *args: Any, waited: float | None = None) -> Any:
+        """Send the compact request ``[op, id, *args]``; its answer within ``budget`` seconds
+        (``waited``: the caller's timeout of a waiting op, which the server itself enforces)."""
         started = time.monotonic()
         sock = self._sock or self._ensure()
         self._id += 1
@@ -200,6 +201,11 @@ class BlockingStore:
                     raise transport.remote_error(reply, StoreError)
         except TimeoutError:
             self.close()  # the answer may still come: this connection is out of step now
+            if waited is not None:  # the server did not even answer that the wait timed out
+                raise StoreTimeoutError(
+                    f"store {op} not satisfied within {waited:g}s, and no answer from the store at "
+                    f"{self.host}:{self.port} {_REPLY_SLACK:g}s past that (unreachable or stalled?)"
+                ) from None
             raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
         except (OSError, ProtocolError) as exc:
             self.close()
@@ -224,7 +230,7 @@ class BlockingStore:
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` for it to be set."""
         wait = self._wait_budget(timeout)
-        value: bytes = self._call("get", wait + _REPLY_SLACK, key, wait)
+        value: bytes = self._call("get", wait + _REPLY_SLACK, key, wait, waited=wait)
         return value
 
     def add(self, key: str, amount: int = 1, timeout: float | None = None) -> int:
@@ -245,7 +251,7 @@ class BlockingStore:
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
         wait = self._wait_budget(timeout)
-        self._call("wait", wait + _REPLY_SLACK, list(keys), wait)
+        self._call("wait", wait + _REPLY_SLACK, list(keys), wait, waited=wait)
 
     def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
         """True if every key in ``keys`` is set (no waiting)."""
@@ -265,7 +271,7 @@ class BlockingStore:
     def multi_get(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
         """The values of ``keys``, in order, waiting up to ``timeout`` for any not yet set."""
         wait = self._wait_budget(timeout)
-        values: list[bytes] = self._call("multi_get", wait + _REPLY_SLACK, list(keys), wait)
+        values: list[bytes] = self._call("multi_get", wait + _REPLY_SLACK, list(keys), wait, waited=wait)
         return values
 
     def multi_set(
@@ -290,7 +296,7 @@ class BlockingStore:
         """The oldest value of the queue ``key``, removed: waiting up to ``timeout`` for one
         (``StoreTimeoutError``), or with ``block=False`` ``QueueEmptyError`` at once."""
         wait = self._wait_budget(timeout) if block else 0.0
-        value: bytes = self._call("queue_pop", wait + _REPLY_SLACK, key, bool(block), wait)
+        value: bytes = self._call("queue_pop", wait + _REPLY_SLACK, key, bool(block), wait, waited=wait)
         return value
 
     def queue_len(self, key: str, timeout: float | None = None) -> int:

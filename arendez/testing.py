@@ -67,6 +67,12 @@ async def run_ranks(
     try:
         async with asyncio.timeout(timeout):
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except TimeoutError:
+        late = [rank for rank, t in enumerate(tasks) if not t.done()]
+        raise TimeoutError(
+            f"run_ranks: {len(late)} of {world_size} ranks did not finish within {timeout:g}s "
+            f"(ranks {late[:16]}{', ...' if len(late) > 16 else ''})"
+        ) from None
     finally:
         pending = [t for t in tasks if not t.done()]
         for task in pending:

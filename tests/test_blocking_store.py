@@ -93,6 +93,27 @@ def test_server_loss_fails_the_call_and_the_next_call_reconnects():
 
 
 @pytest.mark.timeout(30)
+def test_a_wait_the_server_never_answers_names_the_callers_timeout():
+    """A stalled server (SIGSTOP: the connection stays up) cannot answer even that the wait
+    timed out: the client gives it 1 s more, then names the caller's timeout (QA4-F7)."""
+    srv = start_server()
+    st = BlockingStore("127.0.0.1", srv.port, "stalled", timeout=10).connect()
+    try:
+        os.killpg(srv.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(
+            StoreTimeoutError, match=r"store wait not satisfied within 0.5s, and no answer"
+        ) as caught:
+            st.wait(["never"], timeout=0.5)
+        assert f"127.0.0.1:{srv.port} 1s past that" in str(caught.value)
+        assert 0.5 <= time.monotonic() - t0 < 5.0
+    finally:
+        os.killpg(srv.proc.pid, signal.SIGCONT)
+        st.close()
+        srv.stop()
+
+
+@pytest.mark.timeout(30)
 def test_token_is_checked(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("tok-1\n")
