@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
-import sys
+import sys as _sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -115,7 +115,7 @@ def _blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]
     @functools.wraps(fn)
     def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         run = fn
-        if "torch" in sys.modules:  # (bfloat16 and non-contiguous tensors go as stand-ins)
+        if "torch" in _sys.modules:  # (bfloat16 and non-contiguous tensors go as stand-ins)
             staged = _staged(fn, args, kwargs, reduces)
             if staged is not None:
                 run, args, kwargs = staged

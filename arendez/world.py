@@ -42,17 +42,22 @@ Array = Any
 POOLED_EARLY_BYTES = 64 * 1024
 
 
-def _summarise_losses(items: Sequence[tuple[str, int, int, str]]) -> str:
-    jobs = ", ".join(sorted({repr(job) for job, _, _, _ in items}))
-    return (
-        f"{len(items)} more peer(s) lost in job {jobs} (heard by rank(s)"
-        f" {burstlog.span([r for _, r, _, _ in items])} of this process): ranks"
-        f" {burstlog.listing([p for _, _, p, _ in items])}; the first: {items[0][3]}"
-    )
+def _summariser(what: str) -> Callable[[Sequence[tuple[str, int, int, str]]], str]:
+    def summarise(items: Sequence[tuple[str, int, int, str]]) -> str:
+        jobs = ", ".join(sorted({repr(job) for job, _, _, _ in items}))
+        return (
+            f"{len(items)} more peer(s) {what} in job {jobs} (heard by rank(s)"
+            f" {burstlog.span([r for _, r, _, _ in items])} of this process): ranks"
+            f" {burstlog.listing([p for _, _, p, _ in items])}; the first: {items[0][3]}"
+        )
+
+    return summarise
 
 
-#: a process logs each lost peer once, and a burst of losses as one more line (QA3-F9)
-_LOSSES = burstlog.BurstLog(log, _summarise_losses)
+#: a process logs each lost peer once, and a burst of losses as one more line (QA3-F9); the
+#: peers that leave cleanly (INFO) apart, so that the failures' summary names failures only
+_LOSSES = burstlog.BurstLog(log, _summariser("lost"))
+_DEPARTURES = burstlog.BurstLog(log, _summariser("left"))
 
 
 class World:
@@ -366,7 +371,7 @@ class World:
         self.shm_control.drop(peer)
         if not left:
             self.failed[peer] = reason
-        _LOSSES.note(
+        (_DEPARTURES if left else _LOSSES).note(
             (self._round_id(), peer),
             logging.INFO if left else logging.WARNING,
             (self._job(), self.rank, peer, reason),
