@@ -156,10 +156,12 @@ async def test_hostile_clients_at_the_server_while_a_job_runs(tmp_path) -> None:
     finally:
         for sock in held:
             sock.close()
-        if store is not None:
-            await store.close()
-        results = collect(procs, 60)
-        srv.stop()
+        try:
+            if store is not None:
+                await store.close()
+            results = collect(procs, 60)
+        finally:  # (also when a rank hung: no server left behind)
+            srv.stop()
     for res in results:
         assert res.returncode == 0, res.stderr[-3000:]
     zero, one = (res.value for res in results)
