@@ -48,23 +48,20 @@ Handler = Callable[["Server", "Session", Job, Any], Any]
 def _set(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     key = h.get("key", "")
     job.set(key, h.get("value"))
-    if server.waits.waiters:
-        server.waits.changed(s.job, key)
+    server.waits.changed(s.job, key)
 
 
 def _add(server: Server, s: Session, job: Job, h: dict[str, Any]) -> int:
     key = h.get("key", "")
     total = job.add(key, h.get("amount", 1))
-    if server.waits.waiters:
-        server.waits.changed(s.job, key)
+    server.waits.changed(s.job, key)
     return total
 
 
 def _compare_set(server: Server, s: Session, job: Job, h: dict[str, Any]) -> bytes:
     key = h.get("key", "")
     value = job.compare_set(key, h.get("expected", b""), h.get("desired"))
-    if server.waits.waiters:
-        server.waits.changed(s.job, key)
+    server.waits.changed(s.job, key)
     return value
 
 
@@ -83,8 +80,7 @@ def _list_keys(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list[
 def _queue_push(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     key = h.get("key", "")
     job.queue_push(key, h.get("value"))
-    if server.waits.waiters:
-        server.waits.changed(s.job, key)
+    server.waits.changed(s.job, key)
 
 
 def _queue_len(server: Server, s: Session, job: Job, h: dict[str, Any]) -> int:
@@ -245,9 +241,8 @@ def _multi_set(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     if not isinstance(values, list) or len(values) != len(keys):
         raise StoreError(f"multi_set needs as many values as keys ({len(keys)})")
     job.set_all(keys, values)
-    if server.waits.waiters:
-        for key in keys:
-            server.waits.changed(s.job, key)
+    for key in keys:
+        server.waits.changed(s.job, key)
 
 
 async def _join(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list[Any]:
@@ -389,8 +384,7 @@ BLOCKING: dict[str, Any] = {
 # -- the compact form: ``[op, id, *args]`` (arguments checked by number before the handler) ----
 def _c_set(server: Server, s: Session, job: Job, r: list[Any]) -> None:
     job.set(r[2], r[3])
-    if server.waits.waiters:
-        server.waits.changed(s.job, r[2])
+    server.waits.changed(s.job, r[2])
 
 
 def _c_get(server: Server, s: Session, job: Job, r: list[Any]) -> Any:
@@ -400,15 +394,13 @@ def _c_get(server: Server, s: Session, job: Job, r: list[Any]) -> Any:
 
 def _c_add(server: Server, s: Session, job: Job, r: list[Any]) -> int:
     total = job.add(r[2], r[3])
-    if server.waits.waiters:
-        server.waits.changed(s.job, r[2])
+    server.waits.changed(s.job, r[2])
     return total
 
 
 def _c_compare_set(server: Server, s: Session, job: Job, r: list[Any]) -> bytes:
     value = job.compare_set(r[2], r[3], r[4])
-    if server.waits.waiters:
-        server.waits.changed(s.job, r[2])
+    server.waits.changed(s.job, r[2])
     return value
 
 

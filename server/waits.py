@@ -19,7 +19,9 @@ class KeyWaits:
         self.waiters: dict[tuple[str, str], list[asyncio.Future[None]]] = {}
 
     def changed(self, job: str, key: str) -> None:
-        """Wake the waiters of ``key`` in ``job``."""
+        """Wake the waiters of ``key`` in ``job`` (at once when nothing waits at all)."""
+        if not self.waiters:
+            return
         waiters = self.waiters.pop((job, key), None)
         for fut in waiters or ():
             if not fut.done():
