@@ -560,7 +560,7 @@ async def broadcast(comm: Comm, x: Array, src: int, algorithm: str | None = None
     await wait_all(sends)
 
 
-def tree_parent(comm: Comm, root: int) -> tuple[int | None, list[int]]:
+def binomial_tree(comm: Comm, root: int) -> tuple[int | None, list[int]]:
     """This rank's parent (None at ``root``) and children in the binomial tree rooted at
     ``root``: ranks at distance 2^k, so O(log n) peers each (the neighbours init connects)."""
     size, me = comm.size, (comm.rank - root) % comm.size
@@ -585,7 +585,7 @@ async def tree_broadcast(
     """Binomial-tree broadcast of ``x`` (``root``'s) in ceil(log2 n) rounds: ``receive(parent)``
     gets it (returning what landed, or None when it lands in ``x``), then it goes on to the
     children. Returns what ``receive`` returned (None at the root)."""
-    parent, children = tree_parent(comm, root)
+    parent, children = binomial_tree(comm, root)
     got = None
     if parent is not None:
         got = await receive(parent)

@@ -7,7 +7,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .algorithms import Comm, others, tree_broadcast, tree_parent, wait_all
+from .algorithms import Comm, others, tree_broadcast, binomial_tree, wait_all
 from .costmodel import DIRECT_MAX_RANKS
 from .errors import InvalidArgumentError
 from .group import ProcessGroup
@@ -109,7 +109,7 @@ def _tree(comm: Comm) -> bool:
 
 async def _tree_gather(comm: Comm, mine: bytes, root: int) -> list[bytes] | None:
     """Every rank's bytes at ``root`` (None elsewhere): each rank passes its subtree's up."""
-    parent, children = tree_parent(comm, root)
+    parent, children = binomial_tree(comm, root)
     arrivals = [comm.recv_any(child, 0) for child in children]
     blocks: dict[int, bytes] = {comm.rank: mine}
     for got in await wait_all(arrivals):
