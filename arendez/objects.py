@@ -7,7 +7,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .algorithms import Comm, others, tree_broadcast, binomial_tree, wait_all
+from .algorithms import Comm, binomial_tree, others, tree_broadcast, wait_all
 from .costmodel import DIRECT_MAX_RANKS
 from .errors import InvalidArgumentError
 from .group import ProcessGroup
