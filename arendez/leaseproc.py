@@ -45,6 +45,11 @@ def parent_state(pid: int) -> bytes:
 def run(sock: socket.socket, parent: int, interval: float, beat: bytes) -> int:
     """Send ``beat`` every ``interval`` s while ``parent`` runs; the exit code (see above)."""
     stdin = sys.stdin.fileno()
+    # poll, not select: the socket keeps its number from the parent, which may be past 1023
+    # (a process holding a thousand connections), where select() refuses it
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    poller.register(stdin, select.POLLIN)
     due = time.monotonic()
     while True:
         if os.getppid() != parent:
@@ -60,10 +65,11 @@ def run(sock: socket.socket, parent: int, interval: float, beat: bytes) -> int:
                 except OSError:
                     return 1
             due = now + interval
-        readable, _, _ = select.select([sock, stdin], [], [], max(0.0, due - time.monotonic()))
+        wait_ms = max(0.0, due - time.monotonic()) * 1000.0
+        readable = {fd for fd, _ in poller.poll(wait_ms)}
         if stdin in readable:
             return 0  # (EOF, or the keeper wrote: either way it asks us to stop)
-        if sock in readable:
+        if sock.fileno() in readable:
             try:
                 data = sock.recv(1 << 16)  # the server's pushed events: the parent has them too
             except OSError:

@@ -194,6 +194,20 @@ def test_a_rank_holding_the_gil_longer_than_the_lease(sidecar: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_with_over_1024_descriptors_keeps_its_lease() -> None:
+    """The lease socket of a process with many open descriptors has a number past 1023: the
+    sidecar that sends its heartbeats must still wait on it (poll, not select)."""
+    with server("--lease", "0.5") as srv:
+        url = f"{srv.url}/fds"
+        procs = [spawn_rank(lifecycle_jobs.many_descriptors, r, 2, url, 2.0) for r in range(2)]
+        results = collect(procs, 40)
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "filedescriptor out of range" not in res.stderr, res.stderr[-3000:]
+    assert [res.value for res in results] == ["sum 2", "sum 2"]
+
+
+@pytest.mark.timeout(60)
 def test_a_death_seen_between_collectives_names_the_next_one(arendez_server):
     url = f"{arendez_server.url}/between"
     procs = [spawn_rank(failures_jobs.dies_between_collectives, r, 3, url) for r in range(3)]

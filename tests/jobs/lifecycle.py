@@ -140,6 +140,29 @@ async def holds_the_gil(rank: int, ws: int, url: str, seconds: float) -> str:
     return outcome
 
 
+async def many_descriptors(rank: int, ws: int, url: str, seconds: float) -> str:
+    """The last rank holds 1,100 open descriptors before it joins, so its lease socket's number
+    is past 1023 (select() refuses those); then every rank idles for ``seconds``."""
+    import os
+
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)] if rank == ws - 1 else []
+    try:
+        await join(url, ws, rank)
+        await dist.barrier()
+        await asyncio.sleep(seconds)
+        x = np.ones(10)
+        try:
+            await dist.all_reduce(x)
+            outcome = f"sum {x[0]:g}"
+        except dist.ArendezError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        await dist.destroy_process_group()
+    finally:
+        for fd in held:
+            os.close(fd)
+    return outcome
+
+
 async def busy_loop(rank: int, ws: int, url: str, seconds: float) -> float:
     """The last rank blocks its event loop (a long synchronous step) for longer than the lease."""
     await join(url, ws, rank)
