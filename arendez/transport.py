@@ -43,7 +43,12 @@ SNDBUF_BYTES = env_int("ARENDEZ_SNDBUF", 256 << 10, minimum=0)
 
 
 def _tune_socket(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
+    tune_tcp_socket(transport.get_extra_info("socket"))
+
+
+def tune_tcp_socket(sock: Any) -> None:
+    """No Nagle delay, keepalive probes (a peer gone without a word is noticed), the send buffer
+    above. A listening socket passes these on to every connection it accepts (Linux)."""
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
     try:
@@ -83,6 +88,10 @@ LOCAL_HOST = "localhost (Unix socket)"
 class Connection(asyncio.BufferedProtocol):
     """One framed stream. Frames queue up for ``recv`` until a handler is installed."""
 
+    #: Tune the socket when the connection is made (``tune_tcp_socket``, ``SO_RCVLOWAT``). A
+    #: server tunes its listening socket once instead, and its connections carry no payloads.
+    TUNE_SOCKET = True
+
     def __init__(self, limits: wire.Limits = wire.DEFAULT_LIMITS, max_queued: int = MAX_QUEUED) -> None:
         self._decoder = wire.Decoder(limits=limits)
         self._max_queued = max_queued
@@ -105,8 +114,9 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.peer = transport.get_extra_info("peername")
-        _tune_socket(transport)
-        self._lowat_sock = _lowat_socket(transport)
+        if self.TUNE_SOCKET:
+            _tune_socket(transport)
+            self._lowat_sock = _lowat_socket(transport)
         self._transport.set_write_buffer_limits(high=0)
         if not self._made.done():
             self._made.set_result(None)

@@ -101,7 +101,11 @@ class Server:
             ssl=cfg.ssl,
             reuse_address=True,
             backlog=cfg.backlog,
+            start_serving=False,
         )
+        for sock in self._server.sockets:  # accepted connections inherit these: no syscalls each
+            transport.tune_tcp_socket(sock)
+        await self._server.start_serving()
         self.port = self._server.sockets[0].getsockname()[1]
         await self._listen_locally(limits)
         self._lease_task = loop.create_task(self._watch_leases())

@@ -101,6 +101,8 @@ class Session:
 class ServerConnection(transport.Connection):
     """A client connection of the server: tells the server when it is made."""
 
+    TUNE_SOCKET = False  # the listening socket was tuned (``Server.start``); no payloads come
+
     def __init__(self, server: Server, limits: wire.Limits) -> None:
         super().__init__(limits, max_queued=HELLO_FRAMES)
         self.server = server

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from arendez import wire
+from arendez import burstlog, wire
 
 from .hooks import ServerHooks
 from .rounds import Departure, Round
@@ -22,6 +22,23 @@ log = logging.getLogger("arendez.server")
 
 #: Departures gathered before failure news goes out (one event per round per flush).
 DEPARTURE_BATCH = 0.01
+
+
+def _summarise(what: str) -> Any:
+    def summarise(departures: list[Departure]) -> str:
+        by_job: dict[str, list[int]] = {}
+        for gone in departures:
+            by_job.setdefault(gone.job, []).append(gone.rank)
+        jobs = "; ".join(f"job {job!r} rank(s) {burstlog.listing(ranks)}" for job, ranks in by_job.items())
+        return f"{len(departures)} more rank(s) {what}: {jobs}; the first: {departures[0].reason}"
+
+    return summarise
+
+
+#: A job of 10,000 ranks that ends is 10,000 departures: the first of a burst is logged at once,
+#: the rest as one line a second later (the same for failures, apart, at WARNING).
+_FAILURES = burstlog.BurstLog(log, _summarise("declared failed"))
+_LEAVES = burstlog.BurstLog(log, _summarise("left"))
 
 
 class Members:
@@ -116,7 +133,12 @@ class Members:
             return
         for gone in departures:
             self.hooks.departed(gone)
-            (log.warning if gone.failed else log.info)("job %r rank %d %s", gone.job, gone.rank, gone.reason)
+            if gone.failed:
+                _FAILURES.note(
+                    None, logging.WARNING, gone, "job %r rank %d %s", gone.job, gone.rank, gone.reason
+                )
+            else:
+                _LEAVES.note(None, logging.INFO, gone, "job %r rank %d %s", gone.job, gone.rank, gone.reason)
         self._departed.extend(departures)
         for name in {gone.job for gone in departures}:
             self._close_ready(name)
