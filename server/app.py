@@ -35,7 +35,7 @@ from arendez.transports import local
 
 from .admission import Admission
 from .connection import ServerConnection, Session
-from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, as_map, packed_reply
+from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, as_map, start_join
 from .hooks import ServerHooks
 from .limits import StateLimits
 from .members import Members
@@ -212,8 +212,8 @@ class Server:
             self._session_gone(session)
 
     def _session_gone(self, session: Session) -> None:
-        for task in session.tasks:
-            task.cancel()
+        for pending in list(session.tasks):
+            pending.cancel()
         self.members.unbind(session)
         peers = self._sessions.get(session.job)
         if peers is not None:
@@ -275,6 +275,9 @@ class Server:
         op = header["op"]
         handler = HANDLERS.get(op)
         rid = header.get("id")
+        if op == "join":
+            self._start_join(session, rid, header)
+            return
         if handler is None:
             if op not in BLOCKING:
                 self._protocol_error(session, ProtocolError(f"unknown request {op!r:.40}"))
@@ -297,16 +300,33 @@ class Server:
         if timed:
             self.config.hooks.request(op, time.perf_counter() - started, error)
 
+    def _refuse_pending(self, session: Session, rid: Any) -> bool:
+        """Refuse a request that would wait past the connection's limit of pending ones."""
+        if len(session.tasks) < self.config.max_pending_per_connection:
+            return False
+        self.config.hooks.refused("max_pending_per_connection")
+        session.reply_error(
+            rid,
+            LimitError(
+                f"{self.config.max_pending_per_connection} blocking requests already pending on "
+                "this connection (limit: arendez-server --max-pending-per-connection)"
+            ),
+        )
+        return True
+
+    def _start_join(self, session: Session, rid: Any, header: dict[str, Any]) -> None:
+        """A join waits for its round without a task (``joins.JoinWait``)."""
+        if self._refuse_pending(session, rid):
+            return
+        started = time.perf_counter()
+        try:
+            start_join(self, session, self.state.job(session.job), rid, header)
+        except ArendezError as exc:
+            session.reply_error(rid, exc)
+            self.config.hooks.request("join", time.perf_counter() - started, type(exc).__name__)
+
     def _start_blocking(self, session: Session, rid: Any, header: dict[str, Any]) -> None:
-        if len(session.tasks) >= self.config.max_pending_per_connection:
-            self.config.hooks.refused("max_pending_per_connection")
-            session.reply_error(
-                rid,
-                LimitError(
-                    f"{self.config.max_pending_per_connection} blocking requests already pending on "
-                    "this connection (limit: arendez-server --max-pending-per-connection)"
-                ),
-            )
+        if self._refuse_pending(session, rid):
             return
         task = asyncio.get_running_loop().create_task(self._blocking(session, rid, header))
         session.tasks.add(task)
@@ -317,12 +337,7 @@ class Server:
         try:
             job = self.state.job(session.job)
             value = await BLOCKING[header["op"]](self, session, job, header)
-            if header["op"] == "join":  # partly encoded already
-                packed = packed_reply(rid, value)
-                if packed is not None:
-                    session.send_encoded(packed)
-            else:
-                session.reply(rid, value)
+            session.reply(rid, value)
         except ArendezError as exc:
             error = type(exc).__name__
             session.reply_error(rid, exc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from arendez import transport, wire
 from arendez.errors import ArendezError, ProtocolError
@@ -28,6 +28,12 @@ DROP_DELAY = 0.2
 HELLO_FRAMES = 2
 
 
+class Pending(Protocol):
+    """A request of a session still waiting: a task, or a join (``joins.JoinWait``)."""
+
+    def cancel(self) -> object: ...
+
+
 class Session:
     """One client connection after its handshake; the replies to one read go out in one write."""
 
@@ -38,7 +44,8 @@ class Session:
         self.rank: int | None = None  # set once this connection is a member of a round
         self.round: Round | None = None
         self.lease: Lease | None = None  # set on the lease connection of a client process
-        self.tasks: set[asyncio.Task[None]] = set()
+        #: What waits for this connection (tasks of blocking requests, joins): cancelled with it.
+        self.tasks: set[Pending] = set()
         self.packer = server.packer
         self._out: list[bytes | memoryview] = []
         self._out_bytes = 0

@@ -9,7 +9,6 @@ in a task (``BLOCKING``). Handlers raise ``ArendezError`` s, sent back as the re
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import math
 import time
@@ -18,11 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from arendez import wire
 from arendez.errors import RendezvousError, StoreError
-from arendez.rendezvous import incomplete
 from arendez.store_wire import OPS
 
+from .joins import JoinWait, check_neighbours
 from .rounds import Lease, Member
 from .state import Job
 
@@ -245,9 +243,12 @@ def _multi_set(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
         server.waits.changed(s.job, key)
 
 
-async def _join(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list[Any]:
+def start_join(server: Server, s: Session, job: Job, rid: Any, h: dict[str, Any]) -> None:
+    """Join the job's round; answered when the round completes (``joins.JoinWait``), or at once
+    with an error for a request that cannot join."""
     if s.round is not None:
         raise RendezvousError("this connection already joined the job")
+    check_neighbours(h.get("neighbours"))
     deadline = _deadline(h.get("timeout"))
     member: Member | None = None
     settle = ELASTIC_SETTLE
@@ -276,77 +277,13 @@ async def _join(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list
             _lease_of(server, h),
         )
     s.round, s.rank = round_, rank
-    loop = asyncio.get_running_loop()
-    done = server.members.done.get(round_)
-    if done is None:
-        done = server.members.done[round_] = loop.create_future()
+    join = JoinWait(server, s, job, rid, h, round_, rank, member, deadline)
+    s.tasks.add(join)
+    server.members.wait_for(round_, join)
     if round_.complete:
         server.members.round_closed(round_)
     elif member is not None:
         server.members.elastic_joined(job, round_, float(settle))
-    try:
-        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-            await asyncio.shield(done)
-    except TimeoutError:
-        joined = sorted(round_.members)  # counted before this rank withdraws: it joined too
-        job.withdraw(round_, rank)
-        s.round = s.rank = None
-        if round_.elastic:
-            raise RendezvousError(
-                f"job {s.job!r}: only {len(joined)} rank(s) joined in time, the elastic world needs "
-                f"at least {round_.min_size} (missing: {round_.min_size - len(joined)} rank(s))"
-            ) from None
-        refused = "; joins refused meanwhile: " + "; ".join(round_.refused) if round_.refused else ""
-        raise RendezvousError(f"job {s.job!r}: {incomplete(round_.world_size, joined)}{refused}") from None
-    except asyncio.CancelledError:
-        job.withdraw(round_, rank)
-        raise
-    finally:
-        if not round_.members and round_ in server.members.done:  # everyone gave up
-            server.members.done.pop(round_).cancel()
-    if member is not None:
-        rank = s.rank = member.rank  # assigned when the round closed
-    server.members.bind(s, round_, rank)
-    answer: dict[str, Any] = {"rank": rank, "world_size": round_.world_size, "nonce": round_.nonce}
-    if round_.elastic:
-        answer.update(generation=round_.generation, survivors=round_.survivors)
-        forming = job.forming  # ranks that came while this round closed wait for the next one
-        if forming is not None and forming is not round_ and forming.members:
-            answer["joining"] = len(forming.members)
-    offsets = h.get("neighbours")
-    if offsets is not None:  # the addresses of rank + offset (mod world_size), in the answer
-        if not isinstance(offsets, list) or len(offsets) > 64 or not all(isinstance(o, int) for o in offsets):
-            raise RendezvousError("neighbours must be a list of at most 64 integer rank offsets")
-        answer["addresses"] = round_.addresses([(rank + o) % round_.world_size for o in offsets])
-    if h.get("peers", True) is False:
-        return [answer, None]
-    packed = server.members.peers_packed.get(round_)
-    if packed is None:  # encoded once per round, shared by every member's answer
-        packed = server.members.peers_packed[round_] = _packer.pack(round_.peers())
-        loop.call_later(5.0, server.members.peers_packed.pop, round_, None)
-    return [answer, packed]
-
-
-def packed_reply(rid: Any, join: list[Any]) -> list[bytes | memoryview] | None:
-    """A join reply ``{"id", "ok": answer (+ "peers")}`` with the peers already encoded."""
-    if rid is None:
-        return None
-    answer, peers = join
-    if peers is None:
-        return wire.encode({"id": rid, "ok": answer})
-    parts = [
-        _packer.pack_map_header(2),
-        _packer.pack("id"),
-        _packer.pack(rid),
-        _packer.pack("ok"),
-        _packer.pack_map_header(len(answer) + 1),
-    ]
-    for name, value in answer.items():
-        parts.append(_packer.pack(name))
-        parts.append(_packer.pack(value))
-    parts.append(_packer.pack("peers"))
-    head = b"".join(parts)
-    return [wire.PREFIX.pack(len(head) + len(peers), 0) + head, peers]
 
 
 HANDLERS: dict[str, Any] = {
@@ -377,7 +314,6 @@ BLOCKING: dict[str, Any] = {
     "wait": _wait,
     "multi_get": _multi_get,
     "queue_pop": _queue_pop,
-    "join": _join,
 }
 
 

@@ -17,6 +17,7 @@ from .state import Job, ServerState
 
 if TYPE_CHECKING:
     from .connection import Session
+    from .joins import JoinWait
 
 log = logging.getLogger("arendez.server")
 
@@ -48,8 +49,8 @@ class Members:
         self.state = state
         self.hooks = hooks
         self.sessions: dict[tuple[str, bytes], set[Session]] = {}  # by (job, nonce)
-        #: Set when a round completes (or an elastic one closes): its joiners wait on it.
-        self.done: dict[Round, asyncio.Future[None]] = {}
+        #: The joins waiting for each round to complete (or, elastic, to close).
+        self.waiting: dict[Round, dict[JoinWait, None]] = {}
         #: Each round's peer addresses, encoded once for every member's join answer.
         self.peers_packed: dict[Round, bytes] = {}
         self._departed: list[Departure] = []
@@ -80,16 +81,27 @@ class Members:
                 if not members:
                     del self.sessions[key]
 
-    # -- elastic rounds ----------------------------------------------------------------------
+    # -- joins -------------------------------------------------------------------------------
+    def wait_for(self, round_: Round, join: JoinWait) -> None:
+        """``join`` is answered when ``round_`` completes (``round_closed``)."""
+        self.waiting.setdefault(round_, {})[join] = None
+
+    def stop_waiting(self, round_: Round, join: JoinWait) -> None:
+        waiting = self.waiting.get(round_)
+        if waiting is not None:
+            waiting.pop(join, None)
+            if not waiting:
+                del self.waiting[round_]
+
     def round_closed(self, round_: Round) -> None:
-        """Wake the joiners of a round that just completed (or closed, elastic)."""
+        """Answer the joiners of a round that just completed (or closed, elastic)."""
         timer = self._settle.pop(round_, None)
         if timer is not None:
             timer.cancel()
-        done = self.done.pop(round_, None)
-        if done is not None and not done.done():
-            done.set_result(None)
+        for join in list(self.waiting.pop(round_, ())):
+            join.finish()
 
+    # -- elastic rounds ----------------------------------------------------------------------
     def elastic_joined(self, job: Job, round_: Round, settle: float) -> None:
         """A rank joined an elastic round that is not full: (re)start its settle time once it
         has its minimum, and tell the members of the job's running rounds that ranks wait."""
