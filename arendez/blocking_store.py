@@ -116,6 +116,11 @@ class BlockingStore:
             raise StoreConnectionError(
                 f"store at {self.host}:{self.port} did not answer the handshake"
             ) from None
+        except OSError as exc:  # (e.g. the server gave up on a handshake that came too late)
+            self.close()
+            raise StoreConnectionError(
+                f"store at {self.host}:{self.port} closed the connection during the handshake: {exc}"
+            ) from None
         except BaseException:
             self.close()
             raise

@@ -129,3 +129,29 @@ def test_token_is_checked(tmp_path):
         refused = rf"127\.0\.0\.1:{srv.port} runs without a token"
         with pytest.raises(AuthenticationError, match=refused):
             BlockingStore("127.0.0.1", srv.port, "t", token="tok-1").connect()
+
+
+@pytest.mark.timeout(30)
+def test_a_connection_closed_during_the_handshake_is_a_store_connection_error():
+    """A server that closes a connection mid-handshake (it gave up on a late hello) is a
+    ``StoreConnectionError`` naming the handshake: what ``TCPStore`` retries, not a raw OSError."""
+    import socket
+
+    from arendez.errors import StoreConnectionError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def close_each() -> None:
+        conn, _ = listener.accept()
+        conn.close()
+
+    closer = threading.Thread(target=close_each, daemon=True)
+    closer.start()
+    try:
+        st = BlockingStore("127.0.0.1", port, "j", connect_timeout=5)
+        with pytest.raises(StoreConnectionError, match="closed the connection during the handshake"):
+            st.connect()
+    finally:
+        listener.close()
+        closer.join(5)
