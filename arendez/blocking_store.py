@@ -100,9 +100,13 @@ class BlockingStore:
             self._set_wait(sock, self._connect_timeout)
             challenge = self._next(sock, time.monotonic(), self._connect_timeout)
             reply, nonce = handshake.answer_challenge(challenge, self._token, {"job": self.job}, peer)
+            welcome = handshake.early_welcome(challenge, self._token)
+            if welcome is not None:  # (no welcome follows: requests may go right behind the hello)
+                reply["early"] = True
             sock.sendall(frame(self._packer.pack(reply)))
-            welcome = self._next(sock, time.monotonic(), self._connect_timeout)
-            handshake.check_welcome(welcome, self._token, nonce, peer)
+            if welcome is None:
+                welcome = self._next(sock, time.monotonic(), self._connect_timeout)
+                handshake.check_welcome(welcome, self._token, nonce, peer)
             if welcome.get("store") != STORE_PROTOCOL:
                 raise ProtocolError(
                     f"the store at {peer} speaks store protocol {welcome.get('store', 1)}, "

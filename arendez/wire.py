@@ -122,6 +122,10 @@ class Decoder:
         self._stream: Stream | None = None  # consumes the payload now arriving, piece by piece
         self._stream_left = 0
         self._piece: memoryview | None = None  # where a stream's pieces land (made on first use)
+        #: Return after each complete frame, keeping what follows it unparsed (``take_rest``): a
+        #: server reads a hello this way, and what a client sent right behind it under the limits
+        #: the hello earns.
+        self.one_frame = False
 
     def set_sink(self, sink: Sink) -> None:
         """Route future payloads through ``sink``."""
@@ -237,7 +241,7 @@ class Decoder:
 
     def _parse(self, frames: list[tuple[Any, memoryview | None]]) -> None:
         view, start, end = self._view, 0, self._filled
-        while end - start >= PREFIX.size:
+        while end - start >= PREFIX.size and not (frames and self.one_frame):
             hlen, plen = PREFIX.unpack_from(view, start)
             if hlen > self._limits.max_header:
                 raise ProtocolError(f"frame header of {hlen} bytes exceeds {self._limits.max_header}")

@@ -46,6 +46,8 @@ log = logging.getLogger("arendez.server")
 
 #: The largest frame a client may send before its handshake (a hello is under 300 bytes).
 HELLO_MAX = 1024
+#: The welcome, sent ahead in the challenge when the server has no token (``handshake.early_welcome``).
+_EARLY_WELCOME = {"store": STORE_PROTOCOL, "ok": True}
 
 
 @dataclass
@@ -177,7 +179,7 @@ class Server:
             log.warning("%s", refused)
             conn.fail(refused, tell_peer=True)  # sent in place of the challenge
             return
-        challenge, conn.nonce = handshake.make_challenge(self.config.token)
+        challenge, conn.nonce = handshake.make_challenge(self.config.token, _EARLY_WELCOME)
         conn.deadline = time.monotonic() + self.config.handshake_timeout
         self.admission.handshaking.add(conn)
         conn.send(challenge)
@@ -196,7 +198,8 @@ class Server:
             log.info("closing %s: %s", conn.peer, exc)
             conn.fail(exc, tell_peer=True)
             return
-        conn.send(welcome)
+        if hello.get("early") is not True or cfg.token:  # (a client that took the early one: none)
+            conn.send(welcome)
         limit = request_limit(cfg.limits.max_value, cfg.limits.max_key)
         conn.set_limits(wire.Limits(max_header=limit, max_payload=0))
         session = Session(self, conn, job)

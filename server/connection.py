@@ -112,6 +112,7 @@ class ServerConnection(transport.Connection):
 
     def __init__(self, server: Server, limits: wire.Limits) -> None:
         super().__init__(limits, max_queued=HELLO_FRAMES)
+        self._decoder.one_frame = True  # the hello alone: requests behind it get the session's limits
         self.server = server
         self.host = ""
         self.nonce = b""
@@ -139,7 +140,13 @@ class ServerConnection(transport.Connection):
         session, reader = self.session, self.reader
         if session is None or reader is None:
             super().buffer_updated(nbytes)  # the handshake (its handlers take over from it)
+            if self.session is not None and self.reader is not None and self.reader.pending():
+                self._requests(self.session, self.reader, 0)  # sent right behind the hello
             return
+        self._requests(session, reader, nbytes)
+
+    def _requests(self, session: Session, reader: HeaderReader, nbytes: int) -> None:
+        """Answer the requests completed by ``nbytes`` more bytes (their replies in one write)."""
         try:
             requests = reader.feed(nbytes)
         except ProtocolError as exc:

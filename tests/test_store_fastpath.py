@@ -18,7 +18,7 @@ from arendez import handshake
 from arendez.blocking_store import BlockingStore
 from arendez.errors import StoreTimeoutError
 from arendez.store_wire import STORE_PROTOCOL, HeaderReader
-from tests.harness import raw_frame, read_until_closed, start_server
+from tests.harness import raw_frame, read_until_closed, server, start_server
 
 
 @pytest.mark.timeout(30)
@@ -176,3 +176,52 @@ async def test_a_server_without_the_compact_form_is_named():
             await dist.Store("127.0.0.1", port, "old", timeout=1).connect()
     finally:
         listener.close()
+
+
+def _frames(sock: socket.socket, count: int) -> list:
+    reader, got = HeaderReader(2 << 20), []
+    while len(got) < count:
+        n = sock.recv_into(reader.get_buffer())
+        assert n, f"closed after {got}"
+        got.extend(reader.feed(n))
+    return got
+
+
+@pytest.mark.timeout(30)
+def test_early_welcome_lets_requests_ride_behind_the_hello(arendez_server):
+    """No token: the challenge carries the welcome; a client that takes it sends its hello and a
+    request (larger than a hello may be) in one write and gets the reply with no welcome first."""
+    with socket.create_connection(("127.0.0.1", arendez_server.port), timeout=10) as sock:
+        (challenge,) = _frames(sock, 1)
+        early = handshake.early_welcome(challenge, None)
+        assert early is not None and early["store"] == STORE_PROTOCOL
+        hello, _ = handshake.answer_challenge(challenge, None, {"job": "early"}, "server")
+        hello["early"] = True
+        big = b"v" * 20_000  # 20 times what a frame before the hello may hold
+        sock.sendall(raw_frame(hello) + raw_frame(["set", 1, "k", big]) + raw_frame(["get", 2, "k", 5.0]))
+        assert _frames(sock, 2) == [[1, None], [2, big]]
+
+
+@pytest.mark.timeout(30)
+def test_no_early_welcome_with_a_token_and_for_clients_that_wait(tmp_path):
+    """With a token the server proves itself in its welcome: none comes early. A client that
+    does not take the early welcome (older ones) gets the welcome as before."""
+    (tmp_path / "token").write_text("s3cret\n")
+    with (
+        server("--token-file", str(tmp_path / "token")) as srv,
+        socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock,
+    ):
+        (challenge,) = _frames(sock, 1)
+        assert "early" not in challenge and handshake.early_welcome(challenge, "s3cret") is None
+    srv = start_server()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            (challenge,) = _frames(sock, 1)
+            hello, nonce = handshake.answer_challenge(challenge, None, {"job": "old"}, "server")
+            sock.sendall(raw_frame(hello))
+            (welcome,) = _frames(sock, 1)
+            assert handshake.check_welcome(welcome, None, nonce, "server")["store"] == STORE_PROTOCOL
+            sock.sendall(raw_frame(["add", 1, "n", 2]))
+            assert _frames(sock, 1) == [[1, 2]]
+    finally:
+        srv.stop()
