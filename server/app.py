@@ -35,7 +35,7 @@ from arendez.transports import local
 
 from .admission import Admission
 from .connection import ServerConnection, Session
-from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, as_map, start_join
+from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, PARKED, as_map, park, start_join
 from .hooks import ServerHooks
 from .limits import StateLimits
 from .members import Members
@@ -256,8 +256,8 @@ class Server:
             state = self.state
             job = state.jobs.get(session.job) or state.job(session.job)
             value = handler(self, session, job, request)
-            if value is BLOCK:  # not answerable yet: wait in a task
-                self._start_blocking(session, rid, as_map(request))
+            if value is BLOCK:  # not answerable yet: wait for the keys, or in a task
+                self._wait_for(session, rid, as_map(request), compact=True)
             elif rid is not None:
                 session.reply_value(rid, value)
         except ArendezError as exc:
@@ -293,8 +293,8 @@ class Server:
         try:
             job = self.state.job(session.job)
             value = handler(self, session, job, header)
-            if value is BLOCK:  # not answerable yet: wait in a task
-                self._start_blocking(session, rid, header)
+            if value is BLOCK:  # not answerable yet: wait for the keys, or in a task
+                self._wait_for(session, rid, header, compact=False)
             else:
                 session.reply(rid, value)
         except ArendezError as exc:
@@ -327,6 +327,19 @@ class Server:
         except ArendezError as exc:
             session.reply_error(rid, exc)
             self.config.hooks.request("join", time.perf_counter() - started, type(exc).__name__)
+
+    def _wait_for(self, session: Session, rid: Any, header: dict[str, Any], *, compact: bool) -> None:
+        """A request that cannot be answered yet: parked on its keys (``waits.KeyWait``), or,
+        for the others, a task."""
+        if header["op"] not in PARKED:
+            self._start_blocking(session, rid, header)
+            return
+        if self._refuse_pending(session, rid):
+            return
+        try:
+            park(self, session, self.state.job(session.job), rid, header, compact)
+        except ArendezError as exc:
+            session.reply_error(rid, exc)
 
     def _start_blocking(self, session: Session, rid: Any, header: dict[str, Any]) -> None:
         if self._refuse_pending(session, rid):

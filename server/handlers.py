@@ -3,8 +3,10 @@
 Two request forms (``arendez.store_wire``): the compact ``[op, id, *args]`` of the key-value
 operations, answered at once by the ``COMPACT`` handlers when they can be (a ``get`` of a present
 key, a ``wait`` on present keys), and the map form ``{"op", "id", ...}`` of every request
-(``HANDLERS``). A handler that cannot answer yet returns ``BLOCK``: the request then continues
-in a task (``BLOCKING``). Handlers raise ``ArendezError`` s, sent back as the request's error.
+(``HANDLERS``). A handler that cannot answer yet returns ``BLOCK``: a ``get``/``wait``/
+``multi_get`` then waits for its keys (``park``, no task), a ``queue_pop`` continues in a task
+(``BLOCKING``); a ``join`` waits for its round (``start_join``). Handlers raise
+``ArendezError`` s, sent back as the request's error.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from arendez.store_wire import OPS
 from .joins import JoinWait, check_neighbours
 from .rounds import Lease, Member
 from .state import Job
+from .waits import KeyWait
 
 if TYPE_CHECKING:
     from .app import Server
@@ -197,41 +200,43 @@ def _timed_out(what: str, timeout: Any) -> str:
     return f"{what} not satisfied within {timeout if timeout is not None else MAX_WAIT:g}s"
 
 
-async def _get(server: Server, s: Session, job: Job, h: dict[str, Any]) -> bytes:
-    key, timeout = h.get("key", ""), h.get("timeout")
+def park(server: Server, s: Session, job: Job, rid: Any, h: dict[str, Any], compact: bool) -> None:
+    """A ``get``/``wait``/``multi_get`` whose keys are not all there: answered by the change
+    that completes it, or its deadline (``waits.KeyWait``: no task)."""
+    op, timeout = h["op"], h.get("timeout")
     deadline = _deadline(timeout)
-    job.get(key)  # checks the key
-    await server.waits.until_key(s.job, job, key, deadline, _timed_out(f"get({key!r:.80})", timeout))
-    value = job.get(key)
-    assert value is not None
-    return value
+    has_value: Callable[[str], bool] = job.kv.__contains__
+    result: Callable[[], Any]
+    if op == "get":
+        key = h.get("key", "")
+        job.get(key)  # checks the key
+        keys, ready, result = [key], has_value, functools.partial(job.get, key)
+        what = _timed_out(f"get({key!r:.80})", timeout)
+    else:
+        keys = _keys(h)
+        job.has_all(keys)  # checks the keys
+        what = _timed_out(f"{op}({keys!r:.80})", timeout)
+        if op == "wait":  # (a non-empty queue counts, as in torch)
+            ready, result = job.present, _none
+        else:
+            ready, result = has_value, functools.partial(job.get_all, keys)
+    wait = KeyWait(
+        server.waits, s, job, (op, rid, compact), keys, ready, result, deadline, what, server.config.hooks
+    )
+    wait.wake()
 
 
-async def _wait(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
-    keys, timeout = _keys(h), h.get("timeout")
-    deadline = _deadline(timeout)
-    job.has_all(keys)  # checks the keys
-    what = _timed_out(f"wait({keys!r:.80})", timeout)
-    for key in keys:  # (a non-empty queue counts, as in torch)
-        await server.waits.until(s.job, key, functools.partial(job.present, key), deadline, what)
+def _none() -> None:
+    return None
+
+
+#: What ``park`` answers: requests that wait for keys without a task.
+PARKED = frozenset({"get", "wait", "multi_get"})
 
 
 def _multi_get_now(server: Server, s: Session, job: Job, h: dict[str, Any]) -> Any:
     values = job.get_all(_keys(h))
     return BLOCK if values is None else values
-
-
-async def _multi_get(server: Server, s: Session, job: Job, h: dict[str, Any]) -> list[bytes]:
-    keys, timeout = _keys(h), h.get("timeout")
-    deadline = _deadline(timeout)
-    job.has_all(keys)  # checks the keys
-    what = _timed_out(f"multi_get({keys!r:.80})", timeout)
-    while True:
-        for key in keys:
-            await server.waits.until_key(s.job, job, key, deadline, what)
-        values = job.get_all(keys)
-        if values is not None:  # (else one was deleted again meanwhile: wait on)
-            return values
 
 
 def _multi_set(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
@@ -308,11 +313,8 @@ HANDLERS: dict[str, Any] = {
     "queue_pop": _queue_pop_now,
     "queue_len": _queue_len,
 }
-#: Requests that may wait: ``get``/``wait``/``queue_pop`` only when their keys are missing.
+#: Requests that wait in a task when they cannot be answered at once.
 BLOCKING: dict[str, Any] = {
-    "get": _get,
-    "wait": _wait,
-    "multi_get": _multi_get,
     "queue_pop": _queue_pop,
 }
 

@@ -1,36 +1,141 @@
-"""Store waits: requests waiting for keys to be set, each woken only by a change of its own keys."""
+"""Store waits: requests waiting for keys to be set, each woken only by a change of its own keys.
+
+A ``get``/``wait``/``multi_get`` whose keys are missing is a ``KeyWait``: parked on one missing
+key at a time, answered by the change that completes it, with one timer for its deadline and no
+task (thousands of ranks waiting on one key, torch's barrier idiom, cost one small object each).
+Other waits (``queue_pop``) await a future in a task (``KeyWaits.until``).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from arendez.errors import StoreTimeoutError
 
 from .state import Job
 
+if TYPE_CHECKING:
+    from .connection import Session
+    from .hooks import ServerHooks
+
+
+class KeyWait:
+    """One request waiting for keys: parked on its first missing key until that key changes."""
+
+    __slots__ = (
+        "_compact",
+        "_hooks",
+        "_job",
+        "_keys",
+        "_op",
+        "_ready",
+        "_result",
+        "_rid",
+        "_session",
+        "_started",
+        "_timer",
+        "_waits",
+        "_what",
+        "parked",
+    )
+
+    def __init__(
+        self,
+        waits: KeyWaits,
+        session: Session,
+        job: Job,
+        request: tuple[str, Any, bool],
+        keys: list[str],
+        ready: Callable[[str], bool],
+        result: Callable[[], Any],
+        deadline: float,
+        what: str,
+        hooks: ServerHooks,
+    ) -> None:
+        self._waits, self._session, self._job = waits, session, job
+        self._op, self._rid, self._compact = request
+        self._keys, self._ready, self._result, self._what = keys, ready, result, what
+        self._hooks = hooks
+        self._started = time.perf_counter()
+        self.parked: str | None = None  # the key this waits on now
+        loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = loop.call_at(
+            loop.time() + max(0.0, deadline - time.monotonic()), self.expire
+        )
+        session.tasks.add(self)
+
+    def wake(self) -> None:
+        """Answer if every key is there now; else park on the first missing one."""
+        if self._timer is None:
+            return
+        self.parked = None
+        for key in self._keys:
+            if not self._ready(key):
+                self.parked = key
+                self._waits.park(self._session.job, key, self)
+                return
+        value = self._result()
+        self._settle()
+        if self._compact:
+            self._session.reply_value(self._rid, value)
+        else:
+            self._session.reply(self._rid, value)
+        self._hooks.request(self._op, time.perf_counter() - self._started, None)
+
+    def expire(self) -> None:
+        """The deadline passed with a key still missing."""
+        if self._timer is None:
+            return
+        self._settle()
+        self._session.reply_error(self._rid, StoreTimeoutError(self._what))
+        self._hooks.request(self._op, time.perf_counter() - self._started, "StoreTimeoutError")
+
+    def cancel(self) -> None:
+        """The connection went: stop waiting, answer nobody."""
+        if self._timer is not None:
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._session.tasks.discard(self)
+        if self.parked is not None:
+            self._waits.unpark(self._session.job, self.parked, self)
+            self.parked = None
+
 
 class KeyWaits:
-    """The futures waiting on each ``(job, key)``; empty (and so skipped by setters) while none waits."""
+    """What waits on each ``(job, key)`` (``KeyWait`` s and futures, in arrival order); empty
+    (and so skipped by setters) while none waits."""
 
     def __init__(self) -> None:
-        self.waiters: dict[tuple[str, str], list[asyncio.Future[None]]] = {}
+        self.waiters: dict[tuple[str, str], dict[KeyWait | asyncio.Future[None], None]] = {}
 
     def changed(self, job: str, key: str) -> None:
         """Wake the waiters of ``key`` in ``job`` (at once when nothing waits at all)."""
         if not self.waiters:
             return
         waiters = self.waiters.pop((job, key), None)
-        for fut in waiters or ():
-            if not fut.done():
-                fut.set_result(None)
+        for waiter in waiters or ():
+            if type(waiter) is KeyWait:
+                waiter.parked = None  # (taken off the key already)
+                waiter.wake()
+            elif not waiter.done():  # type: ignore[union-attr]
+                waiter.set_result(None)  # type: ignore[union-attr]
 
-    async def until_key(self, name: str, job: Job, key: str, deadline: float, what: str) -> None:
-        """Wait until ``key`` is set in ``job`` (named ``name``); ``StoreTimeoutError`` naming
-        ``what`` after ``deadline``."""
-        await self.until(name, key, lambda: key in job.kv, deadline, what)
+    def park(self, job: str, key: str, waiter: KeyWait | asyncio.Future[None]) -> None:
+        self.waiters.setdefault((job, key), {})[waiter] = None
+
+    def unpark(self, job: str, key: str, waiter: KeyWait | asyncio.Future[None]) -> None:
+        waiters = self.waiters.get((job, key))
+        if waiters is not None:
+            waiters.pop(waiter, None)
+            if not waiters:
+                del self.waiters[(job, key)]
 
     async def until(self, name: str, key: str, ready: Callable[[], bool], deadline: float, what: str) -> None:
         """Wait until ``ready()`` holds, re-checked whenever ``key`` of job ``name`` changes;
@@ -41,19 +146,12 @@ class KeyWaits:
             if remaining <= 0:
                 raise StoreTimeoutError(what)
             fut = loop.create_future()
-            self.waiters.setdefault((name, key), []).append(fut)
+            self.park(name, key, fut)
             try:
                 async with asyncio.timeout(remaining):
                     await fut
             except TimeoutError:
                 pass
             finally:
-                self._forget(name, key, fut)
-
-    def _forget(self, job: str, key: str, fut: asyncio.Future[None]) -> None:
-        waiters = self.waiters.get((job, key))
-        if waiters is not None and not fut.done():
-            with contextlib.suppress(ValueError):
-                waiters.remove(fut)
-            if not waiters:
-                del self.waiters[(job, key)]
+                if not fut.done():
+                    self.unpark(name, key, fut)

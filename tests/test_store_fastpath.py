@@ -16,7 +16,7 @@ import pytest
 import arendez as dist
 from arendez import handshake
 from arendez.blocking_store import BlockingStore
-from arendez.errors import StoreTimeoutError
+from arendez.errors import StoreError, StoreTimeoutError
 from arendez.store_wire import STORE_PROTOCOL, HeaderReader
 from tests.harness import raw_frame, read_until_closed, server, start_server
 
@@ -225,3 +225,41 @@ def test_no_early_welcome_with_a_token_and_for_clients_that_wait(tmp_path):
             assert _frames(sock, 1) == [[1, 2]]
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_thousands_of_waits_on_one_key_take_no_task_and_leave_nothing_behind():
+    """torch's barrier idiom: every rank waits on one key. Each waiting request is parked on
+    its key (no server task); one that times out, or whose connection goes, leaves no waiter."""
+    from arendez_server.app import Server, ServerConfig
+
+    srv = Server(ServerConfig(port=0))
+    await srv.start()
+    st = await dist.Store("127.0.0.1", srv.port, "w", timeout=30).connect()
+    other = await dist.Store("127.0.0.1", srv.port, "w", timeout=30).connect()
+    try:
+        waits = [asyncio.ensure_future(st.get("go")) for _ in range(2000)]
+        gone = asyncio.ensure_future(other.multi_get(["go", "never"]))
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if len(srv.waits.waiters.get(("w", "go"), ())) == 2001:
+                break
+        assert len(srv.waits.waiters[("w", "go")]) == 2001
+        assert not [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Server._blocking"]
+        with pytest.raises(StoreTimeoutError, match="wait"):
+            await st.wait(["never"], timeout=0.2)
+        await other.close()  # its multi_get is withdrawn with its connection
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if len(srv.waits.waiters.get(("w", "go"), ())) == 2000:
+                break
+        assert len(srv.waits.waiters[("w", "go")]) == 2000
+        assert gone.done() and isinstance(gone.exception(), StoreError)
+        await st.set("go", "1")
+        assert await asyncio.gather(*waits) == [b"1"] * 2000
+        assert srv.waits.waiters == {}
+    finally:
+        for fut in waits:
+            fut.cancel()
+        await st.close()
+        await srv.close()
