@@ -130,6 +130,11 @@ async def holds_the_gil(rank: int, ws: int, url: str, seconds: float) -> str:
     await dist.barrier()
     if rank == ws - 1:
         ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # (PyDLL: the call keeps the GIL)
+    return await _all_reduce_then_destroy()
+
+
+async def _all_reduce_then_destroy() -> str:
+    """One all_reduce of ones, then destroy; ``sum N`` or the error it raised."""
     x = np.ones(10)
     try:
         await dist.all_reduce(x)
@@ -150,17 +155,10 @@ async def many_descriptors(rank: int, ws: int, url: str, seconds: float) -> str:
         await join(url, ws, rank)
         await dist.barrier()
         await asyncio.sleep(seconds)
-        x = np.ones(10)
-        try:
-            await dist.all_reduce(x)
-            outcome = f"sum {x[0]:g}"
-        except dist.ArendezError as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-        await dist.destroy_process_group()
+        return await _all_reduce_then_destroy()
     finally:
         for fd in held:
             os.close(fd)
-    return outcome
 
 
 async def busy_loop(rank: int, ws: int, url: str, seconds: float) -> float:
