@@ -197,9 +197,9 @@ def test_a_rank_holding_the_gil_longer_than_the_lease(sidecar: str) -> None:
 def test_a_rank_with_over_1024_descriptors_keeps_its_lease() -> None:
     """The lease socket of a process with many open descriptors has a number past 1023: the
     sidecar that sends its heartbeats must still wait on it (poll, not select)."""
-    with server("--lease", "0.5") as srv:
+    with server("--lease", "1.0") as srv:
         url = f"{srv.url}/fds"
-        procs = [spawn_rank(lifecycle_jobs.many_descriptors, r, 2, url, 2.0) for r in range(2)]
+        procs = [spawn_rank(lifecycle_jobs.many_descriptors, r, 2, url, 2.5) for r in range(2)]
         results = collect(procs, 40)
     for res in results:
         assert res.returncode == 0, res.stderr[-3000:]
