@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from arendez import algo_comm
 from arendez import algorithms as algo
 from arendez.arrays import ReduceOp
 
@@ -69,7 +70,7 @@ async def _run(size: int, body) -> list[Any]:
 )
 @pytest.mark.parametrize("n", [0, 1, 4, 1000, 300_001])
 async def test_all_reduce_every_algorithm(size, algorithm, n, monkeypatch):
-    monkeypatch.setattr(algo, "LANE_BYTES", 4096)  # many lanes even for small arrays
+    monkeypatch.setattr(algo_comm, "LANE_BYTES", 4096)  # many lanes even for small arrays
     data = [np.random.default_rng(r).integers(-50, 50, n).astype(np.float64) for r in range(size)]
 
     async def body(comm):
@@ -85,7 +86,7 @@ async def test_all_reduce_every_algorithm(size, algorithm, n, monkeypatch):
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("algorithm", ["direct", "ring"])
 async def test_broadcast_reduce_scatter_allgather(size, algorithm, monkeypatch):
-    monkeypatch.setattr(algo, "LANE_BYTES", 1024)
+    monkeypatch.setattr(algo_comm, "LANE_BYTES", 1024)
     n = 5003
     data = [np.arange(n, dtype=np.int64) * (r + 1) for r in range(size)]
 

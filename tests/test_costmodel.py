@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from arendez import algo_reduce
 from arendez import algorithms as algo
 from arendez import costmodel as cm
 from arendez.arrays import ReduceOp
@@ -124,13 +125,13 @@ def test_all_reduce_over_tcp_links_runs_what_the_model_picks(monkeypatch: pytest
     monkeypatch.setenv("ARENDEZ_LINK_GBIT", "1")
     ran: list[str] = []
     for name in ("_ring_all_reduce", "_halving_doubling_all_reduce"):
-        real = getattr(algo, name)
+        real = getattr(algo_reduce, name)
 
         async def spy(*args: object, _real: object = real, _name: str = name) -> None:
             ran.append(_name)
             await _real(*args)  # type: ignore[operator]
 
-        monkeypatch.setattr(algo, name, spy)
+        monkeypatch.setattr(algo_reduce, name, spy)
     size, count = 4, (4 * MiB) // 4
 
     async def main() -> list[np.ndarray]:

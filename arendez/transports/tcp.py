@@ -15,6 +15,8 @@ Until its handshake is done, an accepted connection may send one hello-sized fra
 payload), must finish within the handshake time, and counts against the listener's limits on
 connections not yet authenticated, per remote host and in total (``ListenerLimits``; a
 refused dialer is told which limit and, if it is a rank, retries until its deadline).
+
+The listener's limits are ``admission``'s, the dial itself (its retries, our hello) ``dialer``'s.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import logging
 import ssl as _ssl
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from .. import frames, handshake, transport, wire
 from ..errors import AuthenticationError, LimitError, ProtocolError, RendezvousError
-from ..settings import env_int
 from . import local
+from .admission import _HELLO_LIMITS, HELLO_FRAMES
+from .admission import ListenerLimits as ListenerLimits  # (re-exported: callers name it here)
+from .dialer import Dialer
+from .dialer import split_address as split_address  # (re-exported: callers name it here)
 from .pending import PendingLink
 
 log = logging.getLogger("arendez.tcp")
@@ -48,40 +52,10 @@ def _error_header(exc: BaseException) -> Any:
     return frames.encode(frames.Error.of(exc))
 
 
-#: The largest frame a connection may send before its handshake (a peer's hello is ~120 bytes).
-HELLO_MAX = 1024
 #: Seconds a closing mesh waits for each peer to read what it sent and close its end.
 LINGER_SECONDS = 1.0
-#: Frames an accepted connection may queue before its handshake is checked (its hello).
-HELLO_FRAMES = 2
-
-_HELLO_LIMITS = wire.Limits(max_header=HELLO_MAX, max_payload=0)
 
 transport.register_remote_errors(LimitError)
-
-
-@dataclass(frozen=True)
-class ListenerLimits:
-    """Bounds on the connections a peer listener holds before they authenticate."""
-
-    per_host: int = 64  # ARENDEZ_PEER_MAX_PENDING_PER_HOST
-    total: int = 256  # ARENDEZ_PEER_MAX_PENDING
-    handshake_seconds: float = 10.0  # ARENDEZ_PEER_HANDSHAKE_MS / 1000
-
-    @classmethod
-    def from_env(cls) -> ListenerLimits:
-        """The defaults, each overridable by its environment variable."""
-        return cls(
-            per_host=env_int("ARENDEZ_PEER_MAX_PENDING_PER_HOST", cls.per_host),
-            total=env_int("ARENDEZ_PEER_MAX_PENDING", cls.total),
-            handshake_seconds=env_int("ARENDEZ_PEER_HANDSHAKE_MS", int(cls.handshake_seconds * 1000)) / 1000,
-        )
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``(host, port)`` of an advertised peer address (its local socket name, if any, dropped)."""
-    host, _, port = local.parse(address)[0].rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class Mesh:
@@ -123,6 +97,7 @@ class Mesh:
         self._dial_errors: dict[int, str] = {}  # the last error dialing each peer
         self._unreachable: set[int] = set()  # peers a dial found gone (never dialed again)
         self._dial_timeout = 30.0
+        self._dialer: Dialer | None = None  # (from ``start``: the round's rank and nonce)
         self._addresses: dict[int, str] = {}
         self._waiting_links: dict[int, PendingLink] = {}  # peers being dialed (by us, or by them)
         self._dialing: set[int] = set()  # peers our own dial is under way to
@@ -169,27 +144,13 @@ class Mesh:
         self._spawn(self._admit(conn))
         return conn
 
-    def _refusal(self, host: str) -> LimitError | None:
-        """Why a new connection from ``host`` is refused, if it is."""
-        if self._pending[host] >= self.limits.per_host:
-            return LimitError(
-                f"peer listener: {self.limits.per_host} connections from {host} are already "
-                "waiting for their handshake (ARENDEZ_PEER_MAX_PENDING_PER_HOST)"
-            )
-        if self._pending.total() >= self.limits.total:
-            return LimitError(
-                f"peer listener: {self.limits.total} connections are already waiting for "
-                "their handshake (ARENDEZ_PEER_MAX_PENDING)"
-            )
-        return None
-
     async def _admit(self, conn: transport.Connection) -> None:
         host = ""
         try:
             async with asyncio.timeout(self._handshake_timeout):
                 await asyncio.shield(conn._made)
                 host = conn.remote_host
-                refused = self._refusal(host)
+                refused = self.limits.refusal(self._pending, host)
                 if refused is not None:
                     host = ""
                     log.debug("refused a peer connection from %s: %s", conn.peer, refused)
@@ -245,6 +206,15 @@ class Mesh:
         self._on_connected, self._resolve = on_connected, resolve
         self._addresses.update(addresses)
         self._dial_timeout = dial_timeout
+        self._dialer = Dialer(
+            rank=rank,
+            nonce=nonce,
+            token=self._token,
+            client_ssl=self._client_ssl,
+            handshake_timeout=self._handshake_timeout,
+            dial_timeout=dial_timeout,
+            errors=self._dial_errors,
+        )
         self._round.set_result(nonce)
 
     def link(self, peer: int) -> transport.Connection | PendingLink | None:
@@ -330,7 +300,8 @@ class Mesh:
         try:
             async with asyncio.timeout(self._dial_timeout):
                 address = await self._address(peer)
-                conn = await self._connect(peer, address)
+                assert self._dialer is not None
+                conn = await self._dialer.connect(peer, address, self._uses_local_sockets())
             self._dialing.discard(peer)
             if conn is not None and peer in self._unreachable:  # declared gone meanwhile
                 conn.abort()
@@ -359,66 +330,6 @@ class Mesh:
             pending.fail(exc)
             if not self._closing and self._on_lost is not None:
                 self._on_lost(peer, f"could not connect to it at {address} ({why})")
-
-    async def _connect(self, peer: int, address: str) -> transport.Connection | None:
-        """Connect to ``peer`` and shake hands; ``None`` if its own dial to us wins.
-
-        Its local socket first, if it has one in our network namespace (``local``), else TCP.
-        A refusal over TCP means its listener is gone (the rank too), and a failed handshake that
-        it is not the rank we want: both raise. Anything else (a saturated listener, over either
-        socket, a peer whose event loop is busy for a long step) is retried until the caller's
-        deadline.
-        """
-        tcp_address, name = local.parse(address)
-        use_local = name is not None and self._uses_local_sockets()
-        host, port = split_address(tcp_address)
-        delay = 0.02
-        while True:  # (bounded by connect's deadline)
-            try:
-                if use_local:
-                    assert name is not None
-                    try:
-                        conn = await local.connect(name, timeout=self._handshake_timeout)
-                    except (OSError, TimeoutError) as exc:  # not in our namespace (another host)
-                        log.debug("no local socket to rank %d (%s); dialing %s", peer, exc, tcp_address)
-                        use_local = False
-                        continue
-                else:
-                    conn = await transport.open_connection(
-                        host, port, ssl=self._client_ssl, timeout=self._handshake_timeout
-                    )
-                return await self._shake(peer, address, conn)
-            except ConnectionRefusedError:
-                raise
-            except (LimitError, OSError) as exc:  # busy with other (maybe hostile) connections
-                self._dial_errors[peer] = (
-                    str(exc) if isinstance(exc, LimitError) else f"{type(exc).__name__}: {exc}"
-                )
-                log.debug("dial to rank %d at %s: %s; retrying", peer, address, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
-
-    async def _shake(
-        self, peer: int, address: str, conn: transport.Connection
-    ) -> transport.Connection | None:
-        """Our hello on a new connection to ``peer``; the connection, or ``None`` if the peer
-        keeps its own dial to us instead (a duplicate)."""
-        try:
-            hello = {"rank": self.rank, "round": self.nonce}
-            # Once it answers it has adopted the connection: giving up before that could
-            # break a connection the peer already counts as up (its own handshake
-            # deadline guards it), so wait for the answer to the caller's deadline.
-            await handshake.client_handshake(conn, self._token, hello, self._dial_timeout)
-            answer, _ = await conn.recv(self._dial_timeout)
-            if not isinstance(answer, dict) or answer.get("rank") != peer:
-                raise ProtocolError(f"{address} is not rank {peer}: {answer!r:.80}")
-        except BaseException:
-            conn.abort()
-            raise
-        if answer.get("duplicate"):
-            conn.close()
-            return None
-        return conn
 
     def _adopt(self, peer: int, conn: transport.Connection) -> None:
         assert self._route is not None and self._sink is not None
