@@ -68,7 +68,8 @@ async def unconnected_failure(rank: int, ws: int, url: str, victim: int, run_dir
     connected = victim in _peers()
     await _barrier_via_store("ready", rank, ws)
     if rank == victim:
-        Path(run_dir, "died").write_text(repr(time.time()))
+        Path(run_dir, "died.tmp").write_text(repr(time.time()))
+        os.replace(Path(run_dir, "died.tmp"), Path(run_dir, "died"))  # (whole: never read half-written)
         os._exit(0)
     while not Path(run_dir, "died").exists():
         await asyncio.sleep(0.01)
