@@ -16,7 +16,7 @@ from . import algorithms as algo
 from .arrays import ReduceOp, as_array, as_bytes, ufunc_for
 from .errors import InvalidArgumentError
 from .group import ProcessGroup
-from .registry import on_group, seconds
+from .registry import named_rank, on_group, root_rank, seconds
 from .validate import index
 
 
@@ -54,10 +54,17 @@ async def all_reduce(
 
 @on_group()
 async def reduce(
-    tensor: Any, dst: int, op: Any = ReduceOp.SUM, group: Any = None, *, algorithm: str | None = None
+    tensor: Any,
+    dst: int | None = None,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    *,
+    algorithm: str | None = None,
+    group_dst: int | None = None,
 ) -> None:
-    """Reduce into ``tensor`` on global rank ``dst``."""
+    """Reduce into ``tensor`` on global rank ``dst`` (or ``group_dst``, its rank in ``group``)."""
     g: ProcessGroup = group
+    dst = root_rank(g, dst, group_dst, "dst", "reduce")
     x, rop = _reduction(tensor, op)
     algo.check_algorithm(algorithm)
     root = g.group_rank(index(dst, "dst"), "dst")
@@ -65,9 +72,17 @@ async def reduce(
 
 
 @on_group()
-async def broadcast(tensor: Any, src: int, group: Any = None, *, algorithm: str | None = None) -> None:
-    """Copy ``tensor`` of global rank ``src`` into every rank's ``tensor``."""
+async def broadcast(
+    tensor: Any,
+    src: int | None = None,
+    group: Any = None,
+    *,
+    algorithm: str | None = None,
+    group_src: int | None = None,
+) -> None:
+    """Copy ``tensor`` of global rank ``src`` (or ``group_src``) into every rank's ``tensor``."""
     g: ProcessGroup = group
+    src = root_rank(g, src, group_src, "src", "broadcast")
     x = as_array(tensor)
     algo.check_algorithm(algorithm)
     root = g.group_rank(index(src, "src"), "src")
@@ -118,9 +133,18 @@ async def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: A
 
 
 @on_group()
-async def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int = 0, group: Any = None) -> None:
-    """On ``dst``, fill ``gather_list[i]`` with rank ``i``'s ``tensor``."""
+async def gather(
+    tensor: Any,
+    gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: Any = None,
+    *,
+    group_dst: int | None = None,
+) -> None:
+    """On ``dst`` (global rank 0 unless ``dst`` or ``group_dst`` names it), fill
+    ``gather_list[i]`` with rank ``i``'s ``tensor``."""
     g: ProcessGroup = group
+    dst = named_rank(g, dst, group_dst, "dst", default=0)
     x = as_array(tensor, writable=False)
     root = g.group_rank(index(dst, "dst"), "dst")
     outs = None
@@ -133,10 +157,17 @@ async def gather(tensor: Any, gather_list: list[Any] | None = None, dst: int = 0
 
 @on_group()
 async def scatter(
-    tensor: Any, scatter_list: list[Any] | None = None, src: int = 0, group: Any = None
+    tensor: Any,
+    scatter_list: list[Any] | None = None,
+    src: int | None = None,
+    group: Any = None,
+    *,
+    group_src: int | None = None,
 ) -> None:
-    """Rank ``i`` receives ``scatter_list[i]`` of ``src`` into ``tensor``."""
+    """Rank ``i`` receives ``scatter_list[i]`` of ``src`` (global rank 0 unless ``src`` or
+    ``group_src`` names it) into ``tensor``."""
     g: ProcessGroup = group
+    src = named_rank(g, src, group_src, "src", default=0)
     out = as_array(tensor)
     root = g.group_rank(index(src, "src"), "src")
     ins = None

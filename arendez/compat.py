@@ -40,7 +40,7 @@ from .queries import (
     is_xccl_available,
     reduce_op,
 )
-from .registry import DEFAULT_TIMEOUT, default_group, on_group, resolve, seconds
+from .registry import DEFAULT_TIMEOUT, default_group, named_rank, on_group, resolve, seconds
 
 __all__ = [
     "Backend",
@@ -124,15 +124,7 @@ class Work:
         return int(self._task.result())
 
 
-def peer_rank(g: ProcessGroup, rank: int | None, group_rank: int | None, what: str) -> int | None:
-    """The global rank named by ``rank`` (global) or ``group_rank`` (in ``g``); not both."""
-    if rank is not None and group_rank is not None:
-        raise ValueError(f"give {what} or group_{what}, not both")
-    if group_rank is not None:
-        if not 0 <= group_rank < g.size:
-            raise ValueError(f"group_{what} {group_rank} is not in 0..{g.size - 1}")
-        return g.ranks[group_rank]
-    return rank
+peer_rank = named_rank  # (torch's group_dst / group_src)
 
 
 def _task(coro: Any) -> asyncio.Future[Any]:

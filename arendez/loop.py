@@ -49,6 +49,10 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
 
 
+#: Guards the done-callbacks of every ``Completion`` (added from any thread, run once).
+_CALLBACKS_LOCK = threading.Lock()
+
+
 class Completion:
     """The outcome of one coroutine run on the loop thread, waitable from any thread.
 
@@ -56,7 +60,7 @@ class Completion:
     thread releases it once the result or error is stored.
     """
 
-    __slots__ = ("_coro", "_done", "_error", "_lock", "_loop", "_on_done", "_result", "_task")
+    __slots__ = ("_callbacks", "_coro", "_done", "_error", "_lock", "_loop", "_on_done", "_result", "_task")
 
     def __init__(self, on_done: Callable[[Completion], None] | None = None) -> None:
         self._lock = _thread.allocate_lock()
@@ -65,6 +69,7 @@ class Completion:
         self._result: Any = None
         self._error: BaseException | None = None
         self._on_done = on_done
+        self._callbacks: list[Callable[[Completion], None]] = []  # add_done_callback's
         self._task: asyncio.Task[None] | None = None  # set on the loop thread when it starts
         self._coro: Coroutine[Any, Any, Any] | None = None  # until the task first runs it
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -96,6 +101,23 @@ class Completion:
         self._lock.release()
         if self._on_done is not None:
             self._on_done(self)
+        with _CALLBACKS_LOCK:
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def add_done_callback(self, callback: Callable[[Completion], None]) -> None:
+        """Call ``callback(self)`` once done: at once (in this thread) if it is, else in the
+        thread that completes it (the loop thread)."""
+        with _CALLBACKS_LOCK:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def set(self, result: Any, error: BaseException | None = None) -> None:
+        """Complete a ``Completion`` that runs no coroutine (a chained future's)."""
+        self._finish(result, error)
 
     def done(self) -> bool:
         """True once the coroutine returned or raised."""

@@ -11,7 +11,7 @@ from .algorithms import Comm, binomial_tree, others, tree_broadcast, wait_all
 from .costmodel import DIRECT_MAX_RANKS
 from .errors import InvalidArgumentError
 from .group import ProcessGroup
-from .registry import on_group
+from .registry import named_rank, on_group
 from .validate import index
 
 
@@ -45,9 +45,13 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: Any = None)
 
 
 @on_group()
-async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = None) -> None:
-    """Replace ``object_list``'s entries with those of global rank ``src``."""
+async def broadcast_object_list(
+    object_list: list[Any], src: int | None = None, group: Any = None, *, group_src: int | None = None
+) -> None:
+    """Replace ``object_list``'s entries with those of global rank ``src`` (or ``group_src``;
+    global rank 0 if neither)."""
     g: ProcessGroup = group
+    src = named_rank(g, src, group_src, "src", default=0)
     root = g.group_rank(index(src, "src"), "src")
     mine = _pack(list(object_list)) if g.rank == root else None
     fp = f"broadcast_object_list|{src}|{len(object_list)}"
@@ -58,10 +62,17 @@ async def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any
 
 @on_group()
 async def gather_object(
-    obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None
+    obj: Any,
+    object_gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: Any = None,
+    *,
+    group_dst: int | None = None,
 ) -> None:
-    """On ``dst``, fill ``object_gather_list[i]`` with rank ``i``'s ``obj``."""
+    """On ``dst`` (or ``group_dst``; global rank 0 if neither), fill ``object_gather_list[i]``
+    with rank ``i``'s ``obj``."""
     g: ProcessGroup = group
+    dst = named_rank(g, dst, group_dst, "dst", default=0)
     root = g.group_rank(index(dst, "dst"), "dst")
     if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
         raise InvalidArgumentError(f"object_gather_list on the dst rank must have {g.size} entries")
@@ -76,11 +87,15 @@ async def gather_object(
 async def scatter_object_list(
     scatter_object_output_list: list[Any],
     scatter_object_input_list: list[Any] | None = None,
-    src: int = 0,
+    src: int | None = None,
     group: Any = None,
+    *,
+    group_src: int | None = None,
 ) -> None:
-    """Rank ``i`` gets ``scatter_object_input_list[i]`` of ``src`` in its output list's slot 0."""
+    """Rank ``i`` gets ``scatter_object_input_list[i]`` of ``src`` (or ``group_src``; global rank
+    0 if neither) in its output list's slot 0."""
     g: ProcessGroup = group
+    src = named_rank(g, src, group_src, "src", default=0)
     root = g.group_rank(index(src, "src"), "src")
     parts = None
     if g.rank == root:

@@ -8,7 +8,7 @@ from . import wire
 from .arrays import as_array, byte_view
 from .errors import InvalidArgumentError
 from .group import ProcessGroup
-from .registry import on_group
+from .registry import named_rank, on_group, root_rank
 from .validate import index
 
 
@@ -24,10 +24,14 @@ def _fp(x: Any) -> str:
 
 
 @on_group()
-async def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
-    """Send ``tensor`` to global rank ``dst``; returns once the bytes are in the kernel."""
+async def send(
+    tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None
+) -> None:
+    """Send ``tensor`` to global rank ``dst`` (or ``group_dst``, its rank in ``group``); returns
+    once the bytes are in the kernel."""
     g: ProcessGroup = group
     g.check_usable("send")
+    dst = root_rank(g, dst, group_dst, "dst", "send")
     x = as_array(tensor, writable=False)
     g.group_rank(index(dst, "dst"), "dst")
     if dst == g.world.rank:
@@ -41,10 +45,14 @@ async def send(tensor: Any, dst: int, group: Any = None, tag: int = 0) -> None:
 
 
 @on_group(missing=-1)
-async def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0) -> int:
-    """Receive into ``tensor`` from global rank ``src`` (any rank if None); return the sender."""
+async def recv(
+    tensor: Any, src: int | None = None, group: Any = None, tag: int = 0, group_src: int | None = None
+) -> int:
+    """Receive into ``tensor`` from global rank ``src`` (or ``group_src``; any rank if neither);
+    return the sender's global rank."""
     g: ProcessGroup = group
     g.check_usable("recv")
+    src = named_rank(g, src, group_src, "src")
     out = as_array(tensor)
     if src is not None:
         g.group_rank(index(src, "src"), "src")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 from . import validate
-from .errors import NotInitializedError, RendezvousError
+from .errors import InvalidArgumentError, NotInitializedError, RendezvousError
 from .group import GroupMember, ProcessGroup, Stats
 from .world import World
 
@@ -158,6 +158,29 @@ def on_group(
         return call
 
     return wrap
+
+
+def named_rank(
+    g: ProcessGroup, rank: int | None, group_rank: int | None, what: str, default: int | None = None
+) -> int | None:
+    """The global rank named by ``rank`` (global) or ``group_<what>`` (its rank in ``g``, as
+    torch's ``group_dst``/``group_src``), not both; ``default`` when neither is given."""
+    if rank is not None and group_rank is not None:
+        raise InvalidArgumentError(f"give {what} or group_{what}, not both")
+    if group_rank is not None:
+        group_rank = validate.index(group_rank, f"group_{what}")
+        if not 0 <= group_rank < g.size:
+            raise InvalidArgumentError(f"group_{what} {group_rank} is not in 0..{g.size - 1}")
+        return g.ranks[group_rank]
+    return default if rank is None else rank
+
+
+def root_rank(g: ProcessGroup, rank: int | None, group_rank: int | None, what: str, call: str) -> int:
+    """``named_rank`` for a call that needs one: neither given is an error naming ``call``."""
+    found = named_rank(g, rank, group_rank, what)
+    if found is None:
+        raise InvalidArgumentError(f"{call} needs {what} (or group_{what})")
+    return found
 
 
 # -- queries ---------------------------------------------------------------------------------

@@ -34,27 +34,49 @@ reduce_op = compat.reduce_op
 
 
 class Future:
-    """The value of a ``Work`` (torch's ``Future`` shape): ``wait()``/``value()`` block."""
+    """The outcome of a ``Work``, shaped as torch's ``Future``: ``wait()`` blocks, then returns
+    the call's output tensors (``[tensor]`` for ``all_reduce``, as torch's) or re-raises its
+    error; ``then(callback)`` chains."""
 
-    def __init__(self, done: Completion) -> None:
+    def __init__(self, done: Completion, outputs: Any = None, *, chained: bool = False) -> None:
         self._done = done
+        self._outputs = outputs
+        self._chained = chained  # the value is the Completion's own (a then() callback's result)
 
     def done(self) -> bool:
         return self._done.done()
 
     def wait(self) -> Any:
         """Block until done; return the value or re-raise the error."""
-        return self._done.result()
+        result = self._done.result()
+        return result if self._chained else self._outputs
 
     def value(self) -> Any:
-        return self._done.result()
+        return self.wait()
+
+    def then(self, callback: Callable[[Future], Any]) -> Future:
+        """A future of ``callback(self)``, called once this one is done (at once if it is;
+        else on arendez's loop thread: keep it short, and make no blocking arendez call in it)."""
+        child = Completion()
+
+        def run(_: Completion) -> None:
+            try:
+                value = callback(self)
+            except Exception as exc:  # the chained future holds it, as torch's does
+                child.set(None, exc)
+            else:
+                child.set(value)
+
+        self._done.add_done_callback(run)
+        return Future(child, chained=True)
 
 
 class Work:
     """Handle of a call started with ``async_op=True``, ``isend`` or ``irecv``."""
 
-    def __init__(self, done: Completion) -> None:
+    def __init__(self, done: Completion, outputs: Any = None) -> None:
         self._done = done
+        self._outputs = outputs  # what get_future() holds once done
 
     def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
         """Block until the call is done; re-raises its error. After ``timeout`` seconds raises
@@ -83,7 +105,7 @@ class Work:
         return self._done.error
 
     def get_future(self) -> Future:
-        return Future(self._done)
+        return Future(self._done, self._outputs)
 
     def source_rank(self) -> int:
         """The rank a finished ``irecv`` received from."""
@@ -120,10 +142,17 @@ def _blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]
             if staged is not None:
                 run, args, kwargs = staged
         if async_op:
-            return Work(shared.start(run, args, kwargs))
+            return Work(shared.start(run, args, kwargs), _outputs(args, kwargs))
         return shared.call(run, *args, **kwargs)
 
     return call
+
+
+def _outputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """What torch's future of a collective holds: its first argument (the tensor written, or the
+    list of them), in a list; ``[]`` for a call without one (``barrier``)."""
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    return [] if first is None or isinstance(first, int | float | str) else [first]
 
 
 def _staged(
@@ -256,7 +285,7 @@ def isend(
     async def start() -> int | None:
         return await _posted(compat.isend(tensor, dst, group, tag, group_dst))
 
-    return Work(shared.start(start))
+    return Work(shared.start(start), [tensor])
 
 
 def irecv(
@@ -270,7 +299,7 @@ def irecv(
     async def start() -> int | None:
         return await _posted(compat.irecv(tensor, src, group, tag, group_src))
 
-    return Work(shared.start(start))
+    return Work(shared.start(start), [tensor])
 
 
 def batch_isend_irecv(p2p_op_list: Sequence[compat.P2POp]) -> list[Work]:

@@ -110,6 +110,34 @@ def test_irecv_wait_that_times_out_goes_on_until_cancelled() -> None:
     assert sync.group.WORLD is None
 
 
+def test_work_futures_hold_the_outputs_and_chain_as_torchs() -> None:
+    """``get_future().wait()`` gives the call's tensors (``[tensor]``, as torch's), and
+    ``then`` chains: a DDP comm hook's ``fut.then(lambda f: f.value()[0] / n)`` works."""
+    sync.init_process_group()
+    try:
+        x = np.full(3, 4.0)
+        work = sync.all_reduce(x, async_op=True)
+        fut = work.get_future()
+        halved = fut.then(lambda f: f.value()[0] / 2)
+        assert fut.wait() == [x] and fut.wait()[0] is x
+        assert halved.wait().tolist() == [2.0] * 3 and halved.done()
+        late = fut.then(lambda f: len(f.value()))  # chained after it is done: runs at once
+        assert late.done() and late.wait() == 1
+
+        def broken(f: sync.Future) -> None:
+            raise RuntimeError("hook failed")
+
+        with pytest.raises(RuntimeError, match="hook failed"):
+            fut.then(broken).wait()
+        listed = [np.zeros(2)]
+        assert sync.all_gather(listed, np.ones(2), async_op=True).get_future().wait() == [listed]
+        recv = sync.irecv(np.zeros(1))  # (never completes in a world of one: its future waits)
+        assert recv is not None and not recv.get_future().done()
+        assert recv.cancel(grace=3)
+    finally:
+        sync.destroy_process_group()
+
+
 # -- async API ---------------------------------------------------------------------------------
 async def test_async_isend_irecv_batch_and_objects() -> None:
     async def rank(r: int) -> Any:
