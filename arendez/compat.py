@@ -161,7 +161,7 @@ def isend(
     world = g.world
     conn = world.connection(target)
     if conn is None:
-        raise RankFailedError(target, "isend", world.dead.get(target, "no connection"))
+        raise RankFailedError(target, "isend", world.why_gone(target))
     fp = f"send|{x.dtype.str}|{x.size}"  # as arendez.p2p.send, so send and isend interoperate
     conn.send(frames.encode(frames.P2P(g.gid, int(tag), fp)), raw if raw.nbytes else None)
 

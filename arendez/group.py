@@ -120,7 +120,7 @@ class Op:
         target = self.group.ranks[peer]
         conn = world.connection(target)
         if conn is None:
-            reason = world.dead.get(target, "no connection")
+            reason = world.why_gone(target)
             exc = RankFailedError(target, self.name, reason)
             self.fail(exc)
             raise exc

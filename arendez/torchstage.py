@@ -31,10 +31,11 @@ class Stage:
     are copied back into the caller's tensors by ``run`` when the call succeeds.
     """
 
-    __slots__ = ("back", "widen")
+    __slots__ = ("back", "widen", "widened")
 
     def __init__(self, widen: bool = False) -> None:
         self.widen = widen
+        self.widened = False  # a bfloat16 tensor travels as float32 in this call
         self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, t: torch.Tensor, out: bool = True) -> torch.Tensor:
@@ -42,6 +43,7 @@ class Stage:
         carried = t
         if self.widen and t.dtype in _WIDEN:
             carried = t.to(torch.float32, memory_format=torch.contiguous_format)
+            self.widened = True
         elif not t.is_contiguous():
             carried = t.contiguous()
         if out and carried is not t:
@@ -54,7 +56,12 @@ class Stage:
 
     async def run(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
         """Await ``fn(*args)``, then copy the written stand-ins back into the caller's tensors."""
-        result = await fn(*args)
+        try:
+            result = await fn(*args)
+        except InvalidArgumentError as exc:  # name the caller's dtype, not the stand-in's
+            if self.widened and str(exc).endswith("got float32"):
+                raise InvalidArgumentError(f"{str(exc)[: -len('float32')]}bfloat16") from None
+            raise
         for t, carried in self.back:
             t.copy_(carried)
         return result

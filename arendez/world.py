@@ -139,6 +139,20 @@ class World:
             return None
         return conn
 
+    def why_gone(self, peer: int) -> str:
+        """Why there is no link to ``peer``: its recorded death, else what closed its connection
+        (a close whose news has not been handled yet), else "no connection"."""
+        found = self.dead.get(peer)
+        if found is not None:
+            return found
+        conn = self.mesh.conns.get(peer) if self.mesh is not None else None
+        error = getattr(conn, "error", None)
+        if error is not None:
+            return f"connection lost ({error})"
+        if conn is not None and not conn.is_open:
+            return "connection lost (closed)"
+        return "no connection"
+
     def send_control(self, peer: int, frame: frames.Frame, *, dial: bool = False) -> bool:
         """Send a control frame to ``peer`` if it is connected (or, with ``dial``, after
         connecting to it); True if it went out (or is queued to)."""
@@ -169,7 +183,7 @@ class World:
         """Send one point-to-point message and wait until its bytes are in the kernel."""
         conn = self.connection(dst)
         if conn is None:
-            raise RankFailedError(dst, "send", self.dead.get(dst, "no connection"))
+            raise RankFailedError(dst, "send", self.why_gone(dst))
         try:
             conn.send(frames.encode(frames.P2P(gid, tag, fp)), raw if raw.nbytes else None)
             async with asyncio.timeout(timeout):

@@ -138,6 +138,22 @@ def test_work_futures_hold_the_outputs_and_chain_as_torchs() -> None:
         sync.destroy_process_group()
 
 
+def test_a_bitwise_reduction_of_bfloat16_names_bfloat16() -> None:
+    """bfloat16 reduces as a float32 copy; a bitwise op on it names the caller's dtype."""
+    torch = pytest.importorskip("torch")
+    sync.init_process_group()
+    try:
+        t = torch.ones(4, dtype=torch.bfloat16)
+        with pytest.raises(
+            sync.InvalidArgumentError, match=r"ReduceOp.BAND needs an integer or bool array, got bfloat16$"
+        ):
+            sync.all_reduce(t, op=sync.ReduceOp.BAND)
+        sync.all_reduce(t)  # (the group goes on)
+        assert t.tolist() == [1.0] * 4
+    finally:
+        sync.destroy_process_group()
+
+
 # -- async API ---------------------------------------------------------------------------------
 async def test_async_isend_irecv_batch_and_objects() -> None:
     async def rank(r: int) -> Any:
