@@ -1,5 +1,5 @@
-"""Async client of the arendez store: its connection, requests and the job's membership
-(the key-value operations themselves: ``store_ops``).
+"""Async client of the arendez store: its connection and requests (the key-value operations
+themselves: ``store_ops``; joining and leaving the job's rounds: ``store_membership``).
 
 The client keeps one connection to the server and reconnects when it drops. A call made
 while the server is away waits for the reconnection until its own deadline and then raises
@@ -17,8 +17,7 @@ import contextlib
 import itertools
 import logging
 import ssl as _ssl
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -35,19 +34,15 @@ from .errors import (
     StoreError,
     StoreTimeoutError,
 )
+from .store_membership import EventHandler, Membership, MembershipOps
 from .store_ops import KeyValueOps, PrefixStore
 from .store_wire import MAX_REQUEST, STORE_ERRORS, STORE_PROTOCOL, check_request_size, frame
 
 log = logging.getLogger("arendez.store")
 
-EventHandler = Callable[[dict[str, Any]], None]
-
 #: Extra time a blocking request waits for the server's answer past its own timeout.
 _REPLY_SLACK = 2.0
 _CALL_TIMEOUT = 30.0
-#: How long ``leave`` waits for a lost server to come back (destroy should not sit out its
-#: whole timeout for a best-effort goodbye to a dead server).
-LEAVE_OFFLINE_SECONDS = 1.0
 #: Connect + handshake budget of one attempt: generous, since a server busy with a storm of
 #: thousands of connecting ranks answers late, and aborting then retrying only adds to it
 #: (a refused or unreachable server fails at once regardless).
@@ -65,23 +60,7 @@ class _NoAnswer(Exception):
     """The reply did not come before the call's deadline."""
 
 
-@dataclass(frozen=True)
-class Membership:
-    """What the server answered to a join: our place in the job."""
-
-    rank: int
-    world_size: int
-    peers: list[str]  # empty when joined with ``peers=False``: ask ``Store.addresses``
-    nonce: bytes
-    #: Addresses of the ranks asked for with ``join(neighbours=...)``, by rank.
-    addresses: dict[int, str] = field(default_factory=dict)
-    #: Elastic rounds: the job's round number, and how many ranks (0..survivors-1) came from
-    #: the job's previous round (the others are new: replacements, scale-up, stale ranks).
-    generation: int = -1
-    survivors: int = 0
-
-
-class Store(KeyValueOps):
+class Store(MembershipOps, KeyValueOps):
     """A connection to one job's namespace on an arendez server."""
 
     def __init__(
@@ -314,21 +293,6 @@ class Store(KeyValueOps):
         else:
             self._cork()
 
-    def _on_departed(self, ranks: Any) -> None:
-        """One batched event for every rank of our round that left or failed: one call each."""
-        if not isinstance(ranks, list) or self.on_event is None:
-            return
-        me = self._membership.rank if self._membership is not None else None
-        for entry in ranks:
-            if not isinstance(entry, list) or len(entry) != 3:
-                continue
-            rank, failed, reason = entry
-            if rank == me:  # (the news of our own failure reaches us once we run again)
-                if failed:
-                    self.on_event({"event": "self_failed", "rank": rank, "reason": reason})
-                continue
-            self.on_event({"event": "rank_failed" if failed else "rank_left", "rank": rank, "reason": reason})
-
     def _fail_pending(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
         for fut in pending.values():
@@ -478,125 +442,6 @@ class Store(KeyValueOps):
             (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
         else:
             self._corked = False
-
-    # -- membership ------------------------------------------------------------------------
-    async def join(
-        self,
-        world_size: int,
-        rank: int,
-        address: str,
-        timeout: float | None = None,
-        *,
-        peers: bool = True,
-        neighbours: Iterable[int] | None = None,
-        min_size: int | None = None,
-        settle: float | None = None,
-        came_from: int = -1,
-        hint: int = -1,
-        dead: Iterable[int] = (),
-    ) -> Membership:
-        """Join the job's rendezvous round; returns once all ``world_size`` ranks are in.
-
-        Elastic (``min_size`` given, ``rank`` -1): the round closes with ``world_size`` ranks,
-        or with ``min_size`` or more once no rank arrived for ``settle`` seconds; the server
-        assigns ranks, the ranks of the job's latest round (``came_from``, its generation)
-        first in their old order (``hint``, the old rank), then the others by ``hint``. ``dead``:
-        ranks of that round this rank saw fail (the server declares them failed at once).
-
-        With ``peers=False`` the answer carries no peer addresses (``Membership.peers`` is
-        empty): fetch the ones needed with ``addresses``, so a round costs O(N), not O(N²).
-        The process's lease keeper starts before the join, so the lease can be renewed from
-        the moment the round completes.
-        """
-        self._address = address
-        self._left = False
-        if self._lease is None:
-            self._lease = _lease.acquire(
-                self.host, self.port, token=self._token, ssl=self._ssl, interval=self._heartbeat_interval
-            )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.timeout if timeout is None else timeout)
-        while True:
-            try:
-                answer = await self._call(
-                    "join",
-                    deadline - loop.time(),
-                    wait=True,
-                    world_size=world_size,
-                    rank=rank,
-                    address=address,
-                    lease=self._lease.key,
-                    peers=peers,
-                    **({"neighbours": list(neighbours)} if neighbours is not None else {}),
-                    **(
-                        {"min_size": min_size, "came_from": came_from, "hint": hint, "dead": list(dead)}
-                        if min_size is not None
-                        else {}
-                    ),
-                    **({"settle": settle} if settle is not None else {}),
-                )
-                break
-            except (StoreTimeoutError, LimitError):
-                self._stop_lease()
-                raise
-            except StoreError:
-                # the server went away mid-rendezvous (e.g. rank 0 restarting its embedded
-                # server on the same port): join again wherever the reconnection lands
-                if loop.time() >= deadline:
-                    self._stop_lease()
-                    raise
-                await asyncio.sleep(0.05)
-            except BaseException:
-                self._stop_lease()
-                raise
-        found = answer.get("peers")
-        if "joining" in answer:  # (unless newer news for the round came first)
-            self.joining.setdefault(bytes(answer["nonce"]), int(answer["joining"]))
-        m = self._membership = Membership(
-            int(answer["rank"]),
-            int(answer["world_size"]),
-            list(found) if found is not None else [],
-            bytes(answer["nonce"]),
-            {int(r): str(a) for r, a in answer.get("addresses", {}).items()},
-            int(answer.get("generation", -1)),
-            int(answer.get("survivors", 0)),
-        )
-        return m
-
-    def _note_joining(self, round_: Any, waiting: Any) -> None:
-        if isinstance(round_, bytes) and isinstance(waiting, int) and not isinstance(waiting, bool):
-            if len(self.joining) >= 16 and round_ not in self.joining:
-                self.joining.clear()  # (old rounds' news: bounded)
-            self.joining[round_] = waiting
-
-    async def addresses(self, ranks: Iterable[int], timeout: float | None = None) -> dict[int, str]:
-        """The addresses the given ranks of our round joined with (after ``join``)."""
-        found: dict[int, str] = await self._call("addresses", timeout, ranks=list(ranks))
-        return {int(r): str(a) for r, a in found.items()}
-
-    def _stop_lease(self) -> None:
-        """Release the process's lease keeper (never blocks: its thread ends on its own)."""
-        if self._lease is not None:
-            _lease.release(self._lease)
-            self._lease = None
-
-    async def leave(self, timeout: float = 2.0) -> None:
-        """Leave the round (best effort: a store that is gone is not an error here). While the
-        connection is down (the server died or restarts) this waits at most
-        ``LEAVE_OFFLINE_SECONDS`` for it to come back, not the whole ``timeout``."""
-        if self._membership is None:
-            return
-        self._membership = None
-        self._left = True
-        self._stop_lease()
-        if self._conn is None:
-            timeout = min(timeout, LEAVE_OFFLINE_SECONDS)
-        with contextlib.suppress(StoreError):
-            await self._call("leave", timeout)
-
-    async def status(self) -> dict[str, Any]:
-        status: dict[str, Any] = await self._call("status")
-        return status
 
 
 __all__ = ["Membership", "PrefixStore", "Store"]

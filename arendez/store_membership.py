@@ -1,0 +1,192 @@
+"""The job membership side of the async store client: join a rendezvous round, hear of the
+round's departures and of ranks waiting to join, leave; and the process's lease around it
+(``lease.py``). A mixin of ``store.Store``, over its ``_call``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl as _ssl
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import lease as _lease
+from .errors import LimitError, StoreError, StoreTimeoutError
+
+EventHandler = Callable[[dict[str, Any]], None]
+
+#: How long ``leave`` waits for a lost server to come back (destroy should not sit out its
+#: whole timeout for a best-effort goodbye to a dead server).
+LEAVE_OFFLINE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What the server answered to a join: our place in the job."""
+
+    rank: int
+    world_size: int
+    peers: list[str]  # empty when joined with ``peers=False``: ask ``Store.addresses``
+    nonce: bytes
+    #: Addresses of the ranks asked for with ``join(neighbours=...)``, by rank.
+    addresses: dict[int, str] = field(default_factory=dict)
+    #: Elastic rounds: the job's round number, and how many ranks (0..survivors-1) came from
+    #: the job's previous round (the others are new: replacements, scale-up, stale ranks).
+    generation: int = -1
+    survivors: int = 0
+
+
+class MembershipOps:
+    """join / leave / addresses / status and the round's news, over ``_call`` (``Store._call``)."""
+
+    host: str
+    port: int
+    timeout: float
+    on_event: EventHandler | None
+    joining: dict[bytes, int]
+    _token: str | None
+    _ssl: _ssl.SSLContext | None
+    _heartbeat_interval: float
+    _membership: Membership | None
+    _address: str
+    _left: bool
+    _lease: _lease.LeaseKeeper | None
+    _conn: Any
+
+    async def _call(self, op: str, timeout: float | None = None, wait: bool = False, **fields: Any) -> Any:
+        raise NotImplementedError
+
+    async def join(
+        self,
+        world_size: int,
+        rank: int,
+        address: str,
+        timeout: float | None = None,
+        *,
+        peers: bool = True,
+        neighbours: Iterable[int] | None = None,
+        min_size: int | None = None,
+        settle: float | None = None,
+        came_from: int = -1,
+        hint: int = -1,
+        dead: Iterable[int] = (),
+    ) -> Membership:
+        """Join the job's rendezvous round; returns once all ``world_size`` ranks are in.
+
+        Elastic (``min_size`` given, ``rank`` -1): the round closes with ``world_size`` ranks,
+        or with ``min_size`` or more once no rank arrived for ``settle`` seconds; the server
+        assigns ranks, the ranks of the job's latest round (``came_from``, its generation)
+        first in their old order (``hint``, the old rank), then the others by ``hint``. ``dead``:
+        ranks of that round this rank saw fail (the server declares them failed at once).
+
+        With ``peers=False`` the answer carries no peer addresses (``Membership.peers`` is
+        empty): fetch the ones needed with ``addresses``, so a round costs O(N), not O(N²).
+        The process's lease keeper starts before the join, so the lease can be renewed from
+        the moment the round completes.
+        """
+        self._address = address
+        self._left = False
+        if self._lease is None:
+            self._lease = _lease.acquire(
+                self.host, self.port, token=self._token, ssl=self._ssl, interval=self._heartbeat_interval
+            )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.timeout if timeout is None else timeout)
+        while True:
+            try:
+                answer = await self._call(
+                    "join",
+                    deadline - loop.time(),
+                    wait=True,
+                    world_size=world_size,
+                    rank=rank,
+                    address=address,
+                    lease=self._lease.key,
+                    peers=peers,
+                    **({"neighbours": list(neighbours)} if neighbours is not None else {}),
+                    **(
+                        {"min_size": min_size, "came_from": came_from, "hint": hint, "dead": list(dead)}
+                        if min_size is not None
+                        else {}
+                    ),
+                    **({"settle": settle} if settle is not None else {}),
+                )
+                break
+            except (StoreTimeoutError, LimitError):
+                self._stop_lease()
+                raise
+            except StoreError:
+                # the server went away mid-rendezvous (e.g. rank 0 restarting its embedded
+                # server on the same port): join again wherever the reconnection lands
+                if loop.time() >= deadline:
+                    self._stop_lease()
+                    raise
+                await asyncio.sleep(0.05)
+            except BaseException:
+                self._stop_lease()
+                raise
+        found = answer.get("peers")
+        if "joining" in answer:  # (unless newer news for the round came first)
+            self.joining.setdefault(bytes(answer["nonce"]), int(answer["joining"]))
+        m = self._membership = Membership(
+            int(answer["rank"]),
+            int(answer["world_size"]),
+            list(found) if found is not None else [],
+            bytes(answer["nonce"]),
+            {int(r): str(a) for r, a in answer.get("addresses", {}).items()},
+            int(answer.get("generation", -1)),
+            int(answer.get("survivors", 0)),
+        )
+        return m
+
+    def _note_joining(self, round_: Any, waiting: Any) -> None:
+        if isinstance(round_, bytes) and isinstance(waiting, int) and not isinstance(waiting, bool):
+            if len(self.joining) >= 16 and round_ not in self.joining:
+                self.joining.clear()  # (old rounds' news: bounded)
+            self.joining[round_] = waiting
+
+    async def addresses(self, ranks: Iterable[int], timeout: float | None = None) -> dict[int, str]:
+        """The addresses the given ranks of our round joined with (after ``join``)."""
+        found: dict[int, str] = await self._call("addresses", timeout, ranks=list(ranks))
+        return {int(r): str(a) for r, a in found.items()}
+
+    def _stop_lease(self) -> None:
+        """Release the process's lease keeper (never blocks: its thread ends on its own)."""
+        if self._lease is not None:
+            _lease.release(self._lease)
+            self._lease = None
+
+    async def leave(self, timeout: float = 2.0) -> None:
+        """Leave the round (best effort: a store that is gone is not an error here). While the
+        connection is down (the server died or restarts) this waits at most
+        ``LEAVE_OFFLINE_SECONDS`` for it to come back, not the whole ``timeout``."""
+        if self._membership is None:
+            return
+        self._membership = None
+        self._left = True
+        self._stop_lease()
+        if self._conn is None:
+            timeout = min(timeout, LEAVE_OFFLINE_SECONDS)
+        with contextlib.suppress(StoreError):
+            await self._call("leave", timeout)
+
+    async def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = await self._call("status")
+        return status
+
+    def _on_departed(self, ranks: Any) -> None:
+        """One batched event for every rank of our round that left or failed: one call each."""
+        if not isinstance(ranks, list) or self.on_event is None:
+            return
+        me = self._membership.rank if self._membership is not None else None
+        for entry in ranks:
+            if not isinstance(entry, list) or len(entry) != 3:
+                continue
+            rank, failed, reason = entry
+            if rank == me:  # (the news of our own failure reaches us once we run again)
+                if failed:
+                    self.on_event({"event": "self_failed", "rank": rank, "reason": reason})
+                continue
+            self.on_event({"event": "rank_failed" if failed else "rank_left", "rank": rank, "reason": reason})
