@@ -1,0 +1,276 @@
+"""The collective running on a process group (``Op``).
+
+Each collective is an ``Op``: it has the group's next sequence number and a fingerprint
+(collective, op, dtype, count) carried by every frame, so ranks that started different
+collectives at the same sequence number fail with ``CollectiveMismatchError`` instead of
+exchanging garbage. An ``Op`` fails as a unit: a dead peer, a deadline or a destroy wakes every
+future it waits on with the same error. Its receives go through the world's ``Mailbox``; a
+receive posted before its frame arrives gets the payload written straight into its buffer (once
+the op has ended, what is still arriving for it is diverted: its buffers are never written again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from . import frames, wire
+from .arrays import byte_view
+from .errors import (
+    RankFailedError,
+)
+from .fold import Fold
+from .mailbox import Key, Slot, give, settle
+
+if TYPE_CHECKING:
+    from .group import ProcessGroup
+
+T = TypeVar("T")
+Array = np.ndarray[Any, Any]
+
+#: Deadlines this close to now count as passed (event-loop timers round to the millisecond).
+TIMER_SLACK = 0.001
+#: How long before its deadline a collective asks its peers how far they got (at most this, and
+#: at most a tenth of its timeout), so that it raises at its deadline with the answer, not after.
+DIAGNOSE_SECONDS = 1.0
+#: The least time peers get to answer that question (a very short timeout raises this much late).
+DIAGNOSE_MIN_SECONDS = 0.05
+
+__all__ = ["Op"]
+
+
+class Op:
+    """One collective in flight: the ``Comm`` its algorithm runs over."""
+
+    def __init__(self, group: ProcessGroup, seq: int, name: str, fp: str) -> None:
+        self.group = group
+        self.world = group.world
+        self.seq = seq
+        self.name = name
+        self.fp = fp
+        self.rank = group.rank
+        self.size = group.size
+        self.error: BaseException | None = None
+        self.algorithm = ""  # the one the collective ran (set by ``algorithms``; flight recorder)
+        self.keys: list[Key] = []
+        self._held: dict[int, Callable[[], None]] = {}  # id(view) -> how to give it back
+        self._waiting: set[asyncio.Future[Any]] = set()  # what fail() must wake
+        self.deadline = 0.0  # loop time its deadline passes (``ProcessGroup.run`` sets it)
+        self.watch_at = 0.0  # loop time to ask the peers' progress: a little before the deadline
+        self.limit = 0.0
+        self.expiring = False
+        self.ended = False
+        self._done: asyncio.Future[None] | None = None
+
+    @property
+    def done(self) -> asyncio.Future[None]:
+        """Resolves once the collective has ended here (made on demand: most are never awaited)."""
+        if self._done is None:
+            self._done = asyncio.get_running_loop().create_future()
+            if self.ended:
+                self._done.set_result(None)
+        return self._done
+
+    def _end(self) -> None:
+        self.ended = True
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+    def choose(self, collective: str, nbytes: int, size: int, link: str | None = None) -> str:
+        """The algorithm for this message (``algorithms.Chooser`` of the world)."""
+        return self.world.chooser(collective, nbytes, size, link)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = exc
+        waiting, self._waiting = self._waiting, set()
+        for fut in waiting:
+            settle(fut, exc)
+
+    def _wait_on(self, fut: asyncio.Future[Any]) -> None:
+        self._waiting.add(fut)
+        fut.add_done_callback(self._waiting.discard)  # done ones (and their buffers) let go
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _conn(self, peer: int) -> Any:
+        world = self.world
+        target = self.group.ranks[peer]
+        conn = world.connection(target)
+        if conn is None:
+            reason = world.why_gone(target)
+            exc = RankFailedError(target, self.name, reason)
+            self.fail(exc)
+            raise exc
+        return conn
+
+    def hold(self, view: memoryview, give_back: Callable[[], None]) -> None:
+        """``view`` is borrowed (a peer's shared memory, a pooled buffer): give it back on
+        ``release`` or when the op ends."""
+        self._held[id(view)] = give_back
+
+    def release(self, buffer: memoryview) -> None:
+        give(self._held.pop(id(buffer), None))
+
+    def release_all(self) -> None:
+        """Give back what this op still borrows (it has ended)."""
+        held, self._held = self._held, {}
+        for give_back in held.values():
+            give_back()
+
+    def _send_shm(self, target: int, conn: Any, tag: int, raw: memoryview) -> bool:
+        """Copy ``raw`` into our segment for ``target`` and send where it lies; False if there
+        is no segment or no room in it now (the caller sends it inline instead)."""
+        channels = self.world.shm
+        if not channels.carries(target, raw.nbytes):
+            return False
+        room = channels.reserve(target, raw.nbytes)
+        if room is None:
+            self.world.stats.shm_full += 1
+            return False
+        offset, dest = room
+        dest[:] = raw if raw.ndim == 1 else raw.cast("B")
+        frame = frames.ShmData(self.group.gid, self.seq, tag, 0, self.fp, offset, raw.nbytes)
+        conn.send(frames.encode(frame))
+        return True
+
+    def send(self, peer: int, tag: int, data: Array) -> Awaitable[None] | None:
+        self._check()
+        conn = self._conn(peer)
+        raw = byte_view(data)
+        gid = self.group.gid
+        if self._send_shm(self.group.ranks[peer], conn, tag, raw):
+            return None  # copied: the caller may reuse ``data`` at once
+        if raw.nbytes <= wire.MAX_SEGMENT:
+            conn.send(frames.data_header(gid, self.seq, tag, 0, self.fp), raw if raw.nbytes else None)
+        else:
+            for seg, start in enumerate(range(0, raw.nbytes, wire.MAX_SEGMENT)):
+                part = raw[start : start + wire.MAX_SEGMENT]
+                conn.send(frames.data_header(gid, self.seq, tag, seg, self.fp), part)
+        fut: asyncio.Future[None] | None = conn.drain_future()
+        if fut is not None:
+            self._wait_on(fut)
+        return fut
+
+    def _slot(self, peer: int, tag: int, seg: int) -> tuple[Key, Slot | None]:
+        key = (self.group.ranks[peer], self.group.gid, self.seq, tag, seg)
+        slot = self.world.mail.peek(key)
+        if slot is not None and slot.data is not None and slot.fp != self.fp:
+            self.group.mismatch(self.seq, self.fp, slot.fp, key[0])
+            self._check()
+        return key, slot
+
+    def _wait_slot(
+        self, key: Key, out: memoryview | None, any_buffer: bool = False, fold: Fold | None = None
+    ) -> asyncio.Future[Any]:
+        fut = self.world.mail.post(key, out, self.fp, any_buffer=any_buffer, fold=fold)
+        self.keys.append(key)
+        self._wait_on(fut)
+        target = key[0]
+        if target in self.world.dead:
+            self.fail(RankFailedError(target, self.name, self.world.dead[target]))
+        else:
+            self.world.connection(target)  # connect on first use: its loss is seen while we wait
+        return fut
+
+    def recv_into(self, peer: int, tag: int, out: Array) -> Awaitable[None]:
+        self._check()
+        raw = byte_view(out)
+        parts = [raw[i : i + wire.MAX_SEGMENT] for i in range(0, raw.nbytes, wire.MAX_SEGMENT)]
+        futs: list[asyncio.Future[Any]] = []
+        for seg, part in enumerate(parts or [raw]):
+            key, slot = self._slot(peer, tag, seg)
+            if slot is not None and slot.data is not None:  # it came before we asked
+                self.world.mail.take(key)
+                try:
+                    if slot.data.nbytes != part.nbytes:
+                        theirs = f"{slot.data.nbytes} bytes"
+                        self.group.mismatch(self.seq, f"{self.fp} ({part.nbytes} bytes)", theirs, key[0])
+                        self._check()
+                    if part.nbytes:
+                        part[:] = slot.data
+                        if not slot.shared:  # (out of shared memory it is the transfer's one copy)
+                            self.world.stats.copied_bytes += part.nbytes
+                            self.world.stats.copied_messages += 1
+                finally:
+                    give(slot.give_back)
+                continue
+            futs.append(self._wait_slot(key, part))
+        if not futs:
+            return _done()
+        return futs[0] if len(futs) == 1 else _gather(futs)
+
+    def recv_reduce(self, peer: int, tag: int, src: Array, out: Array, ufunc: np.ufunc) -> Awaitable[None]:
+        """Receive a message of ``out.nbytes`` and set ``out = ufunc(src, message)`` (``out`` may
+        be ``src``). Over a socket the payload is reduced piece by piece as it arrives
+        (``fold.Fold``); a message that came early or through shared memory is reduced whole."""
+        self._check()
+        raw = byte_view(out)
+        fold = Fold(src, out, ufunc, raw)
+        if raw.nbytes > wire.MAX_SEGMENT:  # (a message of several frames: reduce once it is all here)
+            whole = np.empty(raw.nbytes, np.uint8)
+            return _fold_whole(self.recv_into(peer, tag, whole), whole, fold)
+        key, slot = self._slot(peer, tag, 0)
+        if slot is not None and slot.data is not None:  # it came before we asked
+            self.world.mail.take(key)
+            try:
+                if slot.data.nbytes != raw.nbytes:
+                    theirs = f"{slot.data.nbytes} bytes"
+                    self.group.mismatch(self.seq, f"{self.fp} ({raw.nbytes} bytes)", theirs, key[0])
+                    self._check()
+                fold.write(slot.data)
+            finally:
+                give(slot.give_back)
+            if fold.error is not None:
+                raise fold.error
+            return _done()
+        return self._wait_slot(key, raw, fold=fold)
+
+    def link_kind(self) -> str:
+        """``"shm"`` if every peer said hello from this host (shared memory on), else ``"tcp"``.
+
+        The algorithm choice depends on it, so both ends of a pair must agree: host keys are
+        compared the same way on both, and init has every peer's hello before it returns.
+        """
+        return self.group.link_kind()
+
+    def scratch(self, nbytes: int) -> Array:
+        return self.world.pool.take(nbytes)
+
+    def recycle(self, buffer: Array) -> None:
+        self.world.pool.give(buffer)
+
+    def recv_any(self, peer: int, tag: int, scratch: Array | None = None) -> Awaitable[memoryview]:
+        self._check()
+        key, slot = self._slot(peer, tag, 0)
+        if slot is not None and slot.data is not None:
+            self.world.mail.take(key)
+            if slot.give_back is not None:
+                self.hold(slot.data, slot.give_back)
+            return _done(slot.data)
+        if scratch is None or scratch.nbytes > wire.MAX_SEGMENT:
+            return self._wait_slot(key, None)
+        return self._wait_slot(key, byte_view(scratch), any_buffer=True)
+
+
+async def _fold_whole(received: Awaitable[None], whole: Array, fold: Fold) -> None:
+    await received
+    fold.write(byte_view(whole))
+    if fold.error is not None:
+        raise fold.error
+
+
+async def _gather(futs: list[asyncio.Future[Any]]) -> None:
+    await asyncio.gather(*futs)
+
+
+def _done(value: Any = None) -> asyncio.Future[Any]:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut
