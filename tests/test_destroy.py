@@ -81,4 +81,6 @@ def test_destroy_keeps_its_deadline_beside_a_stopped_peer(tmp_path):
         procs[2].wait()
     for res in live:
         assert res.returncode == 0, res.stderr[-3000:]
-        assert 0 <= res.value <= budget + 0.05, (res.rank, res.value)
+        # within the budget, plus what a loaded 2-core CI machine takes to schedule a process
+        # (a destroy that waited for the stopped peer would take its lease, 2.5 s, or more)
+        assert 0 <= res.value <= budget + 0.25, (res.rank, res.value)
