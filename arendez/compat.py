@@ -40,7 +40,7 @@ from .queries import (
     is_xccl_available,
     reduce_op,
 )
-from .registry import DEFAULT_TIMEOUT, default_group, named_rank, on_group, resolve, seconds
+from .registry import DEFAULT_TIMEOUT, default_group, named_rank, on_group, resolve, root_rank, seconds
 
 __all__ = [
     "Backend",
@@ -124,9 +124,6 @@ class Work:
         return int(self._task.result())
 
 
-peer_rank = named_rank  # (torch's group_dst / group_src)
-
-
 def _task(coro: Any) -> asyncio.Future[Any]:
     task = asyncio.get_running_loop().create_task(coro)
     task.add_done_callback(_consume)  # an unawaited failed Work is no "never retrieved" warning
@@ -145,9 +142,7 @@ def isend(
     g = resolve(group)
     if g is None:
         return None
-    target = peer_rank(g, dst, group_dst, "dst")
-    if target is None:
-        raise ValueError("isend needs dst (or group_dst)")
+    target = root_rank(g, dst, group_dst, "dst", "isend")
     g.check_usable("isend")
     x = as_array(tensor, writable=False)
     g.group_rank(target, "dst")
@@ -184,7 +179,7 @@ def irecv(
     g = resolve(group)
     if g is None:
         return None
-    source = peer_rank(g, src, group_src, "src")
+    source = named_rank(g, src, group_src, "src")
     g.check_usable("irecv")
     out = as_array(tensor)
     if source is not None:
@@ -278,9 +273,7 @@ async def send_object_list(
     """Send the (msgpack-serialisable) objects of ``object_list`` to ``dst``."""
     g: ProcessGroup = group
     _no_device(device)
-    target = peer_rank(g, dst, group_dst, "dst")
-    if target is None:
-        raise ValueError("send_object_list needs dst (or group_dst)")
+    target = root_rank(g, dst, group_dst, "dst", "send_object_list")
     packed = [_pack(o) for o in object_list]
     await send(np.array([len(p) for p in packed], np.int64), target, g)
     await send(np.frombuffer(b"".join(packed), np.uint8), target, g)
@@ -297,7 +290,7 @@ async def recv_object_list(
     """Fill ``object_list`` with the objects ``src`` (any rank if None) sent; return the sender."""
     g: ProcessGroup = group
     _no_device(device)
-    source = peer_rank(g, src, group_src, "src")
+    source = named_rank(g, src, group_src, "src")
     sizes = np.zeros(len(object_list), np.int64)
     sender = await recv(sizes, source, g)
     data = np.zeros(int(sizes.sum()), np.uint8)

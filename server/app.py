@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import ssl as _ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +48,9 @@ log = logging.getLogger("arendez.server")
 
 #: The largest frame a client may send before its handshake (a hello is under 300 bytes).
 HELLO_MAX = 1024
-#: The welcome, sent ahead in the challenge when the server has no token (``handshake.early_welcome``).
-_EARLY_WELCOME = {"store": STORE_PROTOCOL, "ok": True}
+#: The welcome (a token adds the server's proof); sent ahead in the challenge when the server has
+#: no token (``handshake.early_welcome``).
+_WELCOME = {"store": STORE_PROTOCOL, "ok": True}
 
 
 @dataclass
@@ -179,7 +182,7 @@ class Server:
             log.warning("%s", refused)
             conn.fail(refused, tell_peer=True)  # sent in place of the challenge
             return
-        challenge, conn.nonce = handshake.make_challenge(self.config.token, _EARLY_WELCOME)
+        challenge, conn.nonce = handshake.make_challenge(self.config.token, _WELCOME)
         conn.deadline = time.monotonic() + self.config.handshake_timeout
         self.admission.handshaking.add(conn)
         conn.send(challenge)
@@ -190,7 +193,7 @@ class Server:
             return
         self.admission.handshaking.discard(conn)
         try:
-            welcome = handshake.answer_hello(hello, cfg.token, conn.nonce, {"store": STORE_PROTOCOL})
+            welcome = handshake.answer_hello(hello, cfg.token, conn.nonce, _WELCOME)
             job = hello.get("job", "")
             if not isinstance(job, str) or len(job) > 256:
                 raise ProtocolError("job name must be a string of at most 256 characters")
@@ -279,7 +282,7 @@ class Server:
         handler = HANDLERS.get(op)
         rid = header.get("id")
         if op == "join":
-            self._start_join(session, rid, header)
+            self._start_waiting(session, rid, header, start_join)
             return
         if handler is None:
             if op not in BLOCKING:
@@ -317,29 +320,28 @@ class Server:
         )
         return True
 
-    def _start_join(self, session: Session, rid: Any, header: dict[str, Any]) -> None:
-        """A join waits for its round without a task (``joins.JoinWait``)."""
+    def _wait_for(self, session: Session, rid: Any, header: dict[str, Any], *, compact: bool) -> None:
+        """A request that cannot be answered yet: parked on its keys (``waits.KeyWait``), or,
+        for the others, a task."""
+        if header["op"] in PARKED:
+            self._start_waiting(session, rid, header, functools.partial(park, compact=compact))
+        else:
+            self._start_blocking(session, rid, header)
+
+    def _start_waiting(
+        self, session: Session, rid: Any, header: dict[str, Any], start: Callable[..., None]
+    ) -> None:
+        """A request that waits without a task: ``start(server, session, job, rid, header)``
+        parks it (a join on its round, ``joins.JoinWait``; a key wait, ``waits.KeyWait``); a
+        request it refuses is answered, and timed, at once."""
         if self._refuse_pending(session, rid):
             return
         started = time.perf_counter()
         try:
-            start_join(self, session, self.state.job(session.job), rid, header)
+            start(self, session, self.state.job(session.job), rid, header)
         except ArendezError as exc:
             session.reply_error(rid, exc)
-            self.config.hooks.request("join", time.perf_counter() - started, type(exc).__name__)
-
-    def _wait_for(self, session: Session, rid: Any, header: dict[str, Any], *, compact: bool) -> None:
-        """A request that cannot be answered yet: parked on its keys (``waits.KeyWait``), or,
-        for the others, a task."""
-        if header["op"] not in PARKED:
-            self._start_blocking(session, rid, header)
-            return
-        if self._refuse_pending(session, rid):
-            return
-        try:
-            park(self, session, self.state.job(session.job), rid, header, compact)
-        except ArendezError as exc:
-            session.reply_error(rid, exc)
+            self.config.hooks.request(header["op"], time.perf_counter() - started, type(exc).__name__)
 
     def _start_blocking(self, session: Session, rid: Any, header: dict[str, Any]) -> None:
         if self._refuse_pending(session, rid):

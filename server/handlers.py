@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgpack
-
 from arendez.errors import RendezvousError, StoreError
 from arendez.store_wire import OPS
 
@@ -41,7 +39,6 @@ MAX_KEYS = 10_000
 #: A handler's "cannot answer yet": the request continues in a task.
 BLOCK: Any = object()
 
-_packer = msgpack.Packer(use_bin_type=True)
 
 Handler = Callable[["Server", "Session", Job, Any], Any]
 

@@ -22,6 +22,7 @@ from arendez.rendezvous import incomplete
 
 from .rounds import Member, Round
 from .state import Job
+from .waits import timer_at
 
 if TYPE_CHECKING:
     from .app import Server
@@ -113,10 +114,7 @@ class JoinWait:
         self.rank = rank
         self._member = member
         self._started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = loop.call_at(
-            loop.time() + max(0.0, deadline - time.monotonic()), self.expire
-        )
+        self._timer: asyncio.TimerHandle | None = timer_at(deadline, self.expire)
 
     def _settle(self) -> bool:
         """Stop waiting; False if this join was answered (or dropped) already."""

@@ -22,6 +22,12 @@ if TYPE_CHECKING:
     from .hooks import ServerHooks
 
 
+def timer_at(deadline: float, callback: Callable[[], object]) -> asyncio.TimerHandle:
+    """Call ``callback`` on this loop at ``deadline`` (``time.monotonic``, as requests' deadlines)."""
+    loop = asyncio.get_running_loop()
+    return loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), callback)
+
+
 class KeyWait:
     """One request waiting for keys: parked on its first missing key until that key changes."""
 
@@ -61,10 +67,7 @@ class KeyWait:
         self._hooks = hooks
         self._started = time.perf_counter()
         self.parked: str | None = None  # the key this waits on now
-        loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = loop.call_at(
-            loop.time() + max(0.0, deadline - time.monotonic()), self.expire
-        )
+        self._timer: asyncio.TimerHandle | None = timer_at(deadline, self.expire)
         session.tasks.add(self)
 
     def wake(self) -> None:
@@ -120,12 +123,11 @@ class KeyWaits:
         if not self.waiters:
             return
         waiters = self.waiters.pop((job, key), None)
-        for waiter in waiters or ():
-            if type(waiter) is KeyWait:
-                waiter.parked = None  # (taken off the key already)
+        for waiter in waiters or ():  # (taken off the key already: ``wake`` re-parks if need be)
+            if isinstance(waiter, KeyWait):
                 waiter.wake()
-            elif not waiter.done():  # type: ignore[union-attr]
-                waiter.set_result(None)  # type: ignore[union-attr]
+            elif not waiter.done():
+                waiter.set_result(None)
 
     def park(self, job: str, key: str, waiter: KeyWait | asyncio.Future[None]) -> None:
         self.waiters.setdefault((job, key), {})[waiter] = None
