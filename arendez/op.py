@@ -189,10 +189,7 @@ class Op:
             if slot is not None and slot.data is not None:  # it came before we asked
                 self.world.mail.take(key)
                 try:
-                    if slot.data.nbytes != part.nbytes:
-                        theirs = f"{slot.data.nbytes} bytes"
-                        self.group.mismatch(self.seq, f"{self.fp} ({part.nbytes} bytes)", theirs, key[0])
-                        self._check()
+                    self._same_size(key, slot.data.nbytes, part.nbytes)
                     if part.nbytes:
                         part[:] = slot.data
                         if not slot.shared:  # (out of shared memory it is the transfer's one copy)
@@ -205,6 +202,12 @@ class Op:
         if not futs:
             return _done()
         return futs[0] if len(futs) == 1 else _gather(futs)
+
+    def _same_size(self, key: Key, got: int, want: int) -> None:
+        """A message that came early must be the size this rank receives; else both mismatch."""
+        if got != want:
+            self.group.mismatch(self.seq, f"{self.fp} ({want} bytes)", f"{got} bytes", key[0])
+            self._check()
 
     def recv_reduce(self, peer: int, tag: int, src: Array, out: Array, ufunc: np.ufunc) -> Awaitable[None]:
         """Receive a message of ``out.nbytes`` and set ``out = ufunc(src, message)`` (``out`` may
@@ -220,10 +223,7 @@ class Op:
         if slot is not None and slot.data is not None:  # it came before we asked
             self.world.mail.take(key)
             try:
-                if slot.data.nbytes != raw.nbytes:
-                    theirs = f"{slot.data.nbytes} bytes"
-                    self.group.mismatch(self.seq, f"{self.fp} ({raw.nbytes} bytes)", theirs, key[0])
-                    self._check()
+                self._same_size(key, slot.data.nbytes, raw.nbytes)
                 fold.write(slot.data)
             finally:
                 give(slot.give_back)
