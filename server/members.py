@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from arendez import burstlog, wire
@@ -25,8 +26,8 @@ log = logging.getLogger("arendez.server")
 DEPARTURE_BATCH = 0.01
 
 
-def _summarise(what: str) -> Any:
-    def summarise(departures: list[Departure]) -> str:
+def _summarise(what: str) -> Callable[[Sequence[Departure]], str]:
+    def summarise(departures: Sequence[Departure]) -> str:
         by_job: dict[str, list[int]] = {}
         for gone in departures:
             by_job.setdefault(gone.job, []).append(gone.rank)
@@ -145,12 +146,8 @@ class Members:
             return
         for gone in departures:
             self.hooks.departed(gone)
-            if gone.failed:
-                _FAILURES.note(
-                    None, logging.WARNING, gone, "job %r rank %d %s", gone.job, gone.rank, gone.reason
-                )
-            else:
-                _LEAVES.note(None, logging.INFO, gone, "job %r rank %d %s", gone.job, gone.rank, gone.reason)
+            burst, level = (_FAILURES, logging.WARNING) if gone.failed else (_LEAVES, logging.INFO)
+            burst.note(None, level, gone, "job %r rank %d %s", gone.job, gone.rank, gone.reason)
         self._departed.extend(departures)
         for name in {gone.job for gone in departures}:
             self._close_ready(name)
