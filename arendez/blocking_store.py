@@ -30,6 +30,8 @@ from .errors import (
 )
 from .store_wire import (
     MAX_REQUEST,
+    SMALL_HEADER,
+    SMALL_PREFIXES,
     STORE_ERRORS,
     STORE_PROTOCOL,
     HeaderReader,
@@ -42,6 +44,7 @@ from .transports import local
 _REPLY_LIMIT = 64 << 20  # replies carry values in their header (server bound: 1 MiB by default)
 _TIMEVAL = struct.Struct("@ll")
 _CALL_TIMEOUT = 30.0
+_monotonic = time.monotonic
 _REPLY_SLACK = 1.0  # how long past a waiting op's timeout the server's own answer may take
 
 transport.register_remote_errors(*STORE_ERRORS)
@@ -73,6 +76,7 @@ class BlockingStore:
         self._reader = HeaderReader(_REPLY_LIMIT)
         self._ready: collections.deque[Any] = collections.deque()  # frames read, not yet used
         self._packer = msgpack.Packer(use_bin_type=True)
+        self._pack = self._packer.pack
         self._id = 0
         self._wait_set = -1.0  # the socket's current timeout for one call
 
@@ -159,42 +163,48 @@ class BlockingStore:
         ready = self._ready
         reader = self._reader
         while not ready:
-            try:
-                n = sock.recv_into(reader.get_buffer())
-            except (BlockingIOError, TimeoutError):  # the socket's timeout expired: is ours?
-                n = -1
-            if n > 0:
-                ready.extend(reader.feed(n))
-                if ready:
-                    break
-            elif n == 0:
-                raise ConnectionResetError("the store closed the connection")
-            remaining = started + budget - time.monotonic()  # (the socket's timeout may be shorter)
+            ready.extend(reader.recv(sock))
+            if ready:
+                break
+            remaining = started + budget - _monotonic()  # (the socket's timeout may be shorter)
             if remaining <= 0:
                 raise TimeoutError
             self._set_wait(sock, remaining)
         return ready.popleft()
 
-    def _call(self, op: str, budget: float, *args: Any, waited: float | None = None) -> Any:
-        """Send the compact request ``[op, id, *args]``; its answer within ``budget`` seconds
-        (``waited``: the caller's timeout of a waiting op, which the server itself enforces)."""
-        started = time.monotonic()
+    def _call(self, request: list[Any], budget: float, waited: float | None = None) -> Any:
+        """Send the compact ``request`` ``[op, None, *args]`` (its id filled in here); its answer
+        within ``budget`` seconds (``waited``: the caller's timeout of a waiting op, which the
+        server itself enforces)."""
+        started = _monotonic()
         sock = self._sock or self._ensure()
-        self._id += 1
-        rid = self._id
-        data = frame(self._packer.pack([op, rid, *args]))
-        if len(data) > MAX_REQUEST:
-            check_request_size(op, len(data))
+        self._id = request[1] = rid = self._id + 1
+        raw = self._pack(request)
+        size = len(raw)
+        if size < SMALL_HEADER:
+            data = SMALL_PREFIXES[size] + raw
+        else:
+            data = frame(raw)
+            if len(data) > MAX_REQUEST:
+                check_request_size(request[0], len(data))
+        reader = self._reader
         try:
             # the socket's timeout only has to be no longer than the call's budget: a shorter
             # one wakes a long wait up now and then (``_next`` waits on), and changes rarely
             current = self._wait_set
-            if current > budget or current < 0.5 * min(budget, _CALL_TIMEOUT):
+            if current != budget and (current > budget or current < 0.5 * min(budget, _CALL_TIMEOUT)):
                 self._set_wait(sock, budget)
             try:
                 sock.sendall(data)
             except BlockingIOError:  # SO_SNDTIMEO expired
                 raise TimeoutError from None
+            if not self._ready:  # the usual case: the reply, whole in one read
+                got = reader.recv(sock)
+                if len(got) == 1:
+                    reply = got[0]
+                    if type(reply) is list and len(reply) == 2 and reply[0] == rid:
+                        return reply[1]
+                self._ready.extend(got)
             while True:
                 reply = self._next(sock, started, budget)
                 if type(reply) is list:
@@ -209,6 +219,7 @@ class BlockingStore:
                 if found is None and "error" in reply:  # dropped for a protocol error
                     raise transport.remote_error(reply, StoreError)
         except TimeoutError:
+            op = request[0]
             self.close()  # the answer may still come: this connection is out of step now
             if waited is not None:  # the server did not even answer that the wait timed out
                 raise StoreTimeoutError(
@@ -217,6 +228,7 @@ class BlockingStore:
                 ) from None
             raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
         except (OSError, ProtocolError) as exc:
+            op = request[0]
             self.close()
             where = f"{self.host}:{self.port}"
             raise StoreConnectionError(f"store {op} failed: lost the connection to {where}: {exc}") from None
@@ -226,7 +238,9 @@ class BlockingStore:
 
     def _budget(self, timeout: float | None) -> float:
         """Seconds a call that does not wait on the server may take."""
-        return min(self.timeout if timeout is None else float(timeout), _CALL_TIMEOUT)
+        if timeout is None:
+            timeout = self.timeout
+        return timeout if timeout < _CALL_TIMEOUT else _CALL_TIMEOUT
 
     def _wait_budget(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else float(timeout)
@@ -234,17 +248,21 @@ class BlockingStore:
     # -- operations ------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``."""
-        self._call("set", self._budget(timeout), key, to_bytes(value))
+        if type(value) is not bytes:
+            value = to_bytes(value)
+        self._call(["set", None, key, value], self._budget(timeout))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` for it to be set."""
         wait = self._wait_budget(timeout)
-        value: bytes = self._call("get", wait + _REPLY_SLACK, key, wait, waited=wait)
+        value: bytes = self._call(["get", None, key, wait], wait + _REPLY_SLACK, waited=wait)
         return value
 
     def add(self, key: str, amount: int = 1, timeout: float | None = None) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (missing = 0); return the sum."""
-        total: int = self._call("add", self._budget(timeout), key, int(amount))
+        if type(amount) is not int:
+            amount = int(amount)
+        total: int = self._call(["add", None, key, amount], self._budget(timeout))
         return total
 
     def compare_set(
@@ -253,34 +271,36 @@ class BlockingStore:
         """Set ``desired`` if ``key`` holds ``expected`` (or is missing and ``expected`` is
         empty); return the value the key holds afterwards."""
         value: bytes = self._call(
-            "compare_set", self._budget(timeout), key, to_bytes(expected), to_bytes(desired)
+            ["compare_set", None, key, to_bytes(expected), to_bytes(desired)], self._budget(timeout)
         )
         return value
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
         wait = self._wait_budget(timeout)
-        self._call("wait", wait + _REPLY_SLACK, list(keys), wait, waited=wait)
+        self._call(["wait", None, list(keys), wait], wait + _REPLY_SLACK, waited=wait)
 
     def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
         """True if every key in ``keys`` is set (no waiting)."""
-        found: bool = self._call("check", self._budget(timeout), list(keys))
+        found: bool = self._call(["check", None, list(keys)], self._budget(timeout))
         return found
 
     def delete(self, key: str, timeout: float | None = None) -> bool:
         """Delete ``key``; True if it existed."""
-        existed: bool = self._call("delete", self._budget(timeout), key)
+        existed: bool = self._call(["delete", None, key], self._budget(timeout))
         return existed
 
     def num_keys(self, timeout: float | None = None) -> int:
         """How many keys the job's store holds."""
-        count: int = self._call("num_keys", self._budget(timeout))
+        count: int = self._call(["num_keys", None], self._budget(timeout))
         return count
 
     def multi_get(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
         """The values of ``keys``, in order, waiting up to ``timeout`` for any not yet set."""
         wait = self._wait_budget(timeout)
-        values: list[bytes] = self._call("multi_get", wait + _REPLY_SLACK, list(keys), wait, waited=wait)
+        values: list[bytes] = self._call(
+            ["multi_get", None, list(keys), wait], wait + _REPLY_SLACK, waited=wait
+        )
         return values
 
     def multi_set(
@@ -290,27 +310,29 @@ class BlockingStore:
         keys, values = list(keys), [to_bytes(v) for v in values]
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        self._call("multi_set", self._budget(timeout), keys, values)
+        self._call(["multi_set", None, keys, values], self._budget(timeout))
 
     def list_keys(self, timeout: float | None = None) -> list[str]:
         """Every key of the job's store that holds a value (queues are not listed)."""
-        keys: list[str] = self._call("list_keys", self._budget(timeout))
+        keys: list[str] = self._call(["list_keys", None], self._budget(timeout))
         return keys
 
     def queue_push(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Append ``value`` to the queue ``key`` (queues are apart from the keys' values)."""
-        self._call("queue_push", self._budget(timeout), key, to_bytes(value))
+        self._call(["queue_push", None, key, to_bytes(value)], self._budget(timeout))
 
     def queue_pop(self, key: str, block: bool = True, timeout: float | None = None) -> bytes:
         """The oldest value of the queue ``key``, removed: waiting up to ``timeout`` for one
         (``StoreTimeoutError``), or with ``block=False`` ``QueueEmptyError`` at once."""
         wait = self._wait_budget(timeout) if block else 0.0
-        value: bytes = self._call("queue_pop", wait + _REPLY_SLACK, key, bool(block), wait, waited=wait)
+        value: bytes = self._call(
+            ["queue_pop", None, key, bool(block), wait], wait + _REPLY_SLACK, waited=wait
+        )
         return value
 
     def queue_len(self, key: str, timeout: float | None = None) -> int:
         """How many values the queue ``key`` holds."""
-        count: int = self._call("queue_len", self._budget(timeout), key)
+        count: int = self._call(["queue_len", None, key], self._budget(timeout))
         return count
 
 

@@ -99,15 +99,15 @@ _SHRINK_AT = 64 << 10
 _unpack_prefix = PREFIX.unpack_from
 _PREFIX_SIZE = PREFIX.size
 #: Prefixes of headers up to this many bytes, made once.
-_SMALL = 512
-_PREFIXES = [PREFIX.pack(n, 0) for n in range(_SMALL)]
+SMALL_HEADER = 512
+SMALL_PREFIXES = [PREFIX.pack(n, 0) for n in range(SMALL_HEADER)]
 _pack_prefix = PREFIX.pack
 
 
 def frame(raw: bytes) -> bytes:
     """One payload-less frame around the msgpack ``raw``."""
     n = len(raw)
-    return (_PREFIXES[n] if n < _SMALL else _pack_prefix(n, 0)) + raw
+    return (SMALL_PREFIXES[n] if n < SMALL_HEADER else _pack_prefix(n, 0)) + raw
 
 
 class HeaderReader:
@@ -144,6 +144,28 @@ class HeaderReader:
     def pending(self) -> int:
         """Bytes of an incomplete frame held."""
         return self._filled
+
+    def recv(self, sock: Any) -> list[Any]:
+        """One ``recv_into`` from ``sock``: the headers it completed (``[]`` if none, or if the
+        socket's timeout expired: the caller decides whether its own time is up). A closed
+        connection is ``ConnectionResetError``. The usual store reply, one whole frame in one
+        read into an empty buffer, is decoded in place."""
+        view = self._view
+        filled = self._filled
+        try:
+            n = sock.recv_into(view if not filled else self.get_buffer())
+        except (BlockingIOError, TimeoutError):
+            return []
+        if n == 0:
+            raise ConnectionResetError("the store closed the connection")
+        if not filled and n > _PREFIX_SIZE:
+            hlen, plen = _unpack_prefix(view, 0)
+            if n == _PREFIX_SIZE + hlen and not plen and hlen <= self.max_header:
+                try:
+                    return [msgpack.unpackb(view[_PREFIX_SIZE:n], strict_map_key=False)]
+                except Exception as exc:  # msgpack raises several unrelated types
+                    raise ProtocolError(f"undecodable frame header: {exc}") from None
+        return self.feed(n)
 
     def feed(self, nbytes: int) -> list[Any]:
         """Account for ``nbytes`` written into the last buffer; return the completed headers."""
