@@ -1,4 +1,5 @@
-"""The server a ``tcp://`` (or ``env://`` with MASTER_ADDR) rank 0 hosts in its own event loop.
+"""The server a ``tcp://`` (or ``env://`` with MASTER_ADDR) rank 0 hosts: a child process of
+its own (``arendez.serverproc``; in its event loop with TLS or ``ARENDEZ_EMBEDDED_SERVER=loop``).
 
 One server per process and port, started by the first ``init_process_group`` that needs it and
 kept across ``destroy_process_group``/``init_process_group`` cycles, exactly as a standalone
@@ -20,11 +21,13 @@ import contextlib
 import errno
 import importlib
 import logging
+import os
 import ssl as _ssl
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import RendezvousError
+from .serverproc import ServerProcess
 
 log = logging.getLogger("arendez")
 
@@ -91,9 +94,23 @@ async def shutdown(timeout: float = 2.0) -> None:
         await _retire(entry, loop, timeout)
 
 
+def as_child() -> bool:
+    """True if the server runs as a child process (the default; ``ARENDEZ_EMBEDDED_SERVER=loop``
+    runs it in the hosting rank's event loop, as TLS always does)."""
+    mode = os.environ.get("ARENDEZ_EMBEDDED_SERVER", "process").strip() or "process"
+    if mode not in ("process", "loop"):
+        raise ValueError(f"ARENDEZ_EMBEDDED_SERVER must be 'process' or 'loop', got {mode!r}")
+    return mode == "process"
+
+
 async def _start(
     host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None, *, who: str, wait: float
 ) -> Any:
+    if ssl is None and as_child():  # (a TLS context cannot be handed to another process)
+        try:
+            return await ServerProcess.start(host, port, token, wait)
+        except OSError as exc:
+            raise RendezvousError(f"{who} cannot host the store on port {port}: {exc}") from None
     module = importlib.import_module("arendez_server")  # installed from server/
     loop = asyncio.get_running_loop()
     until = loop.time() + wait
@@ -139,6 +156,9 @@ async def _retire(entry: _Hosted, loop: asyncio.AbstractEventLoop, timeout: floa
             await asyncio.wait_for(asyncio.wrap_future(done), timeout + 1.0)
         return
     # a loop that has stopped without cancelling our holder: free the listening socket at least
+    if isinstance(entry.server, ServerProcess):
+        entry.server.stop_now()
+        return
     listener = getattr(entry.server, "_server", None)
     if listener is not None:
         with contextlib.suppress(Exception):

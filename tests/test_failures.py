@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -89,6 +90,41 @@ def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
     out = resumed.value
     assert out["error"] == "RankFailedError" and out["rank_named"] == 2, out
     assert "declared failed by the server" in out["message"], out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(90)
+def test_stopped_rank_0_hosting_the_server_is_declared_failed(tmp_path):
+    """tcp://: rank 0 hosts the store, in a child process of its own, so stopping rank 0 leaves
+    the store serving and its lease check declares rank 0 failed within the lease, rather than
+    the survivors waiting out their collective timeout (40 s here)."""
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [
+        spawn_rank(failures_jobs.reduce_until_failure, r, 3, url, str(tmp_path), 1000, 40.0) for r in range(3)
+    ]
+    try:
+        wait_for_files(tmp_path, "ready-*", 3)
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        survivors = collect(procs[1:], 20)
+        os.kill(procs[0].pid, signal.SIGCONT)
+        (resumed,) = collect(procs[:1], 20)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for res in survivors:
+        out = res.value
+        assert out["error"] == "RankFailedError" and out["rank_named"] == 0, out
+        assert "declared failed by the server" in out["message"], out
+        assert out["at"] - stopped_at < 4.0, f"detected after {out['at'] - stopped_at:.2f}s"
+    out = resumed.value
+    assert out["error"] == "RankFailedError" and out["rank_named"] == 0, out
 
 
 @pytest.mark.timeout(60)

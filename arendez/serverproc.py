@@ -1,0 +1,90 @@
+"""The embedded server in a child process (``arendez_server.child``), as the rank that hosts it
+sees it: started, its port, closed.
+
+The child lives as long as this process: it exits when we close it, and by itself when we die
+(its stdin, our pipe, reaches EOF) or stop being its parent. It runs in a session of its own, so
+a signal for our process group (Ctrl-C, a job-control stop) is not one for the store; a stop of
+this process alone leaves it serving, and its lease check declares us failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+#: The child's start-up (an interpreter, the server's imports) takes about 0.5 s; this bounds it.
+START_TIMEOUT = 60.0
+
+
+class ServerProcess:
+    """An ``arendez-server`` child serving on ``port``."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, token: str | None) -> None:
+        self.proc = proc
+        self.port = port
+        self.token = token
+
+    @classmethod
+    async def start(cls, host: str, port: int, token: str | None, wait: float) -> ServerProcess:
+        """A child serving on ``host:port`` (0: a free port); ``OSError`` (with the child's
+        errno) if it cannot listen there, a port in use retried for ``wait`` s."""
+        env = dict(os.environ)
+        env.pop("ARENDEZ_TOKEN", None)  # (the token goes through the pipe, not the environment)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "arendez_server.child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        order = {
+            "host": host,
+            "port": port,
+            "token": token,
+            "wait": wait,
+            "log_level": logging.getLogger("arendez.server").getEffectiveLevel(),
+            "parent": os.getpid(),
+        }
+        try:
+            proc.stdin.write(json.dumps(order).encode() + b"\n")
+            proc.stdin.flush()
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), START_TIMEOUT + wait)
+            answer: dict[str, Any] = json.loads(line) if line else {"error": "it exited", "errno": 0}
+        except BaseException:
+            _kill(proc)
+            raise
+        if "port" not in answer:
+            _kill(proc)
+            raise OSError(int(answer.get("errno", 0)), f"the store process: {answer.get('error')}")
+        return cls(proc, int(answer["port"]), token)
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Let the child close (it tells its clients), within ``timeout``; then kill it."""
+        proc = self.proc
+        if proc.stdin is not None and not proc.stdin.closed:
+            proc.stdin.close()
+        until = time.monotonic() + timeout + 1.0
+        while proc.poll() is None and time.monotonic() < until:
+            await asyncio.sleep(0.01)
+        _kill(proc)
+
+    def stop_now(self) -> None:
+        """Close from outside any event loop: EOF to the child, which closes by itself."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None and not pipe.closed:
+            pipe.close()

@@ -1,0 +1,104 @@
+"""The embedded server as a child process of the rank that hosts it (``arendez.serverproc``).
+
+Run as ``python -m arendez_server.child``. The parent writes one JSON line to our stdin::
+
+    {"host": ..., "port": ..., "token": ... or null, "wait": seconds, "log_level": 30, "parent": pid}
+
+and we answer one JSON line on stdout: ``{"port": N}`` once listening, or ``{"error": text,
+"errno": n}`` (a port in use is retried for ``wait`` seconds first: the last host may be
+leaving). Then we serve until our stdin reaches EOF (the parent closed it, or died: its end of
+the pipe closes with it, kill -9 included), our parent changes, or SIGTERM; then we close the
+server, telling every client. SIGINT is ignored: Ctrl-C is for the ranks, which close us.
+
+Why a process: the store outlives a stopped or busy host. With the server in rank 0's event
+loop, a SIGSTOPped rank 0 stopped the lease check too (nobody was declared failed, survivors
+waited for their collective timeout), and a rank 0 busy in a long synchronous step, or holding
+the GIL, stalled every other rank's store calls and rendezvous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from arendez import loop as _loop
+
+from .admission import raise_fd_limit
+from .app import Server, ServerConfig
+
+#: How often the parent is looked for (besides the EOF of stdin, which is immediate).
+PARENT_CHECK = 1.0
+
+
+def _say(answer: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
+
+
+async def _bind(host: str, port: int, token: str | None, wait: float) -> Server:
+    """The started server: ``host`` (else every address), retrying a port in use for ``wait`` s."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + wait
+    while True:
+        error: OSError | None = None
+        for bind in (host, "0.0.0.0"):
+            server = Server(ServerConfig(host=bind, port=port, token=token))
+            try:
+                await server.start()
+                return server
+            except OSError as exc:
+                error = exc
+        assert error is not None
+        if error.errno != errno.EADDRINUSE or loop.time() >= until:
+            raise error
+        await asyncio.sleep(0.05)
+
+
+async def _serve(order: dict[str, Any]) -> int:
+    loop = asyncio.get_running_loop()
+    try:
+        server = await _bind(str(order["host"]), int(order["port"]), order.get("token"), float(order["wait"]))
+    except OSError as exc:
+        _say({"error": str(exc), "errno": exc.errno or 0})
+        return 1
+    _say({"port": server.port})
+    stop = asyncio.Event()
+    stdin = sys.stdin.fileno()
+
+    def parent_spoke() -> None:
+        if not os.read(stdin, 4096):  # EOF: the parent closed us, or is gone
+            loop.remove_reader(stdin)
+            stop.set()
+
+    loop.add_reader(stdin, parent_spoke)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    parent = int(order["parent"])
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), PARENT_CHECK)
+        except TimeoutError:
+            if os.getppid() != parent:  # (stdin may be held open by a child the parent forked)
+                break
+    await server.close(1.0)
+    return 0
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    order = json.loads(sys.stdin.readline())
+    logging.basicConfig(
+        level=int(order.get("log_level", logging.WARNING)),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    raise_fd_limit()  # (then the server fits it quietly, as an embedded server does)
+    return _loop.run(_serve(order))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
