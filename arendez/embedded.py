@@ -109,6 +109,8 @@ async def _start(
     if ssl is None and as_child():  # (a TLS context cannot be handed to another process)
         try:
             return await ServerProcess.start(host, port, token, wait)
+        except ChildProcessError as exc:
+            log.warning("%s: no store process (%s); hosting the store in this event loop", who, exc)
         except OSError as exc:
             raise RendezvousError(f"{who} cannot host the store on port {port}: {exc}") from None
     module = importlib.import_module("arendez_server")  # installed from server/

@@ -18,8 +18,21 @@ import sys
 import time
 from typing import Any
 
-#: The child's start-up (an interpreter, the server's imports) takes about 0.5 s; this bounds it.
+#: The child's start-up (an interpreter, the server's imports) takes about 0.25 s; this bounds it.
 START_TIMEOUT = 60.0
+
+#: The child's program. ``arendez``'s ``__init__`` imports the whole API (collectives, numpy's
+#: extras: two thirds of a server's start-up); the server needs a few of its submodules only,
+#: so the package is entered as a bare namespace and they are imported from it as needed.
+_BOOT = """
+import importlib.util, sys, types
+spec = importlib.util.find_spec("arendez")
+bare = types.ModuleType("arendez")
+bare.__path__, bare.__spec__ = list(spec.submodule_search_locations), spec
+sys.modules["arendez"] = bare
+from arendez_server.child import main
+sys.exit(main())
+"""
 
 
 class ServerProcess:
@@ -33,16 +46,20 @@ class ServerProcess:
     @classmethod
     async def start(cls, host: str, port: int, token: str | None, wait: float) -> ServerProcess:
         """A child serving on ``host:port`` (0: a free port); ``OSError`` (with the child's
-        errno) if it cannot listen there, a port in use retried for ``wait`` s."""
+        errno) if it cannot listen there, a port in use retried for ``wait`` s;
+        ``ChildProcessError`` if the child could not be started."""
         env = dict(os.environ)
         env.pop("ARENDEZ_TOKEN", None)  # (the token goes through the pipe, not the environment)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "arendez_server.child"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise ChildProcessError(f"cannot start {sys.executable}: {exc}") from None
         assert proc.stdin is not None and proc.stdout is not None
         order = {
             "host": host,
@@ -56,10 +73,13 @@ class ServerProcess:
             proc.stdin.write(json.dumps(order).encode() + b"\n")
             proc.stdin.flush()
             line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), START_TIMEOUT + wait)
-            answer: dict[str, Any] = json.loads(line) if line else {"error": "it exited", "errno": 0}
         except BaseException:
             _kill(proc)
             raise
+        if not line:
+            _kill(proc)
+            raise ChildProcessError(f"the store process exited at start (status {proc.returncode})")
+        answer: dict[str, Any] = json.loads(line)
         if "port" not in answer:
             _kill(proc)
             raise OSError(int(answer.get("errno", 0)), f"the store process: {answer.get('error')}")

@@ -180,3 +180,22 @@ def test_a_connection_accepted_as_the_server_closes_is_dropped() -> None:
         return [spins for spins in list(range(8)) * 4 if not await _connect_then_close(spins)]
 
     assert run(sweep()) == []  # arendez's own loop (uvloop where installed)
+
+
+async def test_no_store_process_falls_back_to_the_event_loop(
+    server_mode: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An interpreter that cannot be started (an embedded Python, a broken install) costs the
+    child process, not the rendezvous: the store is hosted in the event loop, with a warning."""
+    monkeypatch.setattr("sys.executable", "/nonexistent/python")
+    port = _free_port()
+    with caplog.at_level(logging.WARNING, logger="arendez"):
+        server = await embedded.acquire("127.0.0.1", port, None, None)
+    try:
+        assert server.port == port and hasattr(server, "config")  # the in-loop Server
+        assert ("no store process" in caplog.text) == (server_mode == "process"), caplog.text
+        store = await dist.Store("127.0.0.1", port, "job", timeout=5).connect(5)
+        await store.set("k", b"v")
+        await store.close()
+    finally:
+        await embedded.shutdown()
