@@ -238,9 +238,8 @@ class BlockingStore:
 
     def _budget(self, timeout: float | None) -> float:
         """Seconds a call that does not wait on the server may take."""
-        if timeout is None:
-            timeout = self.timeout
-        return timeout if timeout < _CALL_TIMEOUT else _CALL_TIMEOUT
+        seconds = self.timeout if timeout is None else float(timeout)
+        return seconds if seconds < _CALL_TIMEOUT else _CALL_TIMEOUT
 
     def _wait_budget(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else float(timeout)
