@@ -69,8 +69,11 @@ class Stats:
     received_bytes: int = 0
     #: the part of ``received_bytes`` that came through shared memory, not the socket
     shm_bytes: int = 0
-    #: large payloads sent inline because the peer's shared-memory ring was full
+    #: large payloads sent inline because the peer's shared-memory ring stayed full
     shm_full: int = 0
+    #: large payloads that found the peer's ring full and waited for room (then took it, or
+    #: went inline: ``shm_full``)
+    shm_waits: int = 0
     #: peer connections this rank opened or accepted (tcp: on first use, not all pairs)
     connections: int = 0
     #: the part of ``connections`` over a same-host Unix socket (``transports.local``)

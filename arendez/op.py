@@ -24,6 +24,7 @@ from .errors import (
 )
 from .fold import Fold
 from .mailbox import Key, Slot, give, settle
+from .settings import env_int
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
@@ -38,6 +39,8 @@ TIMER_SLACK = 0.001
 DIAGNOSE_SECONDS = 1.0
 #: The least time peers get to answer that question (a very short timeout raises this much late).
 DIAGNOSE_MIN_SECONDS = 0.05
+#: How long a send waits for room in a full shared-memory ring before it goes inline instead.
+SHM_ROOM_WAIT = env_int("ARENDEZ_SHM_ROOM_WAIT_MS", 100, minimum=0) / 1000
 
 __all__ = ["Op"]
 
@@ -124,29 +127,99 @@ class Op:
         for give_back in held.values():
             give_back()
 
-    def _send_shm(self, target: int, conn: Any, tag: int, raw: memoryview) -> bool:
-        """Copy ``raw`` into our segment for ``target`` and send where it lies; False if there
-        is no segment or no room in it now (the caller sends it inline instead)."""
+    def _send_shm(self, target: int, conn: Any, tag: int, raw: memoryview) -> bool | asyncio.Future[None]:
+        """Copy ``raw`` into our segment for ``target`` and send where it lies: True if done,
+        False if there is no segment for it (the caller sends it inline), or a future while the
+        ring is full (it resolves once sent: through the ring, or inline if none comes free)."""
         channels = self.world.shm
         if not channels.carries(target, raw.nbytes):
             return False
         room = channels.reserve(target, raw.nbytes)
         if room is None:
-            self.world.stats.shm_full += 1
-            return False
+            if not channels.fits(target, raw.nbytes):  # larger than the whole ring
+                self.world.stats.shm_full += 1
+                return False
+            return self._send_when_room(target, conn, tag, raw)
+        self._put_shm(conn, tag, raw, room)
+        return True
+
+    def _put_shm(self, conn: Any, tag: int, raw: memoryview, room: tuple[int, memoryview]) -> None:
         offset, dest = room
         dest[:] = raw if raw.ndim == 1 else raw.cast("B")
         frame = frames.ShmData(self.group.gid, self.seq, tag, 0, self.fp, offset, raw.nbytes)
         conn.send(frames.encode(frame))
-        return True
+
+    def _send_when_room(self, target: int, conn: Any, tag: int, raw: memoryview) -> asyncio.Future[None]:
+        """Wait (first come first served) for ``target`` to hand back room in our ring, and send
+        through it; inline (counted in ``shm_full``) if none comes within ``SHM_ROOM_WAIT``: a
+        peer that has not started this collective yet holds on to its part of the ring."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._wait_on(fut)  # (a failure of the op settles it)
+        channels = self.world.shm
+        self.world.stats.shm_waits += 1
+
+        def inline() -> None:
+            self.world.stats.shm_full += 1
+            try:
+                drained = self._send_inline(conn, tag, raw)
+            except BaseException as exc:  # (the peer is gone: the op fails with it)
+                settle(fut, exc)
+                return
+            if drained is None:
+                fut.set_result(None)
+            else:
+                drained.add_done_callback(follow)
+
+        def follow(drained: asyncio.Future[None]) -> None:
+            if fut.done():
+                return
+            if drained.cancelled():
+                fut.cancel()
+            elif (exc := drained.exception()) is not None:
+                settle(fut, exc)
+            else:
+                fut.set_result(None)
+
+        def retry() -> bool:
+            if fut.done():  # the op failed while this waited
+                timer.cancel()
+                return True
+            if not channels.carries(target, raw.nbytes):  # the link went
+                timer.cancel()
+                inline()
+                return True
+            room = channels.reserve(target, raw.nbytes, queued=True)
+            if room is None:
+                return False
+            timer.cancel()
+            self._put_shm(conn, tag, raw, room)
+            fut.set_result(None)
+            return True
+
+        def give_up() -> None:
+            channels.stop_waiting(target, retry)
+            if not fut.done():
+                inline()
+
+        timer = loop.call_later(SHM_ROOM_WAIT, give_up)
+        channels.wait_room(target, retry)
+        return fut
 
     def send(self, peer: int, tag: int, data: Array) -> Awaitable[None] | None:
         self._check()
         conn = self._conn(peer)
         raw = byte_view(data)
-        gid = self.group.gid
-        if self._send_shm(self.group.ranks[peer], conn, tag, raw):
+        through = self._send_shm(self.group.ranks[peer], conn, tag, raw)
+        if through is True:
             return None  # copied: the caller may reuse ``data`` at once
+        if through is not False:
+            return through
+        return self._send_inline(conn, tag, raw)
+
+    def _send_inline(self, conn: Any, tag: int, raw: memoryview) -> asyncio.Future[None] | None:
+        """Send ``raw`` over the connection itself; the drain future if it must be awaited."""
+        gid = self.group.gid
         if raw.nbytes <= wire.MAX_SEGMENT:
             conn.send(frames.data_header(gid, self.seq, tag, 0, self.fp), raw if raw.nbytes else None)
         else:

@@ -29,6 +29,7 @@ import secrets
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,6 +277,8 @@ class Link:
     ready: bool = False
     inbound: Segment | None = None
     to_free: list[int] = field(default_factory=list)
+    #: sends waiting for room in our ring, first come first served (``Channels.wait_room``)
+    waiting: collections.deque[Callable[[], bool]] = field(default_factory=collections.deque)
 
     def close(self) -> None:
         self.ready = False
@@ -372,13 +375,37 @@ class Channels:
         link = self.links.get(peer)
         return nbytes >= MIN_PAYLOAD and link is not None and link.ready
 
-    def reserve(self, peer: int, nbytes: int) -> tuple[int, memoryview] | None:
+    def reserve(self, peer: int, nbytes: int, queued: bool = False) -> tuple[int, memoryview] | None:
         """Room for a payload to ``peer`` (``carries`` must be true): (offset, where to copy
-        it), or ``None`` while the ring is full."""
+        it), or ``None`` while the ring is full or other sends wait for room before this one
+        (``queued``: this is the first of them)."""
         link = self.links[peer]
         assert link.space is not None and link.outbound is not None
+        if link.waiting and not queued:
+            return None
         offset = link.space.alloc(nbytes)
         return None if offset is None else (offset, link.outbound.view(offset, nbytes))
+
+    def fits(self, peer: int, nbytes: int) -> bool:
+        """True if an ``nbytes`` payload fits ``peer``'s ring when empty (else waiting is futile)."""
+        space = self.links[peer].space
+        return space is not None and -(-max(1, nbytes) // ALIGN) * ALIGN <= space.size
+
+    def wait_room(self, peer: int, retry: Callable[[], bool]) -> None:
+        """Call ``retry`` (first come first served) whenever ``peer`` hands back room, and once
+        more if the link goes; it returns True when it is done waiting."""
+        self.links[peer].waiting.append(retry)
+
+    def stop_waiting(self, peer: int, retry: Callable[[], bool]) -> None:
+        link = self.links.get(peer)
+        if link is not None and retry in link.waiting:
+            link.waiting.remove(retry)
+
+    @staticmethod
+    def _serve_waiting(link: Link) -> None:
+        waiting = link.waiting
+        while waiting and waiting[0]():
+            waiting.popleft()
 
     def payload(self, peer: int, offset: Any, nbytes: Any) -> memoryview:
         """The bytes a peer's frame points at in its segment (``ValueError`` if it cannot)."""
@@ -416,6 +443,7 @@ class Channels:
                 link.space.free(offset)
             except KeyError:
                 raise ValueError(f"rank {peer} freed offset {offset!r}, which it does not hold") from None
+        self._serve_waiting(link)
 
     def drop(self, peer: int) -> None:
         """The peer is gone: unmap both segments (views still in use keep their pages)."""
@@ -423,6 +451,9 @@ class Channels:
         link = self.links.pop(peer, None)
         if link is not None:
             link.close()
+            waiting, link.waiting = list(link.waiting), collections.deque()
+            for retry in waiting:  # (each finds the link gone and stops waiting)
+                retry()
 
     def close(self) -> None:
         for peer in list(self.links):

@@ -231,11 +231,23 @@ def test_large_payloads_go_through_shared_memory_and_no_file_stays(arendez_serve
 
 @pytest.mark.timeout(60)
 def test_a_full_ring_falls_back_to_tcp(arendez_server, shm_dir):
-    """A ring far smaller than what is in flight: part of the bytes take TCP, none are lost."""
-    env = {"ARENDEZ_SHM_BYTES": str(1536 * 1024)}
+    """A ring far smaller than what is in flight, and no waiting for room: part of the bytes
+    take TCP, none are lost."""
+    env = {"ARENDEZ_SHM_BYTES": str(1536 * 1024), "ARENDEZ_SHM_ROOM_WAIT_MS": "0"}
     results = run_ranks(shm_jobs.shm_job, 4, f"{arendez_server.url}/shm-small", 1_000_003, 2, env=env)
     for res in results:
         assert 0 < res["shm"] < res["received"] and res["full"] > 0, res  # (how much: timing)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_ring_is_waited_for(arendez_server, shm_dir):
+    """The same small ring, and sends wait for the receiver to hand back room (as they do by
+    default, for up to 100 ms): every large payload goes through shared memory."""
+    env = {"ARENDEZ_SHM_BYTES": str(1536 * 1024), "ARENDEZ_SHM_ROOM_WAIT_MS": "30000"}
+    results = run_ranks(shm_jobs.shm_job, 4, f"{arendez_server.url}/shm-wait", 1_000_003, 2, env=env)
+    for res in results:
+        assert res["full"] == 0 and res["waits"] > 0, res
+        assert res["shm"] > 0.95 * res["received"], res
 
 
 @pytest.mark.timeout(60)

@@ -35,6 +35,7 @@ async def shm_job(rank: int, ws: int, url: str, size: int, rounds: int) -> dict[
     return {
         "shm": stats.shm_bytes,
         "full": stats.shm_full,
+        "waits": stats.shm_waits,
         "received": stats.received_bytes,
         "copied": stats.copied_bytes,
         "during": during,
