@@ -50,6 +50,8 @@ class ServerProcess:
         ``ChildProcessError`` if the child could not be started."""
         env = dict(os.environ)
         env.pop("ARENDEZ_TOKEN", None)  # (the token goes through the pipe, not the environment)
+        for pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[pool] = "1"  # (numpy comes with the server's imports: no math thread pools)
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOT],
