@@ -14,6 +14,7 @@ from arendez import loop as _loop
 from arendez import validate
 from arendez.tls import server_context
 
+from .admission import FD_RESERVE, raise_fd_limit
 from .app import Server, ServerConfig
 from .hooks import ServerHooks, metrics_hooks, start_http, status_main
 from .limits import StateLimits
@@ -60,8 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-connections",
         type=arg(validate.at_least, 1, "--max-connections"),
-        default=d.max_connections,
-        help=f"default {d.max_connections}",
+        default=None,
+        help=f"default {d.max_connections}, or what the open-file limit allows if that is less",
     )
     p.add_argument(
         "--max-connections-per-host",
@@ -122,6 +123,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _default_max_connections() -> int:
+    """``--max-connections``'s default when the open-file limit does not lower it."""
+    return ServerConfig().max_connections
+
+
 def read_token(path: str | None) -> str | None:
     """The token from ``path`` (stripped), else ``ARENDEZ_TOKEN``, else None."""
     if path:
@@ -177,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         max_jobs=args.max_jobs,
         max_world_size=args.max_world_size,
     )
+    if args.max_connections is None:  # the default fits the open-file limit quietly
+        args.max_connections = min(_default_max_connections(), max(1, raise_fd_limit() - FD_RESERVE))
     config = ServerConfig(
         host=args.host,
         port=args.port,

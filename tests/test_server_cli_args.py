@@ -91,3 +91,41 @@ def test_any_unknown_log_level_is_refused(level: str) -> None:
         return
     line = _refused(["--log-level", level])
     assert "--log-level" in line and repr(level) in line, line
+
+
+def _start_and_stop(*argv: str) -> str:
+    """Start the server with ``argv``, stop it once it listens; its log."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "arendez_server", "--port", "0", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("arendez-server listening on"):
+                break
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+        return "".join(lines) + out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(30)
+def test_the_default_connection_limit_fits_the_open_file_limit_quietly() -> None:
+    """The default asks for nothing the operator chose: no warning where the open-file limit
+    admits fewer connections; a value given that the limit cannot hold is named in a warning."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert "WARNING" not in _start_and_stop(), "a default start warned"
+    too_many = str((hard if hard != resource.RLIM_INFINITY else 1 << 20) + 1000)
+    log = _start_and_stop("--max-connections", too_many)
+    assert "WARNING" in log and f"not --max-connections {too_many}" in log, log
