@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import collect, server, spawn_rank, wait_for_files
+from tests.harness import collect, run_ranks, server, spawn_rank, wait_for_files
 from tests.jobs import failures as failures_jobs
 from tests.jobs import lifecycle as lifecycle_jobs
 
@@ -128,6 +128,15 @@ def test_stopped_rank_0_hosting_the_server_is_declared_failed(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_the_store_answers_while_the_rank_hosting_it_is_busy():
+    """tcp://: rank 0 hosts the store in a child process, so rank 0 blocking its event loop for
+    3 s (a long synchronous step) does not stall rank 1's store calls."""
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    took = run_ranks(lifecycle_jobs.store_while_host_is_busy, 2, url, 3.0)
+    assert took[1] < 1.0, f"rank 1's store calls took {took[1]:.2f}s while rank 0 was busy"
+
+
+@pytest.mark.timeout(60)
 def test_a_rank_stopped_between_collectives_names_itself_in_its_next_one(arendez_server, tmp_path):
     """Rank 2 is frozen between two collectives; the others' next collective fails naming it and
     they leave. Resumed, rank 2's next collective names rank 2, not the peers that then left."""
@@ -198,8 +207,6 @@ def test_kill_during_destroy_ends_the_drain_at_once(arendez_server, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_slow_rendezvous_does_not_expire_early_joiners(arendez_server):
-    from tests.harness import run_ranks
-
     assert run_ranks(lifecycle_jobs.late_joiner, 3, f"{arendez_server.url}/late", 4.0) == [3.0] * 3
 
 

@@ -171,3 +171,23 @@ async def busy_loop(rank: int, ws: int, url: str, seconds: float) -> float:
     await dist.all_reduce(x)
     await dist.destroy_process_group()
     return float(x[0])
+
+
+async def store_while_host_is_busy(rank: int, ws: int, url: str, seconds: float) -> float:
+    """Rank 0 (the server's host under tcp://) blocks its event loop for ``seconds``; meanwhile
+    rank 1 uses the store. Returns how long rank 1's set + get took (0 on rank 0)."""
+    await join(url, ws, rank)
+    await dist.barrier()
+    took = 0.0
+    if rank == 0:
+        time.sleep(seconds)  # deliberately blocks the loop: no await for ``seconds``
+    else:
+        await asyncio.sleep(seconds / 5)  # (rank 0 is asleep by now)
+        store = dist.current_world().store
+        started = time.monotonic()
+        await store.set("busy-host", b"1")
+        assert await store.get("busy-host") == b"1"
+        took = time.monotonic() - started
+    await dist.barrier()
+    await dist.destroy_process_group()
+    return took
