@@ -212,8 +212,6 @@ def test_slow_rendezvous_does_not_expire_early_joiners(arendez_server):
 
 @pytest.mark.timeout(60)
 def test_a_rank_busy_longer_than_the_lease_is_not_declared_failed(arendez_server):
-    from tests.harness import run_ranks
-
     assert run_ranks(lifecycle_jobs.busy_loop, 3, f"{arendez_server.url}/busy", 4.0) == [3.0] * 3
 
 
