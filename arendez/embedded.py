@@ -47,6 +47,8 @@ class _Hosted:
 
 
 _hosted: dict[int, _Hosted] = {}  # by the port the caller asked for
+# a forked child does not host the parent's servers (nor may it close them)
+os.register_at_fork(after_in_child=_hosted.clear)
 
 
 async def acquire(

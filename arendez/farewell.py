@@ -40,6 +40,16 @@ _watchers: dict[int, asyncio.Task[None]] = {}
 _installed = False
 
 
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's worlds are not the child's to say goodbye for (their
+    sockets are the parent's too)."""
+    _worlds.clear()
+    _watchers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def register(world: World) -> None:
     """Say goodbye for ``world`` if the process ends while it is still up."""
     global _installed

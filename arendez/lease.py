@@ -204,6 +204,17 @@ _keepers: dict[tuple[Any, ...], LeaseKeeper] = {}
 _lock = threading.Lock()
 
 
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's keepers renew the parent's lease, not the child's (and
+    their thread did not come along); a lock another thread held at the fork stays held."""
+    global _lock
+    _lock = threading.Lock()
+    _keepers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def acquire(
     host: str, port: int, *, token: str | None, ssl: _ssl.SSLContext | None, interval: float
 ) -> LeaseKeeper:

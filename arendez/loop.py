@@ -176,6 +176,10 @@ class LoopThread:
                 atexit.register(self.stop)
             return self._loop
 
+    def forget(self) -> None:
+        """Drop the loop and its thread without stopping them (a forked child's copy of them)."""
+        self._loop, self._thread, self._lock = None, None, threading.Lock()
+
     def running_loop(self) -> asyncio.AbstractEventLoop | None:
         """The loop if its thread runs it now (never starts one)."""
         loop, thread = self._loop, self._thread
@@ -283,3 +287,15 @@ async def _drive(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
 
 shared = LoopThread()
 """The loop thread of this process: ``arendez.sync`` and the torch backend both use it."""
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's loop thread did not come along (only the forking thread
+    does), so the next blocking call starts a loop thread of the child's own, rather than handing
+    work to a loop that no thread runs (which would wait forever)."""
+    global _CALLBACKS_LOCK
+    _CALLBACKS_LOCK = threading.Lock()  # (another thread may have held it at the fork)
+    shared.forget()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

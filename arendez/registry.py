@@ -15,6 +15,7 @@ import contextvars
 import datetime
 import functools
 import inspect
+import os
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ParamSpec, TypeVar
 
@@ -44,6 +45,21 @@ _current: contextvars.ContextVar[Registry | None] = contextvars.ContextVar("aren
 
 def _get() -> Registry:
     return _current.get() or _process
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: it is not a rank of the parent's world (its sockets are the parent's),
+    so it starts with none, like a new process; ``init_process_group`` gives it its own."""
+    _process.world = _process.default = None
+    _process.forming = False
+    registry = _current.get()
+    if registry is not None:
+        registry.world = registry.default = None
+        registry.forming = False
+    GroupMember.WORLD = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def fresh_context() -> contextvars.Context:

@@ -1,0 +1,112 @@
+"""A process that used arendez, then forked: the child is a new process to arendez (its own loop
+thread, no world, no lease, no embedded server of the parent's), and the parent's world is
+untouched by it. (Before: the child's first blocking call waited forever on the parent's loop
+thread, which a fork does not copy.)"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import textwrap
+
+import pytest
+
+from tests.harness import PY, ROOT, _env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+        cwd=ROOT,
+    )
+
+
+CHILD_INITS = """
+    import os, sys, time
+    import numpy as np
+    import arendez.sync as dist
+
+    dist.init_process_group(init_method="tcp://127.0.0.1:" + sys.argv[1], world_size=1, rank=0)
+    x = np.ones(2)
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    pid = os.fork()
+    if pid == 0:  # a fresh world of the child's own, within its timeout (5 s)
+        started = time.monotonic()
+        dist.init_process_group(
+            init_method="tcp://127.0.0.1:" + sys.argv[2], world_size=1, rank=0, timeout=5
+        )
+        y = np.full(2, 3.0)
+        dist.all_reduce(y)
+        dist.destroy_process_group()
+        print(f"child ok {y[0]:g} in {time.monotonic() - started:.2f}s", flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child status", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_gets_its_own_loop_thread_and_world() -> None:
+    done = _run(CHILD_INITS, str(_free_port()), str(_free_port()), timeout=30)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "child ok 3 in" in done.stdout and "child status 0" in done.stdout, done.stdout + done.stderr
+
+
+RANK = """
+    import os, sys
+    import numpy as np
+    import arendez.sync as dist
+
+    rank, port = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group(init_method="tcp://127.0.0.1:" + port, world_size=2, rank=rank, timeout=30)
+    x = np.ones(2)
+    dist.all_reduce(x)
+    if rank == 0 and os.fork() == 0:
+        sys.exit(0)  # a normal exit: the child runs the atexit handlers it inherited
+    if rank == 0:
+        os.wait()
+    dist.barrier()  # after the child has gone: the world is as it was
+    y = np.full(2, rank + 1.0)
+    dist.all_reduce(y)
+    dist.destroy_process_group()
+    print(f"rank {rank} sum {y[0]:g}", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_child_that_exits_does_not_end_the_parents_world() -> None:
+    """The child inherits the parent's world and its exit handlers: it must not say the parent's
+    goodbye to the parent's peers, nor close the store the parent hosts."""
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [PY, "-c", textwrap.dedent(RANK), str(r), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
+        )
+        for r in range(2)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=60))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0 and f"rank {rank} sum 3" in out, err[-3000:]
