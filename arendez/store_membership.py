@@ -20,6 +20,10 @@ EventHandler = Callable[[dict[str, Any]], None]
 #: How long ``leave`` waits for a lost server to come back (destroy should not sit out its
 #: whole timeout for a best-effort goodbye to a dead server).
 LEAVE_OFFLINE_SECONDS = 1.0
+#: The longest a leave waits for a connected server's answer: a server that is up answers in
+#: milliseconds, one that is stopped (SIGSTOP) or stalled never does, and destroy must not wait
+#: its whole timeout for it (the closed connection and the lease tell the server anyway).
+LEAVE_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -161,14 +165,14 @@ class MembershipOps:
     async def leave(self, timeout: float = 2.0) -> None:
         """Leave the round (best effort: a store that is gone is not an error here). While the
         connection is down (the server died or restarts) this waits at most
-        ``LEAVE_OFFLINE_SECONDS`` for it to come back, not the whole ``timeout``."""
+        ``LEAVE_OFFLINE_SECONDS`` for it to come back, not the whole ``timeout``; a connected
+        server that does not answer (stopped, stalled) gets ``LEAVE_SECONDS``."""
         if self._membership is None:
             return
         self._membership = None
         self._left = True
         self._stop_lease()
-        if self._conn is None:
-            timeout = min(timeout, LEAVE_OFFLINE_SECONDS)
+        timeout = min(timeout, LEAVE_OFFLINE_SECONDS if self._conn is None else LEAVE_SECONDS)
         with contextlib.suppress(StoreError):
             await self._call("leave", timeout)
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
-from tests.harness import run_ranks
+from tests.harness import collect, run_ranks, spawn_rank, start_server, wait_for_files
 from tests.jobs import lifecycle as lifecycle_jobs
 
 
@@ -84,3 +87,23 @@ def test_destroy_keeps_its_deadline_beside_a_stopped_peer(tmp_path):
         # within the budget, plus what a loaded 2-core CI machine takes to schedule a process
         # (a destroy that waited for the stopped peer would take its lease, 2.5 s, or more)
         assert 0 <= res.value <= budget + 0.25, (res.rank, res.value)
+
+
+@pytest.mark.timeout(90)
+def test_destroy_does_not_wait_its_timeout_for_a_stopped_server(tmp_path):
+    """The server is stopped (SIGSTOP): its connections stay up and it answers nothing. The
+    ranks' leave gets a few seconds (``LEAVE_SECONDS``), not destroy's whole 30 s (QA6-F2)."""
+    srv = start_server()
+    try:
+        url = f"{srv.url}/stopped-server"
+        procs = [spawn_rank(lifecycle_jobs.destroy_with_server_stopped, r, 2, url, str(tmp_path)) for r in range(2)]
+        wait_for_files(tmp_path, "ready-*", 2)
+        os.killpg(srv.proc.pid, signal.SIGSTOP)
+        (tmp_path / "go").touch()
+        results = collect(procs, 60)
+    finally:
+        os.killpg(srv.proc.pid, signal.SIGCONT)
+        srv.stop()
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.value < 10.0, f"destroy took {res.value:.1f}s"

@@ -191,3 +191,21 @@ async def store_while_host_is_busy(rank: int, ws: int, url: str, seconds: float)
     await dist.barrier()
     await dist.destroy_process_group()
     return took
+
+
+async def destroy_with_server_stopped(rank: int, ws: int, url: str, marks: str) -> float:
+    """One all_reduce, then wait (bounded) for the test to stop the server (SIGSTOP: the
+    connection stays up, nothing answers); returns how long ``destroy(timeout=30)`` took."""
+    from pathlib import Path
+
+    await join(url, ws, rank)
+    x = np.ones(4)
+    await dist.all_reduce(x)
+    Path(marks, f"ready-{rank}").write_text("1")
+    for _ in range(1000):  # (10 s at most)
+        if Path(marks, "go").exists():
+            break
+        await asyncio.sleep(0.01)
+    started = time.monotonic()
+    await dist.destroy_process_group(timeout=30)
+    return time.monotonic() - started
