@@ -96,7 +96,8 @@ def test_destroy_does_not_wait_its_timeout_for_a_stopped_server(tmp_path):
     srv = start_server()
     try:
         url = f"{srv.url}/stopped-server"
-        procs = [spawn_rank(lifecycle_jobs.destroy_with_server_stopped, r, 2, url, str(tmp_path)) for r in range(2)]
+        job = lifecycle_jobs.destroy_with_server_stopped
+        procs = [spawn_rank(job, r, 2, url, str(tmp_path)) for r in range(2)]
         wait_for_files(tmp_path, "ready-*", 2)
         os.killpg(srv.proc.pid, signal.SIGSTOP)
         (tmp_path / "go").touch()
