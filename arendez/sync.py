@@ -137,22 +137,31 @@ def _blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]
     @functools.wraps(fn)
     def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         run = fn
+        outputs = _outputs(args, kwargs) if async_op else []  # (the caller's, not stand-ins)
         if "torch" in _sys.modules:  # (bfloat16 and non-contiguous tensors go as stand-ins)
             staged = _staged(fn, args, kwargs, reduces)
             if staged is not None:
                 run, args, kwargs = staged
         if async_op:
-            return Work(shared.start(run, args, kwargs), _outputs(args, kwargs))
+            return Work(shared.start(run, args, kwargs), outputs)
         return shared.call(run, *args, **kwargs)
 
     return call
 
 
+def _is_data(value: Any) -> bool:
+    """A tensor or array, or a list (of them, or of objects): what a collective writes."""
+    return isinstance(value, list) or hasattr(value, "shape")
+
+
 def _outputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """What torch's future of a collective holds: its first argument (the tensor written, or the
-    list of them), in a list; ``[]`` for a call without one (``barrier``)."""
-    first = args[0] if args else next(iter(kwargs.values()), None)
-    return [] if first is None or isinstance(first, int | float | str) else [first]
+    """What torch's future of a collective holds: its first data argument (the tensor written,
+    or the list of them), positional or by keyword (``broadcast(src=0, tensor=t)``), in a list;
+    ``[]`` for a call without one (``barrier``)."""
+    for value in (*args, *kwargs.values()):
+        if _is_data(value):
+            return [value]
+    return []
 
 
 def _staged(

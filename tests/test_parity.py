@@ -138,6 +138,25 @@ def test_work_futures_hold_the_outputs_and_chain_as_torchs() -> None:
         sync.destroy_process_group()
 
 
+def test_work_futures_hold_the_callers_tensors() -> None:
+    """A bfloat16 or non-contiguous tensor travels as a stand-in; the future holds the caller's
+    tensor itself (with the result), and a tensor passed by keyword too (QA6-F4)."""
+    torch = pytest.importorskip("torch")
+    sync.init_process_group()
+    try:
+        b = torch.full((4,), 3.03125, dtype=torch.bfloat16)
+        (held,) = sync.all_reduce(b, async_op=True).get_future().wait()
+        assert held is b and held.dtype == torch.bfloat16 and b.tolist() == [3.03125] * 4
+        strided = torch.ones(4, 2)[:, 0]
+        assert not strided.is_contiguous()
+        (held,) = sync.all_reduce(strided, async_op=True).get_future().wait()
+        assert held is strided
+        t = torch.ones(3)
+        assert sync.broadcast(src=0, tensor=t, async_op=True).get_future().wait()[0] is t
+    finally:
+        sync.destroy_process_group()
+
+
 def test_a_bitwise_reduction_of_bfloat16_names_bfloat16() -> None:
     """bfloat16 reduces as a float32 copy; a bitwise op on it names the caller's dtype."""
     torch = pytest.importorskip("torch")
