@@ -205,7 +205,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     # -- data movement (bfloat16 moves as its bits) --------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         root, stage = self._global(opts.rootRank, "src"), Stage()
-        t = stage(tensors[0])
+        t = stage(tensors[0], out=opts.rootRank != self.rank())  # (the source is only read)
         if self._engine:
             return self._run(tensors, stage, self._engine.broadcast, t, root)
         return self._run(tensors, stage, arendez.broadcast, t, root)

@@ -63,8 +63,15 @@ class Stage:
                 raise InvalidArgumentError(f"{str(exc)[: -len('float32')]}bfloat16") from None
             raise
         for t, carried in self.back:
+            if _overlaps(t) and torch.equal(t, carried.to(t.dtype)):
+                continue  # an expanded tensor that was only read (a broadcast's source)
             t.copy_(carried)
         return result
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """True if elements of ``t`` share memory (an ``expand``ed tensor): it cannot be written."""
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
 
 
 def split_rows(t: torch.Tensor, sizes: list[int], n: int) -> list[torch.Tensor]:

@@ -157,6 +157,32 @@ def test_work_futures_hold_the_callers_tensors() -> None:
         sync.destroy_process_group()
 
 
+def test_an_expanded_broadcast_source_is_only_read() -> None:
+    """An ``expand``ed tensor (stride 0) cannot be written: as a broadcast's source it is only
+    read, so it is no error (QA6-F7); torch's own backend path too."""
+    torch = pytest.importorskip("torch")
+    sync.init_process_group()
+    try:
+        t = torch.arange(4.0).expand(3, 4)
+        sync.broadcast(t, src=0)
+        assert t.tolist() == [[0.0, 1.0, 2.0, 3.0]] * 3
+    finally:
+        sync.destroy_process_group()
+    import torch.distributed as tdist
+
+    import arendez.torch  # noqa: F401  (registers the backend)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tdist.init_process_group("arendez", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        tdist.broadcast(t, src=0)
+        assert t.tolist() == [[0.0, 1.0, 2.0, 3.0]] * 3
+    finally:
+        tdist.destroy_process_group()
+
+
 def test_a_bitwise_reduction_of_bfloat16_names_bfloat16() -> None:
     """bfloat16 reduces as a float32 copy; a bitwise op on it names the caller's dtype."""
     torch = pytest.importorskip("torch")
