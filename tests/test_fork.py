@@ -5,6 +5,9 @@ thread, which a fork does not copy.)"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import textwrap
@@ -20,15 +23,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
+    """``code`` in a process group of its own (a hung forked child goes with it)."""
+    return subprocess.Popen(
         [PY, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env=_env(),
         cwd=ROOT,
+        start_new_session=True,
     )
+
+
+def _end(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _run(code: str, *args: str, timeout: float = 60) -> tuple[int, str, str]:
+    proc = _spawn(code, *args)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        _end([proc])
+    return proc.returncode, out, err
 
 
 CHILD_INITS = """
@@ -58,9 +79,9 @@ CHILD_INITS = """
 
 @pytest.mark.timeout(60)
 def test_a_forked_child_gets_its_own_loop_thread_and_world() -> None:
-    done = _run(CHILD_INITS, str(_free_port()), str(_free_port()), timeout=30)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "child ok 3 in" in done.stdout and "child status 0" in done.stdout, done.stdout + done.stderr
+    code, out, err = _run(CHILD_INITS, str(_free_port()), str(_free_port()), timeout=30)
+    assert code == 0, err[-3000:]
+    assert "child ok 3 in" in out and "child status 0" in out, out + err
 
 
 RANK = """
@@ -89,24 +110,12 @@ def test_a_forked_child_that_exits_does_not_end_the_parents_world() -> None:
     """The child inherits the parent's world and its exit handlers: it must not say the parent's
     goodbye to the parent's peers, nor close the store the parent hosts."""
     port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [PY, "-c", textwrap.dedent(RANK), str(r), port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
-            cwd=ROOT,
-        )
-        for r in range(2)
-    ]
+    procs = [_spawn(RANK, str(r), port) for r in range(2)]
     outs = []
     try:
         for p in procs:
             outs.append(p.communicate(timeout=60))
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        _end(procs)
     for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"rank {rank} sum 3" in out, err[-3000:]
