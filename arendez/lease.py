@@ -102,6 +102,8 @@ class LeaseKeeper:
         self._ssl = ssl
         self._interval = interval
         self._stopped = threading.Event()
+        #: set once the server has taken the lease (its members' lease clock runs from then)
+        self.armed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="arendez-lease", daemon=True)
 
     def start(self) -> None:
@@ -129,6 +131,7 @@ class LeaseKeeper:
             if isinstance(answer, dict) and "error" in answer:
                 raise transport.remote_error(answer, RendezvousError)
             sock.settimeout(5.0)
+            self.armed.set()
             log.debug("lease keeper connected to %s:%s", *self._where)
             return conn
         except BaseException:

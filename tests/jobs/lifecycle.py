@@ -127,6 +127,10 @@ async def holds_the_gil(rank: int, ws: int, url: str, seconds: float) -> str:
     import ctypes
 
     await join(url, ws, rank)
+    keeper = dist.current_world().store._lease
+    assert keeper is not None
+    # (a lease the server has not taken yet gets a 30 s grace: wait, bounded, until it has)
+    assert await asyncio.to_thread(keeper.armed.wait, 20.0), "the lease keeper never connected"
     await dist.barrier()
     if rank == ws - 1:
         ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # (PyDLL: the call keeps the GIL)
