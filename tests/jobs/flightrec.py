@@ -33,8 +33,11 @@ async def late_rank(rank: int, ws: int, url: str, marks: str) -> dict[str, Any]:
     return {"sum": float(x[0]), "seqs": seqs}
 
 
-async def reduce_until_failure(rank: int, ws: int, url: str, marks: str, timeout: float) -> dict[str, Any]:
-    """all_reduce (8 bytes) until one fails; report the error and where this rank's dump went."""
+async def reduce_until_failure(
+    rank: int, ws: int, url: str, marks: str, timeout: float, stall_last: bool = False
+) -> dict[str, Any]:
+    """all_reduce (8 bytes) until one fails; report the error and where this rank's dump went.
+    ``stall_last``: the last rank stops calling after its third (the others then wait on it)."""
     await join(url, ws, rank, timeout=timeout)
     x = np.ones(2, np.float32)
     rounds = 0
@@ -45,6 +48,8 @@ async def reduce_until_failure(rank: int, ws: int, url: str, marks: str, timeout
             rounds += 1
             if rounds == 3:
                 Path(marks, f"ready-{rank}").write_text("1")
+                if stall_last and rank == ws - 1:
+                    await asyncio.sleep(timeout)  # (the test ends this rank meanwhile)
             await asyncio.sleep(0.001)
     except dist.ArendezError as exc:
         outcome = {"error": type(exc).__name__, "message": str(exc)}
