@@ -12,7 +12,7 @@ import pytest
 import arendez as dist
 from arendez import embedded
 from arendez.loop import run
-from tests.harness import start_server
+from tests.harness import free_port, start_server
 
 
 @pytest.fixture(autouse=True, params=["process", "loop"])
@@ -27,12 +27,6 @@ def _token(server: object) -> str | None:
     return getattr(config if config is not None else server, "token", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -45,7 +39,7 @@ def _port_is_free(port: int) -> bool:
 
 
 async def test_one_server_across_cycles_until_shutdown() -> None:
-    port = _free_port()
+    port = free_port()
     first = await embedded.acquire("127.0.0.1", port, None, None)
     try:
         assert await embedded.acquire("127.0.0.1", port, None, None) is first
@@ -64,7 +58,7 @@ async def test_one_server_across_cycles_until_shutdown() -> None:
 
 
 async def test_another_token_replaces_the_server() -> None:
-    port = _free_port()
+    port = free_port()
     plain = await embedded.acquire("127.0.0.1", port, None, None)
     try:
         secret = await embedded.acquire("127.0.0.1", port, "s3cret", None)
@@ -76,7 +70,7 @@ async def test_another_token_replaces_the_server() -> None:
 
 
 def test_the_server_ends_with_its_event_loop_and_a_new_loop_gets_a_new_one() -> None:
-    port = _free_port()
+    port = free_port()
 
     async def host() -> int:
         server = await embedded.acquire("127.0.0.1", port, None, None)
@@ -94,7 +88,7 @@ def test_the_server_ends_with_its_event_loop_and_a_new_loop_gets_a_new_one() -> 
 
 def test_a_server_left_on_a_stopped_loop_is_replaced() -> None:
     """A loop that stopped without cancelling its tasks must not keep the port."""
-    port = _free_port()
+    port = free_port()
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(embedded.acquire("127.0.0.1", port, None, None))
@@ -106,7 +100,7 @@ def test_a_server_left_on_a_stopped_loop_is_replaced() -> None:
 
 
 async def test_a_server_that_shuts_down_is_no_alarm(caplog: pytest.LogCaptureFixture) -> None:
-    port = _free_port()
+    port = free_port()
     await embedded.acquire("127.0.0.1", port, None, None)
     store = await dist.Store("127.0.0.1", port, "job", timeout=5).connect(5)
     try:
@@ -188,7 +182,7 @@ async def test_no_store_process_falls_back_to_the_event_loop(
     """An interpreter that cannot be started (an embedded Python, a broken install) costs the
     child process, not the rendezvous: the store is hosted in the event loop, with a warning."""
     monkeypatch.setattr("sys.executable", "/nonexistent/python")
-    port = _free_port()
+    port = free_port()
     with caplog.at_level(logging.WARNING, logger="arendez"):
         server = await embedded.acquire("127.0.0.1", port, None, None)
     try:

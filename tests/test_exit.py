@@ -3,29 +3,22 @@ called, a goodbye to its peers, and no failure alarm on any of them."""
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import pytest
 
-from tests.harness import ROOT, collect, popen
+from tests.harness import ROOT, collect, free_port, popen
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "exit_without_destroy.py")
 NOT_DESTROYED = "destroy_process_group() was not called"
 ALARMS = ("lost the store", "connection lost", "RankFailedError", "Traceback", "declared failed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(60)
 def test_a_crash_gets_no_advice_to_call_destroy() -> None:
     """A rank that dies of an uncaught exception with its world up is closed at exit without
     the 'destroy_process_group() was not called' advice, which would be beside the point."""
-    world, port = 2, str(_free_port())
+    world, port = 2, str(free_port())
     procs = [popen([sys.executable, SCRIPT, str(r), str(world), port, "crash"]) for r in range(world)]
     zero, one = collect(procs, 30)
     assert zero.returncode == 0 and zero.stderr.count(NOT_DESTROYED) == 1, zero.stderr[-2000:]
@@ -36,7 +29,7 @@ def test_a_crash_gets_no_advice_to_call_destroy() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ending", ["normal", "raise"])
 def test_exit_without_destroy_is_quiet_and_bounded(ending: str) -> None:
-    world, port = 3, str(_free_port())
+    world, port = 3, str(free_port())
     extra = ["raise"] if ending == "raise" else []
     procs = [popen([sys.executable, SCRIPT, str(r), str(world), port, *extra]) for r in range(world)]
     results = collect(procs, 30)
@@ -58,7 +51,7 @@ def test_work_wait_timeout_goes_on_and_cancel_ends_it_on_every_rank() -> None:
     import json
 
     script = str(ROOT / "tests" / "scripts" / "wait_timeout.py")
-    port = str(_free_port())
+    port = str(free_port())
     results = collect([popen([sys.executable, script, str(r), port]) for r in range(2)], 40)
     outcomes = []
     for res in results:

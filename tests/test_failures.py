@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import collect, run_ranks, server, spawn_rank, wait_for_files
+from tests.harness import collect, free_port, run_ranks, server, spawn_rank, wait_for_files
 from tests.jobs import failures as failures_jobs
 from tests.jobs import lifecycle as lifecycle_jobs
 
@@ -92,18 +91,12 @@ def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
     assert "declared failed by the server" in out["message"], out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(90)
 def test_stopped_rank_0_hosting_the_server_is_declared_failed(tmp_path):
     """tcp://: rank 0 hosts the store, in a child process of its own, so stopping rank 0 leaves
     the store serving and its lease check declares rank 0 failed within the lease, rather than
     the survivors waiting out their collective timeout (40 s here)."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         spawn_rank(failures_jobs.reduce_until_failure, r, 3, url, str(tmp_path), 1000, 40.0) for r in range(3)
     ]
@@ -131,7 +124,7 @@ def test_stopped_rank_0_hosting_the_server_is_declared_failed(tmp_path):
 def test_the_store_answers_while_the_rank_hosting_it_is_busy():
     """tcp://: rank 0 hosts the store in a child process, so rank 0 blocking its event loop for
     3 s (a long synchronous step) does not stall rank 1's store calls."""
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     took = run_ranks(lifecycle_jobs.store_while_host_is_busy, 2, url, 3.0)
     assert took[1] < 1.0, f"rank 1's store calls took {took[1]:.2f}s while rank 0 was busy"
 

@@ -8,19 +8,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import textwrap
 
 import pytest
 
-from tests.harness import PY, ROOT, _env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.harness import PY, ROOT, _env, free_port
 
 
 def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
@@ -79,7 +72,7 @@ CHILD_INITS = """
 
 @pytest.mark.timeout(60)
 def test_a_forked_child_gets_its_own_loop_thread_and_world() -> None:
-    code, out, err = _run(CHILD_INITS, str(_free_port()), str(_free_port()), timeout=30)
+    code, out, err = _run(CHILD_INITS, str(free_port()), str(free_port()), timeout=30)
     assert code == 0, err[-3000:]
     assert "child ok 3 in" in out and "child status 0" in out, out + err
 
@@ -109,7 +102,7 @@ RANK = """
 def test_a_forked_child_that_exits_does_not_end_the_parents_world() -> None:
     """The child inherits the parent's world and its exit handlers: it must not say the parent's
     goodbye to the parent's peers, nor close the store the parent hosts."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = [_spawn(RANK, str(r), port) for r in range(2)]
     outs = []
     try:

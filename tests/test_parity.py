@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import inspect
-import socket
 import threading
 import time
 from pathlib import Path
@@ -21,16 +20,10 @@ import arendez.sync as sync
 from arendez import queries
 from arendez.errors import ArendezError, CollectiveTimeoutError, StoreTimeoutError
 from arendez.testing import run_ranks
-from tests.harness import PY, collect, popen
+from tests.harness import PY, collect, free_port, popen
 
 #: names only the blocking module has (they block by nature, or are torch's blocking shapes)
 SYNC_ONLY = {"breakpoint", "FileStore", "Future", "HashStore", "TCPStore"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -172,10 +165,7 @@ def test_an_expanded_broadcast_source_is_only_read() -> None:
 
     import arendez.torch  # noqa: F401  (registers the backend)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tdist.init_process_group("arendez", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    tdist.init_process_group("arendez", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         tdist.broadcast(t, src=0)
         assert t.tolist() == [[0.0, 1.0, 2.0, 3.0]] * 3
@@ -298,7 +288,7 @@ def test_hash_store_across_threads() -> None:
 
 
 def test_tcp_store_master_and_client() -> None:
-    port = _free_port()
+    port = free_port()
     out: dict[str, Any] = {}
 
     def client() -> None:
@@ -333,7 +323,7 @@ SCENARIOS = {"everything": (2, False), "ring": (3, True)}  # (every two-rank scr
 
 
 def _run_script(module: str, scenario: str, size: int, init: list[str]) -> list[Any]:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     argv = [PY, "-m", "tests.tutorial_ranks", module, scenario]
     return [popen([*argv, str(r), str(size), *init], env) for r in range(size)]
 
@@ -391,7 +381,7 @@ if rank == 0:
 
 @pytest.mark.timeout(90)
 def test_exit_without_destroy_warns_once_and_peers_raise_no_alarm() -> None:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     start = time.monotonic()
     results = collect([popen([PY, "-c", EXIT_SCRIPT, str(r)], env) for r in range(2)], 60)
     took = time.monotonic() - start

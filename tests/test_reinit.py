@@ -10,21 +10,14 @@ bounds on 2 shared cores (4 ranks on 2 cores cost about 4x a 2-rank cycle).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from typing import Any
 
 import pytest
 
-from tests.harness import PY, collect, popen
+from tests.harness import PY, collect, free_port, popen
 
 SHORT = int(os.environ.get("ARENDEZ_REINIT_CYCLES", "100"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _soak(
@@ -60,17 +53,17 @@ def _soak(
 
 @pytest.mark.timeout(240)
 def test_a_thousand_cycles_two_ranks_over_tcp() -> None:
-    _soak(2, 1000, f"tcp://127.0.0.1:{_free_port()}", None, timeout=230)
+    _soak(2, 1000, f"tcp://127.0.0.1:{free_port()}", None, timeout=230)
 
 
 @pytest.mark.timeout(180)
 def test_cycles_four_ranks_over_tcp() -> None:
-    _soak(4, SHORT // 2, f"tcp://127.0.0.1:{_free_port()}", None, timeout=170)
+    _soak(4, SHORT // 2, f"tcp://127.0.0.1:{free_port()}", None, timeout=170)
 
 
 @pytest.mark.timeout(180)
 def test_cycles_over_env_with_master_addr() -> None:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     _soak(2, SHORT, "env://", env, timeout=170)
 
 
@@ -82,7 +75,7 @@ def test_the_hosting_process_changes_every_cycle() -> None:
     Warnings are not checked here: a rank's store that connected to the old host's server just as
     it is handed over is rarely told of the shutdown and logs "lost the store" (not yet understood).
     """
-    _soak(3, 30, f"tcp://127.0.0.1:{_free_port()}", None, 110, "swap")
+    _soak(3, 30, f"tcp://127.0.0.1:{free_port()}", None, 110, "swap")
 
 
 if __name__ == "__main__":  # pragma: no cover

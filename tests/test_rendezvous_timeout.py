@@ -4,22 +4,16 @@ missing ones."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 import arendez as dist
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.harness import free_port
 
 
 @pytest.mark.timeout(30)
 async def test_a_rank_alone_counts_itself_and_names_the_missing() -> None:
-    url = f"tcp://127.0.0.1:{_free_port()}"
+    url = f"tcp://127.0.0.1:{free_port()}"
     with pytest.raises(
         dist.RendezvousError, match=r"only 1 of 3 ranks joined in time \(missing: 2 rank\(s\): 1, 2\)"
     ):

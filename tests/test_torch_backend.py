@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 from typing import Any
 
@@ -13,14 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.harness import PY, RankResult, collect, popen, wait_for_files  # noqa: E402
+from tests.harness import PY, RankResult, collect, free_port, popen, wait_for_files  # noqa: E402
 from tests.torch_ranks import batch, mlp, train_step  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _spawn(name: str, ws: int, init: str, *args: Any, env: dict[str, str] | None = None) -> list[Any]:
@@ -55,7 +48,7 @@ def _reference(ws: int, steps: int) -> list[list[float]]:
 @pytest.mark.parametrize("ws", [2, 4])
 def test_ddp_matches_single_process_reference(ws: int) -> None:
     steps = 4
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     # small buckets, so a step runs several all_reduces in flight from DDP's autograd hooks
     results = _run("ddp", ws, "env://", steps, 0.01, env=env)
     params = [r["params"] for r in results]
@@ -69,7 +62,7 @@ def test_ddp_matches_single_process_reference(ws: int) -> None:
 @pytest.mark.timeout(120)
 def test_every_collective_matches_numpy_including_a_subgroup() -> None:
     ws = 3
-    done = _run("collectives", ws, f"tcp://127.0.0.1:{_free_port()}")
+    done = _run("collectives", ws, f"tcp://127.0.0.1:{free_port()}")
     every = [
         "all_reduce", "async_work_and_future", "all_reduce_coalesced", "broadcast", "reduce",
         "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
@@ -88,7 +81,7 @@ def test_init_through_an_arendez_server_or_a_torch_store(init: str, arendez_serv
     if init == "arendez":
         method, env = f"{arendez_server.url}/torch-{os.getpid()}", None
     else:
-        method, env = "store", {"TEST_STORE_PORT": str(_free_port())}
+        method, env = "store", {"TEST_STORE_PORT": str(free_port())}
     results = _run("ddp", 2, method, 2, 25.0, env=env)
     assert results[0]["params"] == results[1]["params"]
     want = _reference(2, 2)
@@ -99,7 +92,7 @@ def test_init_through_an_arendez_server_or_a_torch_store(init: str, arendez_serv
 def test_reinit_after_destroy_with_the_same_store() -> None:
     """Each init through one store gets its own embedded server, never the last round's URL."""
     ws, rounds = 2, 3
-    results = _run("reinit_with_one_store", ws, "store", rounds, env={"TEST_STORE_PORT": str(_free_port())})
+    results = _run("reinit_with_one_store", ws, "store", rounds, env={"TEST_STORE_PORT": str(free_port())})
     want = [float(sum(r + i for r in range(ws))) for i in range(rounds)]
     assert results == [want] * ws
 
@@ -107,7 +100,7 @@ def test_reinit_after_destroy_with_the_same_store() -> None:
 @pytest.mark.timeout(90)
 def test_kill_9_during_ddp_fails_every_survivor_within_3s(tmp_path: Any) -> None:
     ws, victim = 3, 1
-    procs = _spawn("ddp_until_failure", ws, f"tcp://127.0.0.1:{_free_port()}", str(tmp_path))
+    procs = _spawn("ddp_until_failure", ws, f"tcp://127.0.0.1:{free_port()}", str(tmp_path))
     try:
         wait_for_files(tmp_path, "ready-*", ws, timeout=60)
         os.kill(procs[victim].pid, signal.SIGKILL)
@@ -128,7 +121,7 @@ def test_kill_9_during_ddp_fails_every_survivor_within_3s(tmp_path: Any) -> None
 @pytest.mark.timeout(90)
 def test_kill_9_in_a_subgroup_names_the_rank_and_the_collective(tmp_path: Any) -> None:
     """A subgroup's collectives run as sends and receives; the error names the call, not its step."""
-    procs = _spawn("subgroup_until_failure", 3, f"tcp://127.0.0.1:{_free_port()}", str(tmp_path))
+    procs = _spawn("subgroup_until_failure", 3, f"tcp://127.0.0.1:{free_port()}", str(tmp_path))
     try:
         wait_for_files(tmp_path, "ready-*", 3, timeout=60)
         os.kill(procs[1].pid, signal.SIGKILL)
@@ -147,7 +140,7 @@ def test_kill_9_in_a_subgroup_names_the_rank_and_the_collective(tmp_path: Any) -
 
 
 def _tcp() -> str:
-    return f"tcp://127.0.0.1:{_free_port()}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 @pytest.mark.timeout(90)
