@@ -30,8 +30,6 @@ from .errors import (
 )
 from .store_wire import (
     MAX_REQUEST,
-    SMALL_HEADER,
-    SMALL_PREFIXES,
     STORE_ERRORS,
     STORE_PROTOCOL,
     HeaderReader,
@@ -179,20 +177,16 @@ class BlockingStore:
         started = _monotonic()
         sock = self._sock or self._ensure()
         self._id = request[1] = rid = self._id + 1
-        raw = self._pack(request)
-        size = len(raw)
-        if size < SMALL_HEADER:
-            data = SMALL_PREFIXES[size] + raw
-        else:
-            data = frame(raw)
-            if len(data) > MAX_REQUEST:
-                check_request_size(request[0], len(data))
+        op = request[0]
+        data = frame(self._pack(request))
+        if len(data) > MAX_REQUEST:
+            check_request_size(op, len(data))
         reader = self._reader
         try:
             # the socket's timeout only has to be no longer than the call's budget: a shorter
             # one wakes a long wait up now and then (``_next`` waits on), and changes rarely
             current = self._wait_set
-            if current != budget and (current > budget or current < 0.5 * min(budget, _CALL_TIMEOUT)):
+            if current > budget or current < 0.5 * min(budget, _CALL_TIMEOUT):
                 self._set_wait(sock, budget)
             try:
                 sock.sendall(data)
@@ -219,7 +213,6 @@ class BlockingStore:
                 if found is None and "error" in reply:  # dropped for a protocol error
                     raise transport.remote_error(reply, StoreError)
         except TimeoutError:
-            op = request[0]
             self.close()  # the answer may still come: this connection is out of step now
             if waited is not None:  # the server did not even answer that the wait timed out
                 raise StoreTimeoutError(
@@ -228,7 +221,6 @@ class BlockingStore:
                 ) from None
             raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
         except (OSError, ProtocolError) as exc:
-            op = request[0]
             self.close()
             where = f"{self.host}:{self.port}"
             raise StoreConnectionError(f"store {op} failed: lost the connection to {where}: {exc}") from None

@@ -99,15 +99,23 @@ _SHRINK_AT = 64 << 10
 _unpack_prefix = PREFIX.unpack_from
 _PREFIX_SIZE = PREFIX.size
 #: Prefixes of headers up to this many bytes, made once.
-SMALL_HEADER = 512
-SMALL_PREFIXES = [PREFIX.pack(n, 0) for n in range(SMALL_HEADER)]
+_SMALL = 512
+_PREFIXES = [PREFIX.pack(n, 0) for n in range(_SMALL)]
 _pack_prefix = PREFIX.pack
+
+
+def _decode(header: memoryview) -> Any:
+    """One frame's msgpack header; ``ProtocolError`` if it does not decode."""
+    try:
+        return msgpack.unpackb(header, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable frame header: {exc}") from None
 
 
 def frame(raw: bytes) -> bytes:
     """One payload-less frame around the msgpack ``raw``."""
     n = len(raw)
-    return (SMALL_PREFIXES[n] if n < SMALL_HEADER else _pack_prefix(n, 0)) + raw
+    return (_PREFIXES[n] if n < _SMALL else _pack_prefix(n, 0)) + raw
 
 
 class HeaderReader:
@@ -161,10 +169,7 @@ class HeaderReader:
         if not filled and n > _PREFIX_SIZE:
             hlen, plen = _unpack_prefix(view, 0)
             if n == _PREFIX_SIZE + hlen and not plen and hlen <= self.max_header:
-                try:
-                    return [msgpack.unpackb(view[_PREFIX_SIZE:n], strict_map_key=False)]
-                except Exception as exc:  # msgpack raises several unrelated types
-                    raise ProtocolError(f"undecodable frame header: {exc}") from None
+                return [_decode(view[_PREFIX_SIZE:n])]
         return self.feed(n)
 
     def feed(self, nbytes: int) -> list[Any]:
@@ -183,10 +188,7 @@ class HeaderReader:
             stop = body + hlen
             if stop > end:
                 break
-            try:
-                out.append(msgpack.unpackb(view[body:stop], raw=False, strict_map_key=False))
-            except Exception as exc:  # msgpack raises several unrelated types
-                raise ProtocolError(f"undecodable frame header: {exc}") from None
+            out.append(_decode(view[body:stop]))
             start = stop
         if start:
             rest = end - start
