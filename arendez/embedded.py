@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import importlib
 import logging
 import os
@@ -116,19 +115,10 @@ async def _start(
         except OSError as exc:
             raise RendezvousError(f"{who} cannot host the store on port {port}: {exc}") from None
     module = importlib.import_module("arendez_server")  # installed from server/
-    loop = asyncio.get_running_loop()
-    until = loop.time() + wait
-    while True:
-        for bind in (host, "0.0.0.0"):
-            server = module.Server(module.ServerConfig(host=bind, port=port, token=token, ssl=ssl))
-            try:
-                await server.start()
-                return server
-            except OSError as exc:
-                error = exc
-        if error.errno != errno.EADDRINUSE or loop.time() >= until:  # else: the last host may be leaving
-            raise RendezvousError(f"{who} cannot host the store on port {port}: {error}") from None
-        await asyncio.sleep(0.05)
+    try:
+        return await module.start_server(host, port, token, ssl, wait)
+    except OSError as exc:
+        raise RendezvousError(f"{who} cannot host the store on port {port}: {exc}") from None
 
 
 async def _hold(port: int, entry: _Hosted) -> None:

@@ -95,7 +95,6 @@ class LeaseKeeper:
         interval: float = 0.5,
     ) -> None:
         self.key = os.urandom(16)
-        self.pid = os.getpid()
         self.users = 0
         self._where = (host, port)
         self._token = token
@@ -225,7 +224,7 @@ def acquire(
     where = (host, port, token, id(ssl))
     with _lock:
         keeper = _keepers.get(where)
-        if keeper is None or keeper.pid != os.getpid():  # none yet, or inherited over fork
+        if keeper is None:  # (a forked child starts with none: _forget_after_fork)
             keeper = _keepers[where] = LeaseKeeper(host, port, token=token, ssl=ssl, interval=interval)
             keeper.start()
         keeper.users += 1

@@ -34,6 +34,10 @@ class Registry:
     """The current world (with its default group and subgroups)."""
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """No world (and none forming)."""
         self.world: World | None = None
         self.default: ProcessGroup | None = None
         self.forming = False  # an init_process_group of this registry is forming its world
@@ -50,12 +54,10 @@ def _get() -> Registry:
 def _forget_after_fork() -> None:
     """In a forked child: it is not a rank of the parent's world (its sockets are the parent's),
     so it starts with none, like a new process; ``init_process_group`` gives it its own."""
-    _process.world = _process.default = None
-    _process.forming = False
+    _process.forget()
     registry = _current.get()
     if registry is not None:
-        registry.world = registry.default = None
-        registry.forming = False
+        registry.forget()
     GroupMember.WORLD = None
 
 

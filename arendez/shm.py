@@ -127,6 +127,11 @@ class ShmUnavailable(OSError):
     """A segment could not be created or attached; the link stays on TCP."""
 
 
+def _aligned(nbytes: int) -> int:
+    """The bytes a range of ``nbytes`` takes in a ring (at least one, rounded up to ``ALIGN``)."""
+    return -(-max(1, nbytes) // ALIGN) * ALIGN
+
+
 class RingSpace:
     """First-in-first-out allocator of byte ranges in a ring of ``size`` bytes.
 
@@ -149,9 +154,13 @@ class RingSpace:
         tail = self._live[0][0]
         return self._head - tail if self._head > tail else self.size - tail + self._head
 
+    def fits(self, nbytes: int) -> bool:
+        """True if ``nbytes`` fit the ring when it is empty."""
+        return _aligned(nbytes) <= self.size
+
     def alloc(self, nbytes: int) -> int | None:
         """The offset of ``nbytes`` free bytes, or ``None`` if they do not fit now."""
-        need = -(-max(1, nbytes) // ALIGN) * ALIGN
+        need = _aligned(nbytes)
         if need > self.size:
             return None
         if not self._live:
@@ -389,7 +398,7 @@ class Channels:
     def fits(self, peer: int, nbytes: int) -> bool:
         """True if an ``nbytes`` payload fits ``peer``'s ring when empty (else waiting is futile)."""
         space = self.links[peer].space
-        return space is not None and -(-max(1, nbytes) // ALIGN) * ALIGN <= space.size
+        return space is not None and space.fits(nbytes)
 
     def wait_room(self, peer: int, retry: Callable[[], bool]) -> None:
         """Call ``retry`` (first come first served) whenever ``peer`` hands back room, and once

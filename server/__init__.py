@@ -1,5 +1,5 @@
 """The arendez rendezvous/store server (standalone, or embedded in rank 0's event loop)."""
 
-from .app import Server, ServerConfig
+from .app import Server, ServerConfig, start_server
 
-__all__ = ["Server", "ServerConfig"]
+__all__ = ["Server", "ServerConfig", "start_server"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import functools
 import logging
 import ssl as _ssl
@@ -376,6 +377,29 @@ class Server:
                 # Read them (next turn) before judging anyone.
                 continue
             self.members.depart(self.state.expire(now, cfg.lease, cfg.lease_arm_grace))
+
+
+async def start_server(
+    host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None = None, wait: float = 0.0
+) -> Server:
+    """A started server on ``host`` (else on every address) and ``port`` (0: a free one), as a
+    rank hosts it: a port in use is retried for ``wait`` s (the last host may be leaving); any
+    other failure to listen is the ``OSError``."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + wait
+    while True:
+        error: OSError | None = None
+        for bind in (host, "0.0.0.0"):
+            server = Server(ServerConfig(host=bind, port=port, token=token, ssl=ssl))
+            try:
+                await server.start()
+                return server
+            except OSError as exc:
+                error = exc
+        assert error is not None
+        if error.errno != errno.EADDRINUSE or loop.time() >= until:
+            raise error
+        await asyncio.sleep(0.05)
 
 
 transport.register_remote_errors(StoreError, StoreTimeoutError, RendezvousError, ProtocolError)

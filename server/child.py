@@ -19,7 +19,6 @@ the GIL, stalled every other rank's store calls and rendezvous.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ from typing import Any
 from arendez import loop as _loop
 
 from .admission import raise_fd_limit
-from .app import Server, ServerConfig
+from .app import start_server
 
 #: How often the parent is looked for (besides the EOF of stdin, which is immediate).
 PARENT_CHECK = 1.0
@@ -41,29 +40,12 @@ def _say(answer: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-async def _bind(host: str, port: int, token: str | None, wait: float) -> Server:
-    """The started server: ``host`` (else every address), retrying a port in use for ``wait`` s."""
-    loop = asyncio.get_running_loop()
-    until = loop.time() + wait
-    while True:
-        error: OSError | None = None
-        for bind in (host, "0.0.0.0"):
-            server = Server(ServerConfig(host=bind, port=port, token=token))
-            try:
-                await server.start()
-                return server
-            except OSError as exc:
-                error = exc
-        assert error is not None
-        if error.errno != errno.EADDRINUSE or loop.time() >= until:
-            raise error
-        await asyncio.sleep(0.05)
-
-
 async def _serve(order: dict[str, Any]) -> int:
     loop = asyncio.get_running_loop()
     try:
-        server = await _bind(str(order["host"]), int(order["port"]), order.get("token"), float(order["wait"]))
+        server = await start_server(
+            str(order["host"]), int(order["port"]), order.get("token"), None, float(order["wait"])
+        )
     except OSError as exc:
         _say({"error": str(exc), "errno": exc.errno or 0})
         return 1

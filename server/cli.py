@@ -123,11 +123,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _default_max_connections() -> int:
-    """``--max-connections``'s default when the open-file limit does not lower it."""
-    return ServerConfig().max_connections
-
-
 def read_token(path: str | None) -> str | None:
     """The token from ``path`` (stripped), else ``ARENDEZ_TOKEN``, else None."""
     if path:
@@ -184,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         max_world_size=args.max_world_size,
     )
     if args.max_connections is None:  # the default fits the open-file limit quietly
-        args.max_connections = min(_default_max_connections(), max(1, raise_fd_limit() - FD_RESERVE))
+        args.max_connections = min(ServerConfig.max_connections, max(1, raise_fd_limit() - FD_RESERVE))
     config = ServerConfig(
         host=args.host,
         port=args.port,
