@@ -37,8 +37,8 @@ PY = sys.executable
 KINDS = ("tcpstore", "blocking", "raw", "encoded")
 
 
-def _client(kind: str, port: int, index: int, go: float, seconds: float) -> dict[str, Any]:
-    """One client process: loop until ``go + seconds``; its op count and CPU."""
+def _connect(kind: str, port: int, index: int) -> tuple[Any, str, str]:
+    """One client's store, its own key and the shared one."""
     store: Any
     if kind == "tcpstore":
         from torch.distributed import TCPStore
@@ -51,6 +51,11 @@ def _client(kind: str, port: int, index: int, go: float, seconds: float) -> dict
         blocking = BlockingStore("127.0.0.1", port, "cpu", timeout=60).connect()
         key, shared = f"k{index}", "shared"
         store = blocking if kind == "blocking" else _Bare(blocking, kind == "encoded")
+    return store, key, shared
+
+
+def _client(store: Any, key: str, shared: str, go: float, seconds: float) -> dict[str, Any]:
+    """Loop until ``go + seconds``; the op count and this process's CPU meanwhile."""
     time.sleep(max(0.0, go - time.time()))
     stop, ops, value = go + seconds, 0, b"v" * 32
     before = os.times()
@@ -182,14 +187,10 @@ def measure(kind: str, clients: int, seconds: float) -> dict[str, Any]:
 
 
 def _client_main(kind: str, port: int, index: int) -> None:
-    from arendez.blocking_store import BlockingStore  # (imports done before "ready")
-
-    del BlockingStore
-    if kind == "tcpstore":
-        import torch.distributed  # noqa: F401
+    store, key, shared = _connect(kind, port, index)  # (imported and connected before "ready")
     print("ready", flush=True)
     go, seconds = (float(v) for v in sys.stdin.readline().split())
-    print(json.dumps(_client(kind, port, index, go, seconds)), flush=True)
+    print(json.dumps(_client(store, key, shared, go, seconds)), flush=True)
 
 
 def main() -> int:
