@@ -18,7 +18,7 @@ import itertools
 import logging
 import ssl as _ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -56,8 +56,57 @@ _REPLY_LIMITS = wire.Limits(max_header=64 << 20, max_payload=0)
 transport.register_remote_errors(*STORE_ERRORS)
 
 
+_Encoder = Callable[[int, float | None], list[bytes | memoryview]]
+
+
 class _NoAnswer(Exception):
     """The reply did not come before the call's deadline."""
+
+
+class Answer(Protocol):
+    """Where a request's reply goes: an ``asyncio.Future``, or ``_Callback``."""
+
+    def done(self) -> bool: ...
+    def set_result(self, value: Any) -> None: ...
+    def set_exception(self, exc: BaseException) -> None: ...
+
+
+class _Callback:
+    """A request's reply handed to a callback on the loop thread (``Store.ask_soon``)."""
+
+    __slots__ = ("_budget", "_done", "_finished", "_op", "_store", "rid")
+
+    def __init__(
+        self, store: Store, op: str, budget: float, done: Callable[[Any, BaseException | None], None]
+    ) -> None:
+        self._store, self._op, self._budget, self._done = store, op, budget, done
+        self._finished = False
+        self.rid = 0
+
+    def done(self) -> bool:
+        return self._finished
+
+    def _end(self) -> None:
+        self._finished = True
+        self._store._pending.pop(self.rid, None)
+        self._store._expiry.pop(self.rid, None)
+
+    def set_result(self, value: Any) -> None:
+        self._end()
+        self._done(value, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._end()
+        if isinstance(exc, _NoAnswer):
+            exc = StoreTimeoutError(f"store {self._op} got no answer within {self._budget:g}s")
+        self._done(None, exc)
+
+
+def _outcome(task: asyncio.Task[Any]) -> tuple[Any, BaseException | None]:
+    if task.cancelled():
+        return None, StoreError("the store client is closed")
+    exc = task.exception()
+    return (None, exc) if exc is not None else (task.result(), None)
 
 
 class Store(MembershipOps, KeyValueOps):
@@ -87,7 +136,7 @@ class Store(MembershipOps, KeyValueOps):
         self._ssl = ssl
         self._heartbeat_interval = heartbeat_interval
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._pending: dict[int, Answer] = {}
         self._conn: transport.Connection | None = None
         self._connected = asyncio.Event()
         self._fatal: BaseException | None = None
@@ -341,7 +390,9 @@ class Store(MembershipOps, KeyValueOps):
     async def _ask(self, op: str, timeout: float | None, wait: bool, *args: Any) -> Any:
         """A key-value operation in the compact form ``[op, id, *args]`` (``store_wire``);
         ``wait``: the server may wait, and is told how long (appended to ``args``)."""
+        return await self._request(op, timeout, wait, self._compact(op, args))
 
+    def _compact(self, op: str, args: tuple[Any, ...]) -> _Encoder:
         def encode(rid: int, left: float | None) -> list[bytes | memoryview]:
             tail = () if left is None else (left,)
             data = frame(self._packer.pack([op, rid, *args, *tail]))
@@ -349,7 +400,7 @@ class Store(MembershipOps, KeyValueOps):
                 check_request_size(op, len(data))
             return [data]
 
-        return await self._request(op, timeout, wait, encode)
+        return encode
 
     async def _request(
         self,
@@ -366,14 +417,8 @@ class Store(MembershipOps, KeyValueOps):
         conn = self._conn
         if conn is None or not conn.is_open:
             await self._wait_connected(deadline)
-        rid = next(self._ids)
         fut: asyncio.Future[Any] = loop.create_future()
-        self._pending[rid] = fut
-        left = max(0.0, deadline - loop.time()) if wait else None
-        expiry = self._expiry[rid] = deadline + (_REPLY_SLACK if wait else 0.0)
-        if self._sweep_at is None or expiry < self._sweep_at:
-            self._arm_sweep(loop, expiry)
-        self._send(encode(rid, left))
+        rid = self._submit(loop, deadline, wait, encode, fut)
         try:
             return await fut
         except _NoAnswer:
@@ -381,6 +426,55 @@ class Store(MembershipOps, KeyValueOps):
         finally:
             self._pending.pop(rid, None)
             self._expiry.pop(rid, None)
+
+    def _submit(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        deadline: float,
+        wait: bool,
+        encode: Callable[[int, float | None], list[bytes | memoryview]],
+        answer: Answer,
+    ) -> int:
+        """Send a request on the open connection; its reply (or error) goes to ``answer``."""
+        rid = next(self._ids)
+        self._pending[rid] = answer
+        left = max(0.0, deadline - loop.time()) if wait else None
+        expiry = self._expiry[rid] = deadline + (_REPLY_SLACK if wait else 0.0)
+        if self._sweep_at is None or expiry < self._sweep_at:
+            self._arm_sweep(loop, expiry)
+        try:
+            self._send(encode(rid, left))
+        except BaseException:
+            self._pending.pop(rid, None)
+            self._expiry.pop(rid, None)
+            raise
+        return rid
+
+    def ask_soon(
+        self,
+        op: str,
+        timeout: float | None,
+        wait: bool,
+        args: tuple[Any, ...],
+        done: Callable[[Any, BaseException | None], None],
+    ) -> None:
+        """On the loop thread: send the key-value operation ``op`` now and call ``done(value,
+        None)`` or ``done(None, error)`` with its outcome, with no task or future per call (the
+        blocking callers of ``storemux`` wait on it from their own threads). While the
+        connection is down it waits for it, as ``_ask`` does."""
+        loop = self._loop or asyncio.get_running_loop()
+        conn = self._conn
+        if conn is None or not conn.is_open:
+            task = loop.create_task(self._ask(op, timeout, wait, *args))
+            task.add_done_callback(lambda t: done(*_outcome(t)))
+            return
+        budget = self.timeout if timeout is None else float(timeout)
+        deadline = loop.time() + (budget if wait else min(budget, _CALL_TIMEOUT))
+        answer = _Callback(self, op, budget, done)
+        try:
+            answer.rid = self._submit(loop, deadline, wait, self._compact(op, args), answer)
+        except Exception as exc:  # (e.g. a request past the size limit)
+            done(None, exc)
 
     def _arm_sweep(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         """One timer for all calls: it fires at the earliest deadline (no timer per call)."""

@@ -2,8 +2,11 @@
 which arendez does not provide).
 
 ``TCPStore`` is a client of an arendez store server (``is_master=True`` hosts an embedded one in
-this process, as torch's master does); its calls are ``BlockingStore`` calls in the caller's
-thread (only hosting the server uses the shared loop thread).
+this process, as torch's master does). The first ``ARENDEZ_TCPSTORE_OWN_CONNECTIONS`` (16) clients
+alive in a process each make ``BlockingStore`` calls on a connection of their own, in the caller's
+thread; clients past that share connections of the shared loop thread (``storemux``), so that a
+process with thousands of them (a thread per simulated rank) does not hold thousands of
+connections and threads convoying on the GIL.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import collections
 import datetime
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 
 from . import embedded
@@ -26,6 +30,8 @@ from .errors import (
 )
 from .loop import shared
 from .registry import seconds
+from .settings import env_int
+from .storemux import SharedStoreClient
 
 __all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
 
@@ -37,6 +43,8 @@ _JOB = "tcpstore"
 #: Rounds of compare_set an ``append`` tries before it gives up (each lost one means another
 #: writer's append landed).
 _APPEND_TRIES = 10_000
+#: The TCPStore clients of this process that have a connection of their own.
+_own_connections: weakref.WeakSet[TCPStore] = weakref.WeakSet()
 
 
 def _bytes(value: str | bytes) -> bytes:
@@ -162,7 +170,12 @@ class TCPStore(Store):
             server = shared.call(embedded.acquire, host_name, port, None, None, pinned=True)
             port = int(server.port)
         self.host, self.port, self.world_size, self.timeout = host_name, port, world_size, timeout
-        self._store = BlockingStore(host_name, port, _JOB, timeout=limit)
+        self._store: BlockingStore | SharedStoreClient
+        if len(_own_connections) < env_int("ARENDEZ_TCPSTORE_OWN_CONNECTIONS", 16, minimum=0):
+            self._store = BlockingStore(host_name, port, _JOB, timeout=limit)
+            _own_connections.add(self)
+        else:  # many clients in this process: share connections (see the module's docstring)
+            self._store = SharedStoreClient(host_name, port, _JOB, timeout=limit)
         self._lock = threading.Lock()  # one request at a time on the connection (torch's too)
         self._connect(limit)
         if world_size is not None and wait_for_workers:  # (torch counts only these users)

@@ -17,7 +17,16 @@ from tests.harness import server
 SHORT = datetime.timedelta(seconds=20)
 
 
-def test_clients_do_not_wait_for_the_other_store_users() -> None:
+@pytest.fixture(params=["own", "shared"])
+def connection(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with TCPStore clients on connections of their own (the first 16 of a
+    process), and with every client on the process's shared ones (``arendez.storemux``)."""
+    if request.param == "shared":
+        monkeypatch.setenv("ARENDEZ_TCPSTORE_OWN_CONNECTIONS", "0")
+    return str(request.param)
+
+
+def test_clients_do_not_wait_for_the_other_store_users(connection: str) -> None:
     # torch: each store user adds itself; only the master waits for world_size of them
     master = sync.TCPStore("127.0.0.1", 0, 3, True, SHORT, wait_for_workers=False)
     assert master.port > 0
@@ -31,7 +40,7 @@ def test_clients_do_not_wait_for_the_other_store_users() -> None:
         store.close()
 
 
-def test_a_client_started_before_its_master_waits_for_it() -> None:
+def test_a_client_started_before_its_master_waits_for_it(connection: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -46,7 +55,7 @@ def test_a_client_started_before_its_master_waits_for_it() -> None:
     master.close()
 
 
-def test_unreachable_store_is_a_timeout_naming_the_address() -> None:
+def test_unreachable_store_is_a_timeout_naming_the_address(connection: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nobody listens there
@@ -56,12 +65,12 @@ def test_unreachable_store_is_a_timeout_naming_the_address() -> None:
     assert not isinstance(caught.value, sync.RankFailedError)
 
 
-def test_master_times_out_naming_how_many_joined() -> None:
+def test_master_times_out_naming_how_many_joined(connection: str) -> None:
     with pytest.raises(StoreTimeoutError, match=r"1/2 store users joined"):
         sync.TCPStore("127.0.0.1", 0, 2, True, datetime.timedelta(seconds=0.5))
 
 
-def test_multi_get_multi_set_and_clone() -> None:
+def test_multi_get_multi_set_and_clone(connection: str) -> None:
     master = sync.TCPStore("127.0.0.1", 0, None, True, SHORT)
     master.multi_set(["a", "b", "c"], [b"1", "2", b"3"])
     other = master.clone()
@@ -149,7 +158,7 @@ def test_a_master_on_a_port_in_use_fails_at_once_and_a_second_master_needs_multi
 
 
 @pytest.mark.timeout(30)
-def test_append_is_atomic_under_concurrent_writers_and_the_extended_api_says_so() -> None:
+def test_append_is_atomic_under_concurrent_writers_and_the_extended_api_says_so(connection: str) -> None:
     master = sync.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10))
     assert master.has_extended_api() and master.libuvBackend is False
     master.append("log", "start:")
@@ -170,7 +179,7 @@ def test_append_is_atomic_under_concurrent_writers_and_the_extended_api_says_so(
 
 
 @pytest.mark.timeout(30)
-def test_queues_and_list_keys_behave_as_torchs() -> None:
+def test_queues_and_list_keys_behave_as_torchs(connection: str) -> None:
     """Queues are apart from the keys' values; list_keys and num_keys see the values only
     (num_keys also TCPStore's one key of its own, as torch's counts its user count)."""
     master = sync.TCPStore("127.0.0.1", 0, 2, True, datetime.timedelta(seconds=10), wait_for_workers=False)
@@ -223,7 +232,7 @@ def test_hash_store_queues() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_queued_values_count_against_the_job_limits() -> None:
+def test_queued_values_count_against_the_job_limits(connection: str) -> None:
     """A queue is a key and its values bytes (plus a little each) for the server's limits."""
     with server("--max-keys-per-job", "2", "--max-bytes-per-job", "4096") as srv:
         store = sync.TCPStore("127.0.0.1", srv.port, None, False, SHORT)

@@ -1,0 +1,262 @@
+"""Many blocking store clients of one process over a few shared connections.
+
+A process that makes many ``TCPStore`` clients, one per thread (thousands of simulated ranks,
+or many jobs' stores in one agent), would otherwise hold a connection and a blocked thread per
+client, each operation releasing and re-taking the GIL around a send and a receive: thousands
+of threads then convoy on the GIL and the kernel switches between them more than it moves
+bytes. ``SharedStoreClient`` has the blocking client's methods, but its requests travel on a
+connection of the shared loop thread (``loop.shared``) that up to ``CLIENTS_PER_CONNECTION``
+clients share: the caller hands its request to the loop without waiting for it, and blocks on
+one lock, without the GIL, until the loop thread hands back the reply. The loop writes the
+requests of one turn together and reads many replies per wake-up, so the server sees a few
+connections per process rather than one per thread.
+
+A call's outcome is the blocking client's: the server's error, ``StoreTimeoutError`` when no
+answer comes in time, ``StoreConnectionError`` when the connection drops with the request in
+flight (the loop thread reconnects; the next call waits for that until its own deadline).
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import os
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from .errors import StoreError, StoreTimeoutError
+from .loop import shared
+from .store import Store
+from .store_wire import to_bytes
+
+#: Clients per shared connection: each has at most one request in flight, so a connection
+#: holds at most this many waiting ones (the server bounds them per connection).
+CLIENTS_PER_CONNECTION = 128
+#: How long past a call's own deadline a caller waits for the loop thread before it gives up
+#: (the loop answers every request by its deadline; this only guards against a stopped loop).
+_LOOP_SLACK = 10.0
+_CALL_TIMEOUT = 30.0
+
+
+class _Connection:
+    """One shared ``Store`` and the clients attached to it."""
+
+    __slots__ = ("clients", "ready", "store")
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.clients = 0
+        self.ready = threading.Event()  # set once its connect has ended (either way)
+
+
+class _Pool:
+    """The shared connections of this process, per server address and job."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.connections: dict[tuple[str, int, str], list[_Connection]] = {}
+
+    def attach(self, host: str, port: int, job: str, timeout: float) -> _Connection:
+        """A connection with room for one more client (a new one when all are full)."""
+        key = (host, port, job)
+        with self.lock:
+            for conn in self.connections.get(key, ()):
+                if conn.clients < CLIENTS_PER_CONNECTION:
+                    conn.clients += 1
+                    return conn
+            conn = _Connection(Store(host, port, job, timeout=timeout))
+            conn.clients = 1
+            self.connections.setdefault(key, []).append(conn)
+        try:  # (outside the lock: clients of other connections go on meanwhile)
+            shared.call(conn.store.connect, timeout)
+        except BaseException:
+            self._drop(key, conn)
+            raise
+        finally:
+            conn.ready.set()
+        return conn
+
+    def _drop(self, key: tuple[str, int, str], conn: _Connection) -> None:
+        with self.lock:
+            held = self.connections.get(key, [])
+            if conn in held:
+                held.remove(conn)
+            if not held:
+                self.connections.pop(key, None)
+
+    def detach(self, conn: _Connection) -> None:
+        """One client fewer; the last one closes the connection."""
+        with self.lock:
+            conn.clients -= 1
+            if conn.clients > 0:
+                return
+        store = conn.store
+        self._drop((store.host, store.port, store.job), conn)
+        loop = shared.running_loop()
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                loop.call_soon_threadsafe(lambda: loop.create_task(store.close()))
+
+
+_pool = _Pool()
+_generation = 0  # bumped in a forked child: the parent's connections did not come along
+
+
+def _forget_after_fork() -> None:
+    global _pool, _generation
+    _pool = _Pool()
+    _generation += 1
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+class _Reply:
+    """The answer one caller waits for: a pre-acquired lock the loop thread releases."""
+
+    __slots__ = ("error", "lock", "value")
+
+    def __init__(self) -> None:
+        self.lock = _thread.allocate_lock()
+        self.lock.acquire()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def finish(self, value: Any, error: BaseException | None) -> None:
+        self.value, self.error = value, error
+        self.lock.release()
+
+
+def _release(conn: _Connection, generation: int) -> None:
+    if generation == _generation:
+        _pool.detach(conn)
+
+
+class SharedStoreClient:
+    """``BlockingStore``'s operations over a shared connection of this process."""
+
+    def __init__(self, host: str, port: int, job: str = "", *, timeout: float = 300.0) -> None:
+        self.host, self.port, self.job, self.timeout = host, port, job, timeout
+        self._conn: _Connection | None = None
+        self._generation = -1
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def connect(self) -> SharedStoreClient:
+        """Attach to a shared connection (opening one, retrying until ``timeout``, if needed)."""
+        self._ensure()
+        return self
+
+    def _ensure(self) -> _Connection:
+        conn = self._conn
+        if conn is not None and self._generation == _generation:
+            return conn
+        conn = _pool.attach(self.host, self.port, self.job, self.timeout)
+        if not conn.ready.wait(self.timeout):
+            raise StoreError(f"the store at {self.host}:{self.port} did not answer within {self.timeout:g}s")
+        if conn.store._fatal is not None or conn.store._closed:  # (its connect failed)
+            _pool.detach(conn)
+            raise StoreError(f"could not reach the store at {self.host}:{self.port}")
+        self._conn, self._generation = conn, _generation
+        self._finalizer = weakref.finalize(self, _release, conn, _generation)
+        return conn
+
+    def close(self) -> None:
+        """Leave the shared connection (a later call attaches again)."""
+        finalizer, self._finalizer, self._conn = self._finalizer, None, None
+        if finalizer is not None:
+            finalizer()
+
+    def _call(self, op: str, timeout: float | None, wait: bool, *args: Any) -> Any:
+        store = self._ensure().store
+        budget = self.timeout if timeout is None else float(timeout)
+        reply = _Reply()
+        loop = shared.loop()
+        loop.call_soon_threadsafe(store.ask_soon, op, budget, wait, args, reply.finish)
+        limit = (budget if wait else min(budget, _CALL_TIMEOUT)) + _LOOP_SLACK
+        if not reply.lock.acquire(timeout=limit):
+            raise StoreTimeoutError(
+                f"store {op} got no answer within {limit:g}s (is the arendez loop thread stuck?)"
+            )
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    # -- operations (as ``BlockingStore``'s) ---------------------------------------------------
+    def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Store ``value`` under ``key``."""
+        self._call("set", timeout, False, key, value if type(value) is bytes else to_bytes(value))
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` for it to be set."""
+        value: bytes = self._call("get", timeout, True, key)
+        return value
+
+    def add(self, key: str, amount: int = 1, timeout: float | None = None) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (missing = 0); return the sum."""
+        total: int = self._call("add", timeout, False, key, int(amount))
+        return total
+
+    def compare_set(
+        self, key: str, expected: str | bytes, desired: str | bytes, timeout: float | None = None
+    ) -> bytes:
+        """Set ``desired`` if ``key`` holds ``expected`` (or is missing and ``expected`` is
+        empty); return the value the key holds afterwards."""
+        value: bytes = self._call("compare_set", timeout, False, key, to_bytes(expected), to_bytes(desired))
+        return value
+
+    def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
+        self._call("wait", timeout, True, list(keys))
+
+    def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
+        """True if every key in ``keys`` is set (no waiting)."""
+        found: bool = self._call("check", timeout, False, list(keys))
+        return found
+
+    def delete(self, key: str, timeout: float | None = None) -> bool:
+        """Delete ``key``; True if it existed."""
+        existed: bool = self._call("delete", timeout, False, key)
+        return existed
+
+    def num_keys(self, timeout: float | None = None) -> int:
+        """How many keys the job's store holds."""
+        count: int = self._call("num_keys", timeout, False)
+        return count
+
+    def multi_get(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys``, in order, waiting up to ``timeout`` for any not yet set."""
+        values: list[bytes] = self._call("multi_get", timeout, True, list(keys))
+        return values
+
+    def multi_set(
+        self, keys: Iterable[str], values: Iterable[str | bytes], timeout: float | None = None
+    ) -> None:
+        """Set each of ``keys`` to the value at its position in ``values``, in one request."""
+        keys, data = list(keys), [to_bytes(v) for v in values]
+        if len(keys) != len(data):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(data)} values")
+        self._call("multi_set", timeout, False, keys, data)
+
+    def list_keys(self, timeout: float | None = None) -> list[str]:
+        """Every key of the job's store that holds a value (queues are not listed)."""
+        keys: list[str] = self._call("list_keys", timeout, False)
+        return keys
+
+    def queue_push(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Append ``value`` to the queue ``key``."""
+        self._call("queue_push", timeout, False, key, to_bytes(value))
+
+    def queue_pop(self, key: str, block: bool = True, timeout: float | None = None) -> bytes:
+        """The oldest value of the queue ``key``, removed (see ``BlockingStore.queue_pop``)."""
+        value: bytes = self._call("queue_pop", timeout, True, key, bool(block))
+        return value
+
+    def queue_len(self, key: str, timeout: float | None = None) -> int:
+        """How many values the queue ``key`` holds."""
+        count: int = self._call("queue_len", timeout, False, key)
+        return count
+
+
+__all__ = ["CLIENTS_PER_CONNECTION", "SharedStoreClient"]

@@ -1,0 +1,146 @@
+"""Many ``TCPStore`` clients of one process share a few connections (``arendez.storemux``):
+the server sees a handful of connections for hundreds of thread-ranks, a lost server fails the
+calls in flight and the next ones reconnect, and a forked child gets connections of its own."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import subprocess
+import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import arendez.sync as sync
+from arendez.errors import StoreConnectionError, StoreError, StoreTimeoutError
+from arendez.storemux import CLIENTS_PER_CONNECTION
+from tests.harness import PY, ROOT, _env, server, start_server
+
+TIMEOUT = datetime.timedelta(seconds=20)
+
+
+def _sockets(pid: int) -> int:
+    """How many sockets process ``pid`` holds open."""
+    fds = os.listdir(f"/proc/{pid}/fd")
+    count = 0
+    for fd in fds:
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:  # (closed meanwhile)
+            pass
+    return count
+
+
+@pytest.mark.timeout(90)
+def test_hundreds_of_thread_ranks_share_a_few_connections() -> None:
+    """600 thread-ranks run torch's rendezvous idiom (add, set, the last one sets ``done``,
+    wait, multi_get of the neighbours): all finish with the right values while the server holds
+    16 connections of their own plus one per 128 shared clients, not 600."""
+    n, own = 600, 16
+    with server() as srv:
+        before = _sockets(srv.proc.pid)
+        stores: list[sync.TCPStore] = []
+        guard = threading.Lock()
+        start = threading.Barrier(n)
+
+        def rank(i: int) -> list[bytes]:
+            store = sync.TCPStore("127.0.0.1", srv.port, None, False, TIMEOUT)
+            with guard:
+                stores.append(store)
+            start.wait()
+            r = store.add("count", 1) - 1
+            store.set(f"addr/{r}", f"host{r}")
+            if r == n - 1:
+                store.set("done", "1")
+            store.wait(["done"])
+            keys = [f"addr/{(r - 1) % n}", f"addr/{(r + 1) % n}"]
+            got = store.multi_get(keys)
+            assert got == [f"host{(r - 1) % n}".encode(), f"host{(r + 1) % n}".encode()]
+            return got
+
+        with ThreadPoolExecutor(n) as pool:
+            results = list(pool.map(rank, range(n)))
+        assert len(results) == n
+        held = _sockets(srv.proc.pid) - before
+        shared = math.ceil((n - own) / CLIENTS_PER_CONNECTION)
+        # each connection is one socket (TCP, or the server's local socket for the own ones)
+        assert held <= own + shared + 2, (held, own, shared)
+        for store in stores:
+            store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_server_fails_the_waiting_calls_and_the_next_calls_reconnect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ARENDEZ_TCPSTORE_OWN_CONNECTIONS", "0")
+    srv = start_server()
+    try:
+        stores = [sync.TCPStore("127.0.0.1", srv.port, None, False, TIMEOUT) for _ in range(3)]
+        stores[0].set("k", "v")
+        with ThreadPoolExecutor(3) as pool:
+            waits = [pool.submit(s.wait, ["never"]) for s in stores]
+            with pytest.raises(TimeoutError):
+                waits[0].result(timeout=0.3)  # they wait on the server
+            srv.proc.kill()
+            srv.proc.wait()
+            for w in waits:  # in flight when the server died: failed, not left hanging
+                with pytest.raises(StoreConnectionError, match="lost the connection to the store"):
+                    w.result(timeout=10)
+        port = srv.port
+        srv = start_server(port=port)  # the same address again: the loop thread reconnects
+        stores[1].set("k2", "v2")  # (a new server: the old keys are gone)
+        assert stores[2].get("k2") == b"v2"
+        stores[0].set_timeout(datetime.timedelta(seconds=0.3))
+        with pytest.raises(StoreTimeoutError, match="not satisfied within 0.3s"):
+            stores[0].get("missing")
+        for s in stores:
+            s.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(60)
+def test_an_oversized_value_is_refused_naming_the_limit_and_the_client_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ARENDEZ_TCPSTORE_OWN_CONNECTIONS", "0")
+    with server() as srv:
+        store = sync.TCPStore("127.0.0.1", srv.port, None, False, TIMEOUT)
+        with pytest.raises(StoreError, match=r"exceeds the server's limit of \d+ bytes per request"):
+            store.set("big", b"x" * (2 << 20))
+        store.set("small", "ok")
+        assert store.get("small") == b"ok"
+        store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_gets_shared_connections_of_its_own() -> None:
+    """A fork copies no loop thread: the child's shared clients connect again from its own."""
+    with server() as srv:
+        code = textwrap.dedent(
+            f"""
+            import datetime, os, sys
+            os.environ["ARENDEZ_TCPSTORE_OWN_CONNECTIONS"] = "0"
+            import arendez.sync as sync
+            t = datetime.timedelta(seconds=20)
+            store = sync.TCPStore("127.0.0.1", {srv.port}, None, False, t)
+            store.set("parent", "1")
+            pid = os.fork()
+            if pid == 0:
+                store.set("child", "2")
+                other = sync.TCPStore("127.0.0.1", {srv.port}, None, False, t)
+                print("child", other.get("parent").decode(), flush=True)
+                os._exit(0)
+            os.waitpid(pid, 0)
+            print("parent", store.get("child").decode(), flush=True)
+            """
+        )
+        out = subprocess.run(
+            [PY, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=45
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "child 1" in out.stdout and "parent 2" in out.stdout, out.stdout
