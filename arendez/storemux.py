@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import itertools
 import os
 import threading
 import weakref
@@ -41,61 +42,60 @@ _CALL_TIMEOUT = 30.0
 
 
 class _Connection:
-    """One shared ``Store`` and the clients attached to it."""
+    """One shared ``Store`` and the seats of its clients (counters, so that taking a seat needs
+    no lock: ``next`` on an ``itertools.count`` is atomic)."""
 
-    __slots__ = ("clients", "ready", "store")
+    __slots__ = ("gone", "ready", "seats", "store")
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.clients = 0
+        self.seats = itertools.count()  # seats handed out (past CLIENTS_PER_CONNECTION: full)
+        self.gone = itertools.count(1)  # clients that left
         self.ready = threading.Event()  # set once its connect has ended (either way)
+
+    def take_seat(self) -> bool:
+        return next(self.seats) < CLIENTS_PER_CONNECTION
 
 
 class _Pool:
-    """The shared connections of this process, per server address and job."""
+    """The shared connections of this process: per server address and job, the one that new
+    clients join until it is full; a full one closes once the last of its clients has left."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.connections: dict[tuple[str, int, str], list[_Connection]] = {}
+        self.current: dict[tuple[str, int, str], _Connection] = {}
 
     def attach(self, host: str, port: int, job: str, timeout: float) -> _Connection:
-        """A connection with room for one more client (a new one when all are full)."""
+        """A seat on the current connection (a new connection when it is full)."""
         key = (host, port, job)
+        conn = self.current.get(key)
+        if conn is not None and conn.take_seat():  # the usual case: no lock
+            return conn
         with self.lock:
-            for conn in self.connections.get(key, ()):
-                if conn.clients < CLIENTS_PER_CONNECTION:
-                    conn.clients += 1
-                    return conn
+            conn = self.current.get(key)
+            if conn is not None and conn.take_seat():
+                return conn
             conn = _Connection(Store(host, port, job, timeout=timeout))
-            conn.clients = 1
-            self.connections.setdefault(key, []).append(conn)
+            conn.take_seat()
+            self.current[key] = conn
         try:  # (outside the lock: clients of other connections go on meanwhile)
             shared.call(conn.store.connect, timeout)
         except BaseException:
-            self._drop(key, conn)
+            with self.lock:
+                if self.current.get(key) is conn:
+                    del self.current[key]
             raise
         finally:
             conn.ready.set()
         return conn
 
-    def _drop(self, key: tuple[str, int, str], conn: _Connection) -> None:
-        with self.lock:
-            held = self.connections.get(key, [])
-            if conn in held:
-                held.remove(conn)
-            if not held:
-                self.connections.pop(key, None)
-
     def detach(self, conn: _Connection) -> None:
-        """One client fewer; the last one closes the connection."""
-        with self.lock:
-            conn.clients -= 1
-            if conn.clients > 0:
-                return
-        store = conn.store
-        self._drop((store.host, store.port, store.job), conn)
+        """One client fewer: the last client of a full connection closes it."""
+        if next(conn.gone) < CLIENTS_PER_CONNECTION:
+            return
         loop = shared.running_loop()
         if loop is not None:
+            store = conn.store
             with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
                 loop.call_soon_threadsafe(lambda: loop.create_task(store.close()))
 
@@ -153,7 +153,7 @@ class SharedStoreClient:
         if conn is not None and self._generation == _generation:
             return conn
         conn = _pool.attach(self.host, self.port, self.job, self.timeout)
-        if not conn.ready.wait(self.timeout):
+        if not conn.ready.is_set() and not conn.ready.wait(self.timeout):
             raise StoreError(f"the store at {self.host}:{self.port} did not answer within {self.timeout:g}s")
         if conn.store._fatal is not None or conn.store._closed:  # (its connect failed)
             _pool.detach(conn)
