@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import RendezvousError
+from .loop import disown_tasks
 from .serverproc import ServerProcess
 
 log = logging.getLogger("arendez")
@@ -46,8 +47,16 @@ class _Hosted:
 
 
 _hosted: dict[int, _Hosted] = {}  # by the port the caller asked for
-# a forked child does not host the parent's servers (nor may it close them)
-os.register_at_fork(after_in_child=_hosted.clear)
+
+
+def _forget_after_fork() -> None:
+    """A forked child does not host the parent's servers (nor may it close them)."""
+    for entry in _hosted.values():
+        disown_tasks(entry.loop)
+    _hosted.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 async def acquire(

@@ -178,6 +178,8 @@ class LoopThread:
 
     def forget(self) -> None:
         """Drop the loop and its thread without stopping them (a forked child's copy of them)."""
+        if self._loop is not None:
+            disown_tasks(self._loop)
         self._loop, self._thread, self._lock = None, None, threading.Lock()
 
     def running_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -283,6 +285,14 @@ async def _drive(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
             raise  # exits still end the task as they would
     else:
         done._finish(result, None)
+
+
+def disown_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """In a forked child: the tasks of a loop that no thread of this process runs will never
+    finish; let them be collected without asyncio's "Task was destroyed but it is pending!"."""
+    with contextlib.suppress(RuntimeError):  # (the set changed size: another thread at the fork)
+        for task in asyncio.all_tasks(loop):
+            task._log_destroy_pending = False  # type: ignore[attr-defined]
 
 
 shared = LoopThread()

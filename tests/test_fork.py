@@ -112,3 +112,29 @@ def test_a_forked_child_that_exits_does_not_end_the_parents_world() -> None:
         _end(procs)
     for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"rank {rank} sum 3" in out, err[-3000:]
+
+
+MASTER_FORKS = """
+    import gc, os, sys
+    from arendez.sync import TCPStore
+
+    master = TCPStore("127.0.0.1", int(sys.argv[1]), 2, True, wait_for_workers=False)
+    master.set("k", "v")
+    if os.fork() == 0:  # multiprocessing's fork start method does this with a master store
+        client = TCPStore("127.0.0.1", int(sys.argv[1]), 2, False)
+        print("child got", client.get("k").decode(), flush=True)
+        gc.collect()
+        sys.exit(0)
+    _, status = os.waitpid(-1, 0)
+    print("child status", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_from_a_master_store_exits_without_asyncio_warnings() -> None:
+    """The child inherits the parent's loop and the task that holds its store server; no thread of
+    the child runs them, and collecting them must not print "Task was destroyed but it is pending!"."""
+    code, out, err = _run(MASTER_FORKS, str(free_port()), timeout=30)
+    assert code == 0, err[-3000:]
+    assert "child got v" in out and "child status 0" in out, out + err
+    assert "Task was destroyed" not in err and "Traceback" not in err, err[-3000:]
