@@ -143,3 +143,17 @@ def test_a_forked_child_gets_shared_connections_of_its_own() -> None:
         )
         assert out.returncode == 0, out.stderr[-3000:]
         assert "child 1" in out.stdout and "parent 2" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_1000_thread_ranks_of_the_plain_tcpstore_idiom_all_meet() -> None:
+    """The short version of ``benchmarks/tcpstore_threads.py``: a master ``TCPStore`` in its own
+    process, 1,000 thread-ranks over 2 processes started in a loop; every rank adds, sets, waits
+    for the last one's ``done`` and reads its neighbour's address, none fails."""
+    proc = subprocess.run(
+        [PY, str(ROOT / "benchmarks" / "tcpstore_threads.py"), "--backends", "arendez",
+         "--worlds", "1000", "--procs", "2", "--repeat", "1", "--timeout", "60"],
+        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=110,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| 1000 | 1 | — |" in proc.stdout and "| — / 0 |" in proc.stdout, proc.stdout + proc.stderr
