@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import msgpack
-import numpy as np
 
 from .errors import ProtocolError
 from .settings import env_int
@@ -27,6 +26,16 @@ PREFIX = struct.Struct("<IQ")
 MAX_SEGMENT = (1 << 30) - 1
 _SCRATCH = 8 * 1024  # grows for a larger header; reads between payloads are HEADER_READ
 _MIN_SCRATCH = 256
+
+
+def _uninitialized(nbytes: int) -> memoryview:
+    """A writable byte buffer of ``nbytes`` without zero-filling it (numpy is imported on first
+    use: the store server's start-up needs the codec, not numpy)."""
+    import numpy as np
+
+    return memoryview(cast(Any, np.empty(nbytes, np.uint8)))
+
+
 _DISCARD = 1 << 20  # what a diverted payload's bytes are read into (and forgotten), at once
 #: Bytes read at once between payloads: a small frame whole, little of a large payload.
 HEADER_READ = 4096
@@ -161,7 +170,7 @@ class Decoder:
             return None
         dest, self._dest = self._dest, None
         if keep:
-            fresh = memoryview(cast(Any, np.empty(dest.nbytes, np.uint8))).cast("B")
+            fresh = _uninitialized(dest.nbytes)
             fresh[: self._got] = dest[: self._got]
             self._dest = fresh
         else:
@@ -207,7 +216,7 @@ class Decoder:
 
     def _piece_scratch(self) -> memoryview:
         if self._piece is None:
-            self._piece = memoryview(cast(Any, np.empty(PIECE_BYTES + _PIECE_SLACK, np.uint8)))
+            self._piece = _uninitialized(PIECE_BYTES + _PIECE_SLACK)
         return self._piece
 
     def feed(self, nbytes: int) -> list[tuple[Any, memoryview | None]]:
@@ -267,7 +276,7 @@ class Decoder:
                 frames.append((header, dest.view))
                 continue
             if dest is None:
-                dest = memoryview(cast(Any, np.empty(plen, np.uint8)))  # no zero-fill
+                dest = _uninitialized(plen)
             elif dest.nbytes != plen:
                 raise ProtocolError(f"payload of {plen} bytes for a {dest.nbytes}-byte buffer")
             dest = dest.cast("B")

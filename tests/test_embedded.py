@@ -193,3 +193,19 @@ async def test_no_store_process_falls_back_to_the_event_loop(
         await store.close()
     finally:
         await embedded.shutdown()
+
+
+def test_the_store_process_starts_without_numpy() -> None:
+    """The rank-hosted store's child process imports the server and the frame codec only: numpy
+    (a third of its start-up, which every ``is_master`` store and every re-init waits for) is
+    imported by the codec when a payload first needs a buffer, which a store never does."""
+    import subprocess
+    import sys
+
+    from arendez.serverproc import _BOOT
+
+    listing = "print(sorted(m for m in sys.modules if m.startswith('numpy')))"
+    probe = _BOOT.replace("sys.exit(main())", listing)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
