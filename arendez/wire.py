@@ -28,14 +28,6 @@ _SCRATCH = 8 * 1024  # grows for a larger header; reads between payloads are HEA
 _MIN_SCRATCH = 256
 
 
-def _uninitialized(nbytes: int) -> memoryview:
-    """A writable byte buffer of ``nbytes`` without zero-filling it (numpy is imported on first
-    use: the store server's start-up needs the codec, not numpy)."""
-    import numpy as np
-
-    return memoryview(cast(Any, np.empty(nbytes, np.uint8)))
-
-
 _DISCARD = 1 << 20  # what a diverted payload's bytes are read into (and forgotten), at once
 #: Bytes read at once between payloads: a small frame whole, little of a large payload.
 HEADER_READ = 4096
@@ -101,6 +93,14 @@ class Stream(Protocol):
 #: ``sink(header, nbytes)`` picks the buffer a payload goes into, or a ``Stream`` that consumes
 #: it; ``None`` lets the decoder allocate a buffer.
 Sink = Callable[[Any, int], "memoryview | Stream | None"]
+
+
+def _uninitialized(nbytes: int) -> memoryview:
+    """A writable byte buffer of ``nbytes`` without zero-filling it (numpy is imported on first
+    use: the store server's start-up needs the codec, not numpy)."""
+    import numpy as np
+
+    return memoryview(cast(Any, np.empty(nbytes, np.uint8)))
 
 
 def _default_sink(header: Any, nbytes: int) -> memoryview | Stream | None:
