@@ -97,6 +97,16 @@ class Store:
             current = now  # another writer came first: append to what it left
         raise StoreError(f"append to {key!r} lost {_APPEND_TRIES} races with other writers")
 
+    def barrier(self, key: str, world_size: int, timeout: datetime.timedelta | None = None) -> None:
+        """Return once ``world_size`` callers have called ``barrier`` with ``key`` (torch's
+        ``Store.barrier``, same keys: ``key/num_members`` counts the arrivals, the last sets
+        ``key/last_member``); ``StoreTimeoutError`` after ``timeout`` (default: the store's)."""
+        if world_size < 1:
+            raise ValueError(f"barrier {key!r} needs world_size >= 1, got {world_size}")
+        if self.add(f"{key}/num_members", 1) == world_size:
+            self.set(f"{key}/last_member", b"1")
+        self.wait([f"{key}/last_member"], timeout)
+
     def has_extended_api(self) -> bool:
         """torch's flag for ``append``, ``multi_get`` and ``multi_set``: all present."""
         return True

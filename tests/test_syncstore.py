@@ -178,6 +178,34 @@ def test_append_is_atomic_under_concurrent_writers_and_the_extended_api_says_so(
     assert master.get("p/k") == b"ab"
 
 
+@pytest.mark.timeout(60)
+def test_barrier_returns_when_all_have_come_and_times_out_naming_its_key(connection: str) -> None:
+    """torch 2.13's ``Store.barrier(key, world_size, timeout)``: nobody leaves before the last
+    arrives; a barrier that misses someone raises ``StoreTimeoutError`` after its timeout."""
+    master = sync.TCPStore("127.0.0.1", 0, None, True, SHORT)
+    clients = [master.clone() for _ in range(5)]
+    left: list[tuple[int, int]] = []
+
+    def meet(i: int) -> None:
+        time.sleep(0.05 * i)  # (arrivals spread out: the first waits for the last)
+        clients[i].barrier("step1", 5)
+        left.append((i, int(master.get("step1/num_members"))))
+
+    with ThreadPoolExecutor(5) as pool:
+        list(pool.map(meet, range(5)))
+    assert sorted(i for i, _ in left) == list(range(5))
+    assert all(count == 5 for _, count in left)  # nobody left before all five had come
+    started = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match="last_member"):
+        clients[0].barrier("step2", 2, datetime.timedelta(seconds=0.5))
+    assert 0.4 < time.monotonic() - started < 10
+    for store in (sync.HashStore(), sync.PrefixStore("job", master)):
+        store.barrier("alone", 1)  # (world_size 1: returns at once, as torch's)
+    assert master.get("job/alone/last_member") == b"1"
+    with pytest.raises(ValueError, match="world_size >= 1"):
+        master.barrier("none", 0)
+
+
 @pytest.mark.timeout(30)
 def test_queues_and_list_keys_behave_as_torchs(connection: str) -> None:
     """Queues are apart from the keys' values; list_keys and num_keys see the values only
