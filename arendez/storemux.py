@@ -11,6 +11,14 @@ one lock, without the GIL, until the loop thread hands back the reply. The loop 
 requests of one turn together and reads many replies per wake-up, so the server sees a few
 connections per process rather than one per thread.
 
+A shared connection is cheap to join but costs each call a hand-off to the loop thread and back:
+a client that keeps calling (``PROMOTE_AFTER`` calls) opens a connection of its own, a
+``BlockingStore``, and uses it from then on, as the process's first clients do. Simulated ranks
+that only meet (a handful of calls each) stay on the shared connections; a rank that then works
+the store hard gets the direct path. Where no connection can be opened (the process is out of
+file descriptors, or the server refuses it by a limit) the client stays on the shared one, and
+the process stops trying.
+
 A call's outcome is the blocking client's: the server's error, ``StoreTimeoutError`` when no
 answer comes in time, ``StoreConnectionError`` when the connection drops with the request in
 flight (the loop thread reconnects; the next call waits for that until its own deadline).
@@ -27,8 +35,10 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from .blocking_store import BlockingStore
 from .errors import StoreError, StoreTimeoutError
 from .loop import shared
+from .settings import env_int
 from .store import Store
 from .store_wire import to_bytes
 
@@ -39,6 +49,12 @@ CLIENTS_PER_CONNECTION = 128
 #: (the loop answers every request by its deadline; this only guards against a stopped loop).
 _LOOP_SLACK = 10.0
 _CALL_TIMEOUT = 30.0
+#: Calls a client makes over a shared connection before it opens one of its own (0: never).
+PROMOTE_AFTER = env_int("ARENDEZ_TCPSTORE_PROMOTE_AFTER", 32, minimum=0)
+#: At most this many clients of a process get a connection of their own that way: past a few
+#: hundred busy threads, connections of their own convoy on the GIL (each call takes it twice)
+#: and the shared ones do better.
+MAX_PROMOTED = env_int("ARENDEZ_TCPSTORE_MAX_PROMOTED", 112, minimum=0)
 
 
 class _Connection:
@@ -102,12 +118,15 @@ class _Pool:
 
 _pool = _Pool()
 _generation = 0  # bumped in a forked child: the parent's connections did not come along
+_promotions = True  # False once opening a connection of a client's own failed in this process
+_promoted = itertools.count()  # promotions this process has begun (past MAX_PROMOTED: no more)
 
 
 def _forget_after_fork() -> None:
-    global _pool, _generation
+    global _pool, _generation, _promotions, _promoted
     _pool = _Pool()
     _generation += 1
+    _promotions, _promoted = True, itertools.count()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -142,6 +161,8 @@ class SharedStoreClient:
         self._conn: _Connection | None = None
         self._generation = -1
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._calls = 0  # over the shared connection
+        self._direct: BlockingStore | None = None  # the client's own connection, once it has one
 
     def connect(self) -> SharedStoreClient:
         """Attach to a shared connection (opening one, retrying until ``timeout``, if needed)."""
@@ -152,6 +173,7 @@ class SharedStoreClient:
         conn = self._conn
         if conn is not None and self._generation == _generation:
             return conn
+        self._direct, self._calls = None, 0  # (a forked child's copy of the parent's: forget it)
         conn = _pool.attach(self.host, self.port, self.job, self.timeout)
         if not conn.ready.is_set() and not conn.ready.wait(self.timeout):
             raise StoreError(f"the store at {self.host}:{self.port} did not answer within {self.timeout:g}s")
@@ -163,12 +185,43 @@ class SharedStoreClient:
         return conn
 
     def close(self) -> None:
-        """Leave the shared connection (a later call attaches again)."""
+        """Leave the shared connection, and close the client's own (a later call attaches again)."""
+        self._leave_shared()
+        direct, self._direct, self._calls = self._direct, None, 0
+        if direct is not None and self._generation == _generation:
+            direct.close()
+
+    def _leave_shared(self) -> None:
         finalizer, self._finalizer, self._conn = self._finalizer, None, None
         if finalizer is not None:
             finalizer()
 
+    def _promote(self) -> BlockingStore | None:
+        """Open a connection of this client's own and leave the shared one (None if it cannot:
+        then the process stops trying)."""
+        global _promotions
+        if next(_promoted) >= MAX_PROMOTED:
+            _promotions = False
+            return None
+        direct = BlockingStore(self.host, self.port, self.job, timeout=self.timeout)
+        try:
+            direct.connect()
+        except StoreError:  # (out of descriptors, a connection limit, the server away)
+            _promotions = False
+            return None
+        self._leave_shared()
+        self._direct = direct
+        return direct
+
     def _call(self, op: str, timeout: float | None, wait: bool, *args: Any) -> Any:
+        direct = self._direct
+        if direct is not None and self._generation == _generation:
+            return getattr(direct, op)(*args, timeout)
+        self._calls += 1
+        if self._calls == PROMOTE_AFTER and _promotions and self._generation == _generation:
+            direct = self._promote()
+            if direct is not None:
+                return getattr(direct, op)(*args, timeout)
         store = self._ensure().store
         budget = self.timeout if timeout is None else float(timeout)
         reply = _Reply()
@@ -259,4 +312,4 @@ class SharedStoreClient:
         return count
 
 
-__all__ = ["CLIENTS_PER_CONNECTION", "SharedStoreClient"]
+__all__ = ["CLIENTS_PER_CONNECTION", "PROMOTE_AFTER", "SharedStoreClient"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import math
 import os
 import subprocess
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import arendez.storemux as storemux
 import arendez.sync as sync
 from arendez.errors import StoreConnectionError, StoreError, StoreTimeoutError
 from arendez.storemux import CLIENTS_PER_CONNECTION
@@ -157,3 +159,47 @@ def test_1000_thread_ranks_of_the_plain_tcpstore_idiom_all_meet() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| 1000 | 1 | — |" in proc.stdout and "| — / 0 |" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _promotable(monkeypatch: pytest.MonkeyPatch, after: int, most: int) -> None:
+    monkeypatch.setenv("ARENDEZ_TCPSTORE_OWN_CONNECTIONS", "0")
+    monkeypatch.setattr(storemux, "PROMOTE_AFTER", after)
+    monkeypatch.setattr(storemux, "MAX_PROMOTED", most)
+    monkeypatch.setattr(storemux, "_promotions", True)
+    monkeypatch.setattr(storemux, "_promoted", itertools.count())
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_client_gets_a_connection_of_its_own_up_to_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared client that keeps calling opens its own connection (the direct path) after
+    ``PROMOTE_AFTER`` calls; past ``MAX_PROMOTED`` of them the others stay shared."""
+    _promotable(monkeypatch, after=5, most=1)
+    with server() as srv:
+        before = _sockets(srv.proc.pid)
+        busy, other = (sync.TCPStore("127.0.0.1", srv.port, None, False, TIMEOUT) for _ in range(2))
+        busy.set("a", "0")
+        assert _sockets(srv.proc.pid) - before == 1  # both on one shared connection
+        for i in range(10):
+            busy.set("a", str(i))
+            assert busy.add("n", 1) == i + 1
+        assert _sockets(srv.proc.pid) - before == 2  # the busy one on its own now
+        for i in range(10):
+            other.set("b", str(i))
+        assert _sockets(srv.proc.pid) - before == 2  # the cap: the other stays shared
+        assert other.get("a") == b"9" and busy.get("b") == b"9" and other.add("n", 0) == 10
+        busy.close()
+        other.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_refused_its_own_connection_stays_on_the_shared_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's connection limit refuses the promotion: the calls go on over the shared
+    connection, nothing fails, and the process stops asking."""
+    _promotable(monkeypatch, after=3, most=100)
+    with server("--max-connections", "1") as srv:
+        store = sync.TCPStore("127.0.0.1", srv.port, None, False, TIMEOUT)
+        for i in range(8):
+            store.set("k", str(i))
+        assert store.get("k") == b"7"
+        assert storemux._promotions is False
+        store.close()
