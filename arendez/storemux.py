@@ -51,6 +51,7 @@ _LOOP_SLACK = 10.0
 _CALL_TIMEOUT = 30.0
 #: Calls a client makes over a shared connection before it opens one of its own (0: never).
 PROMOTE_AFTER = env_int("ARENDEZ_TCPSTORE_PROMOTE_AFTER", 32, minimum=0)
+_PROMOTE_CONNECT = 2.0  # (a server slow to accept: the call goes on over the shared connection)
 #: At most this many clients of a process get a connection of their own that way: past a few
 #: hundred busy threads, connections of their own convoy on the GIL (each call takes it twice)
 #: and the shared ones do better.
@@ -203,7 +204,9 @@ class SharedStoreClient:
         if next(_promoted) >= MAX_PROMOTED:
             _promotions = False
             return None
-        direct = BlockingStore(self.host, self.port, self.job, timeout=self.timeout)
+        direct = BlockingStore(
+            self.host, self.port, self.job, timeout=self.timeout, connect_timeout=_PROMOTE_CONNECT
+        )
         try:
             direct.connect()
         except StoreError:  # (out of descriptors, a connection limit, the server away)
