@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import numbers
 import threading
 import time
 import weakref
@@ -49,6 +50,13 @@ _own_connections: weakref.WeakSet[TCPStore] = weakref.WeakSet()
 
 def _bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _amount(amount: int) -> int:
+    """``add``'s amount: an integer (a float would be truncated without a word), as torch's."""
+    if not isinstance(amount, numbers.Integral):
+        raise TypeError(f"store add amount must be an integer, got {type(amount).__name__} {amount!r:.40}")
+    return int(amount)
 
 
 class Store:
@@ -237,6 +245,7 @@ class TCPStore(Store):
             return self._store.get(key, self._limit())
 
     def add(self, key: str, amount: int) -> int:
+        amount = _amount(amount)
         with self._lock:
             return self._store.add(key, amount)
 
@@ -335,8 +344,9 @@ class HashStore(Store):
             return self._data[key]
 
     def add(self, key: str, amount: int) -> int:
+        amount = _amount(amount)
         with self._changed:
-            total = int(self._data.get(key, b"0")) + int(amount)
+            total = int(self._data.get(key, b"0")) + amount
             self._data[key] = str(total).encode()
             self._changed.notify_all()
             return total

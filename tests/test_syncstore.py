@@ -178,6 +178,16 @@ def test_append_is_atomic_under_concurrent_writers_and_the_extended_api_says_so(
     assert master.get("p/k") == b"ab"
 
 
+def test_add_refuses_an_amount_that_is_not_an_integer(connection: str) -> None:
+    """torch's ``add`` takes an int64; a float is a ``TypeError`` naming it, not truncated."""
+    master = sync.TCPStore("127.0.0.1", 0, None, True, SHORT)
+    for store in (master, sync.HashStore(), sync.PrefixStore("p", master)):
+        assert store.add("n", 2) == 2
+        with pytest.raises(TypeError, match=r"add amount must be an integer, got float 1\.5"):
+            store.add("n", 1.5)  # type: ignore[arg-type]
+        assert store.add("n", True) == 3 and store.add("n", 0) == 3  # (nothing was added)
+
+
 @pytest.mark.timeout(60)
 def test_barrier_returns_when_all_have_come_and_times_out_naming_its_key(connection: str) -> None:
     """torch 2.13's ``Store.barrier(key, world_size, timeout)``: nobody leaves before the last
