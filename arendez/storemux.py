@@ -55,7 +55,7 @@ _PROMOTE_CONNECT = 2.0  # (a server slow to accept: the call goes on over the sh
 #: At most this many clients of a process get a connection of their own that way: past a few
 #: hundred busy threads, connections of their own convoy on the GIL (each call takes it twice)
 #: and the shared ones do better.
-MAX_PROMOTED = env_int("ARENDEZ_TCPSTORE_MAX_PROMOTED", 112, minimum=0)
+MAX_PROMOTED = env_int("ARENDEZ_TCPSTORE_MAX_PROMOTED", 240, minimum=0)
 
 
 class _Connection:
