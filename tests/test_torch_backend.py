@@ -98,8 +98,10 @@ def test_reinit_after_destroy_with_the_same_store() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_kill_9_during_ddp_fails_every_survivor_within_3s(tmp_path: Any) -> None:
-    ws, victim = 3, 1
+@pytest.mark.parametrize("victim", [1, 0])
+def test_kill_9_during_ddp_fails_every_survivor_within_3s(tmp_path: Any, victim: int) -> None:
+    """Rank 0 too: with ``tcp://`` it hosts the store (in a child process that goes with it)."""
+    ws = 3
     procs = _spawn("ddp_until_failure", ws, f"tcp://127.0.0.1:{free_port()}", str(tmp_path))
     try:
         wait_for_files(tmp_path, "ready-*", ws, timeout=60)
