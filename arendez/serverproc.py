@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-#: The child's start-up (an interpreter, the server's imports) takes about 0.25 s; this bounds it.
+#: The child's start-up (an interpreter, the server's imports) takes about 0.15 s; this bounds it.
 START_TIMEOUT = 60.0
 
 #: The child's program. ``arendez``'s ``__init__`` imports the whole API (collectives, numpy's
