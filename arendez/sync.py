@@ -17,7 +17,7 @@ from typing import Any
 
 import arendez as api  # the public async API only
 
-from . import compat, farewell, flightrec
+from . import callbacks, compat, farewell, flightrec
 from .errors import *  # noqa: F403 - the same error names as the async API
 from .handshake import endpoint
 from .loop import CANCEL_GRACE_SECONDS, Completion, shared
@@ -55,8 +55,8 @@ class Future:
         return self.wait()
 
     def then(self, callback: Callable[[Future], Any]) -> Future:
-        """A future of ``callback(self)``, called once this one is done (at once if it is;
-        else on arendez's loop thread: keep it short, and make no blocking arendez call in it)."""
+        """A future of ``callback(self)``, called once this one is done: at once if it is, else
+        on a callback thread (``arendez.callbacks``), where it may make blocking arendez calls."""
         child = Completion()
 
         def run(_: Completion) -> None:
@@ -67,7 +67,13 @@ class Future:
             else:
                 child.set(value)
 
-        self._done.add_done_callback(run)
+        def deliver(done: Completion) -> None:
+            if shared.in_loop_thread():
+                callbacks.shared.submit(run, done)
+            else:
+                run(done)
+
+        self._done.add_done_callback(deliver)
         return Future(child, chained=True)
 
 

@@ -1,7 +1,8 @@
 """torch ``Work`` for the torch backend (``arendez.torch``): one arendez call on the loop thread.
 
 ``wait()`` blocks on a lock (the GIL is released); ``get_future()`` is a ``torch.futures.Future``
-completed by the loop thread, built only when asked for.
+built only when asked for, completed on a callback thread (``arendez.callbacks``): its callbacks
+may make blocking arendez calls, as on gloo's worker threads.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import callbacks
 from .errors import WaitTimeoutError
 from .loop import Completion, shared
 from .torchstore import seconds
@@ -47,8 +49,8 @@ class Work(_TorchWork):  # type: ignore[misc]
         with self._lock:
             self._settled = True
             source = self._source
-        if source is not None:
-            source.set_result(None)
+        if source is not None:  # its callbacks (DDP's, a comm hook's) may block on arendez calls
+            callbacks.shared.submit(source.set_result, None)
 
     def _outcome(self, _: Any) -> Any:
         assert self._done is not None

@@ -131,6 +131,31 @@ def test_work_futures_hold_the_outputs_and_chain_as_torchs() -> None:
         sync.destroy_process_group()
 
 
+def test_a_then_callback_may_make_blocking_calls_as_on_gloo() -> None:
+    """A callback chained to a pending future runs off the loop thread once it completes, so it
+    may call and wait on arendez (a PowerSGD hook does; on the loop thread it would deadlock)."""
+    sync.init_process_group()
+    try:
+        seen: list[str] = []
+
+        def reduce_more(f: sync.Future) -> Any:
+            seen.append(threading.current_thread().name)
+            assert isinstance(f._done.error, sync.CallCancelledError)
+            y = np.full(2, 3.0)
+            sync.all_reduce(y)  # blocking
+            z = sync.all_reduce(np.full(2, 5.0), async_op=True).get_future().wait()[0]
+            return (y + z).tolist()
+
+        recv = sync.irecv(np.zeros(1))  # pending in a world of one, until cancelled
+        assert recv is not None
+        chained = recv.get_future().then(reduce_more)
+        assert recv.cancel(grace=3)  # completes the future on the loop thread
+        assert chained.wait() == [8.0, 8.0]
+        assert seen == ["arendez-callback"]
+    finally:
+        sync.destroy_process_group()
+
+
 def test_work_futures_hold_the_callers_tensors() -> None:
     """A bfloat16 or non-contiguous tensor travels as a stand-in; the future holds the caller's
     tensor itself (with the result), and a tensor passed by keyword too (QA6-F4)."""

@@ -88,6 +88,26 @@ def test_init_through_an_arendez_server_or_a_torch_store(init: str, arendez_serv
     assert torch.allclose(torch.tensor(results[0]["params"][0]), torch.tensor(want[0]), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.timeout(120)
+def test_future_callbacks_may_make_collectives_and_powersgd_matches_gloo() -> None:
+    """A future's callbacks run where they may block on further collectives, as on gloo's worker
+    threads: a ``then`` callback that all_reduces, one that waits on another call's future, and
+    DDP with the PowerSGD comm hook (whose callbacks do that) end as gloo's run does."""
+    ws = 2
+    ours = _run("callbacks_that_call", ws, f"tcp://127.0.0.1:{free_port()}", "arendez")
+    # gloo's ranks report, then may die at exit after a PowerSGD run ("terminate called without
+    # an active exception", torch 2.13): its values are the reference, its exit status is not ours
+    gloo = [
+        r.value
+        for r in collect(_spawn("callbacks_that_call", ws, f"tcp://127.0.0.1:{free_port()}", "gloo"), 90)
+    ]
+    assert [r["blocking"] for r in ours] == [[3.0, 3.0]] * ws
+    assert [r["nested"] for r in ours] == [[7.0, 7.0]] * ws
+    assert ours[0]["params"] == ours[1]["params"]
+    for got, want in zip(ours[0]["params"], gloo[0]["params"], strict=True):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.timeout(90)
 def test_reinit_after_destroy_with_the_same_store() -> None:
     """Each init through one store gets its own embedded server, never the last round's URL."""

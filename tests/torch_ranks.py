@@ -527,6 +527,42 @@ def wait_timeout_then_result(rank: int, ws: int, init: str) -> dict[str, Any]:
     return {"raised": raised, "t": t.tolist(), "after": after.tolist()}
 
 
+@scenario
+def callbacks_that_call(rank: int, ws: int, init: str, backend: str) -> dict[str, Any]:
+    """Future callbacks that make collectives (blocking, and async then waited: what PowerSGD's
+    hook does), and DDP with the PowerSGD comm hook; ``backend`` "gloo" gives the reference."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    if backend == "gloo":
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ws)
+    else:
+        _init(rank, ws, init)
+
+    def blocking(_: Any) -> list[float]:
+        t = torch.full((2,), float(rank + 1))
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def nested(_: Any) -> list[float]:
+        t = torch.full((2,), float(rank + 3))
+        return list(dist.all_reduce(t, async_op=True).get_future().wait()[0].tolist())
+
+    first = dist.all_reduce(torch.ones(1), async_op=True).get_future()
+    out: dict[str, Any] = {"blocking": first.then(blocking).wait()}
+    second = dist.all_reduce(torch.ones(1), async_op=True).get_future()
+    out["nested"] = second.then(nested).wait()
+    model = mlp()
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05)
+    for step in range(5):
+        train_step(ddp_model, opt, *batch(step, rank))
+    out["params"] = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    dist.destroy_process_group()
+    return out
+
+
 def main() -> None:
     name, rank, ws, init, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
