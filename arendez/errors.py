@@ -57,6 +57,11 @@ class RendezvousError(ArendezError):
     """Joining a job failed: bad URL, full job, inconsistent world size, deadline passed."""
 
 
+class AlreadyInitializedError(RendezvousError, ValueError):
+    """``init_process_group`` while the default group is up, or forming (a ``ValueError``, as
+    torch's)."""
+
+
 class AuthenticationError(ArendezError):
     """The other side did not prove it knows the job's token (or we could not)."""
 
@@ -67,8 +72,8 @@ class LimitError(StoreError):
     so that code catching store failures sees the server's refusals; retrying later may succeed."""
 
 
-class NotInitializedError(ArendezError):
-    """A collective was called with no process group initialized."""
+class NotInitializedError(ArendezError, ValueError):
+    """A collective was called with no process group initialized (a ``ValueError``, as torch's)."""
 
 
 class GroupDestroyedError(ArendezError):
@@ -188,6 +193,7 @@ class CollectiveTimeoutError(ArendezError, TimeoutError):
 
 
 __all__ = [
+    "AlreadyInitializedError",
     "ArendezError",
     "AuthenticationError",
     "CallCancelledError",

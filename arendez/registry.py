@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 from . import validate
-from .errors import InvalidArgumentError, NotInitializedError, RendezvousError
+from .errors import AlreadyInitializedError, InvalidArgumentError, NotInitializedError
 from .group import GroupMember, ProcessGroup, Stats
 from .world import World
 
@@ -78,9 +78,9 @@ def forming() -> Iterator[None]:
     the same context (a concurrent task, say) fails at once instead of replacing the first."""
     registry = _get()
     if registry.default is not None:
-        raise RendezvousError("the default process group is already initialized")
+        raise AlreadyInitializedError("the default process group is already initialized")
     if registry.forming:
-        raise RendezvousError(
+        raise AlreadyInitializedError(
             "another init_process_group of this context is forming the default process group; "
             "ranks that run as tasks of one process each need their own context "
             "(loop.create_task(rank_main(), context=arendez.registry.fresh_context()))"

@@ -215,9 +215,9 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     ) -> Work:
         stage = Stage()
         outs, x = stage.all(outputs[0]), stage(inputs[0], out=False)
-        if self._engine:
-            return self._run(outputs, stage, self._engine.all_gather, outs, x)
-        return self._run(outputs, stage, arendez.all_gather, outs, x)
+        if self._engine:  # (the future holds the output list, ``[t0, t1]``, as gloo's)
+            return self._run(outputs[0], stage, self._engine.all_gather, outs, x)
+        return self._run(outputs[0], stage, arendez.all_gather, outs, x)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         stage = Stage()
@@ -261,9 +261,10 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         root, stage = self._global(opts.rootRank, "dst"), Stage()
         outs = stage.all(outputs[0]) if outputs else None
         x = stage(inputs[0], out=False)
+        value = outputs[0] if outputs else []  # (gloo's future: the gather list, [] off the root)
         if self._engine:
-            return self._run(outputs, stage, self._engine.gather, x, outs, root)
-        return self._run(outputs, stage, arendez.gather, x, outs, root)
+            return self._run(value, stage, self._engine.gather, x, outs, root)
+        return self._run(value, stage, arendez.gather, x, outs, root)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
         root, stage = self._global(opts.rootRank, "src"), Stage()
@@ -314,8 +315,8 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
     def barrier(self, opts: Any = None) -> Work:
         if self._engine:
-            return self._run(None, Stage(), self._engine.barrier)
-        return self._run(None, Stage(), arendez.barrier)
+            return self._run([], Stage(), self._engine.barrier)
+        return self._run([], Stage(), arendez.barrier)
 
     # -- point to point (ranks are group ranks) ----------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:

@@ -123,12 +123,53 @@ def test_work_futures_hold_the_outputs_and_chain_as_torchs() -> None:
         with pytest.raises(RuntimeError, match="hook failed"):
             fut.then(broken).wait()
         listed = [np.zeros(2)]
-        assert sync.all_gather(listed, np.ones(2), async_op=True).get_future().wait() == [listed]
+        assert sync.all_gather(listed, np.ones(2), async_op=True).get_future().wait() is listed  # as gloo's
         recv = sync.irecv(np.zeros(1))  # (never completes in a world of one: its future waits)
         assert recv is not None and not recv.get_future().done()
         assert recv.cancel(grace=3)
     finally:
         sync.destroy_process_group()
+
+
+def test_torch_signatures_bind_as_torchs() -> None:
+    """``async_op`` by position, torch's CPU-neutral keywords accepted, the rest refused by name;
+    ``Work.result()`` and futures hold what gloo's hold; misuse errors are ``ValueError`` as torch's."""
+    with pytest.raises(ValueError, match="no default process group"):
+        sync.get_rank()
+    sync.init_process_group()
+    try:
+        x = np.full(2, 3.0)
+        work = sync.all_reduce(x, sync.ReduceOp.SUM, None, True)  # (tensor, op, group, async_op)
+        assert isinstance(work, sync.Work) and work.result() == [x]
+        assert sync.barrier(None, True).result() == []
+        assert sync.broadcast(x, 0, None, True, None).result() == [x]
+        listed = [np.zeros(2)]
+        assert sync.gather(np.ones(2), listed, 0, None, True).result() == listed
+        assert sync.gather(np.ones(2), listed, 0, async_op=True).get_future().wait() == listed
+        objs: list[Any] = [{"a": 1}]
+        sync.broadcast_object_list(objs, 0, None, "cpu")
+        sync.broadcast_object_list(objs, src=0, device=None)
+        with pytest.raises(ValueError, match="device='cuda:0' is not supported"):
+            sync.broadcast_object_list(objs, src=0, device="cuda:0")
+        sync.barrier(device_ids=[0])
+        group = sync.new_group([0], group_desc="mine", use_local_synchronization=False)
+        assert sync.get_world_size(group) == 1
+        with pytest.raises(ValueError, match="use_local_synchronization=True"):
+            sync.new_group([0], use_local_synchronization=True)
+        with pytest.raises(TypeError, match="at most 4 positional"):
+            sync.all_reduce(x, sync.ReduceOp.SUM, None, False, 5)
+        with pytest.raises(TypeError, match="multiple values for argument 'async_op'"):
+            sync.all_reduce(x, sync.ReduceOp.SUM, None, False, async_op=True)
+        with pytest.raises(ValueError, match="already initialized"):
+            sync.init_process_group()
+    finally:
+        sync.destroy_process_group()
+
+
+def test_the_torch_signatures_arendez_sync_binds_by_are_torchs() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    for name, params in sync._TORCH_PARAMS.items():
+        assert tuple(inspect.signature(getattr(dist, name)).parameters) == params, name
 
 
 def test_a_then_callback_may_make_blocking_calls_as_on_gloo() -> None:

@@ -226,7 +226,8 @@ def _every(rank: int, ws: int, ranks: list[int], group: Any) -> list[str]:
     done.append("reduce")
     mine = contribution(rank, 10, torch.float32)
     outs = [torch.empty(10) for _ in ranks]
-    dist.all_gather(outs, mine, group=group)
+    held = dist.all_gather(outs, mine, group=group, async_op=True).get_future().wait()
+    assert held == outs, "all_gather's future holds its output list, as gloo's"  # (by identity)
     for i in range(n):
         _same(outs[i], parts[i], f"all_gather {i}")
     flat = torch.empty(10 * n)
@@ -234,7 +235,8 @@ def _every(rank: int, ws: int, ranks: list[int], group: Any) -> list[str]:
     _same(flat, np.concatenate(parts), "all_gather_into_tensor")
     done += ["all_gather", "all_gather_into_tensor"]
     gathered = [torch.empty(10) for _ in ranks] if rank == root else None
-    dist.gather(mine, gathered, dst=root, group=group)
+    held = dist.gather(mine, gathered, dst=root, group=group, async_op=True).get_future().wait()
+    assert held == (gathered or []), "gather's future: the gather list at the root, [] elsewhere"
     if gathered is not None:
         for i in range(n):
             _same(gathered[i], parts[i], f"gather {i}")
@@ -271,7 +273,7 @@ def _every(rank: int, ws: int, ranks: list[int], group: Any) -> list[str]:
     want = np.concatenate([np.full((i + 1, 2), float(r)) for i, r in enumerate(ranks)])
     _same(rows_out, want, "a2a single uneven")
     done += ["all_to_all", "all_to_all_single"]
-    dist.barrier(group=group)
+    assert dist.barrier(group=group, async_op=True).get_future().wait() == []  # (gloo's)
     done.append("barrier")
     # point to point: a ring of send/recv, isend/irecv, batch_isend_irecv, recv from any source
     right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
