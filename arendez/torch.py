@@ -91,10 +91,12 @@ def _op(opts: Any) -> arendez.ReduceOp:
 class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     """One torch process group backed by arendez; the default group maps onto arendez's world."""
 
-    def __init__(self, rank: int, size: int, ranks: Sequence[int] | None, tag: int) -> None:
+    def __init__(
+        self, rank: int, size: int, ranks: Sequence[int] | None, tag: int, timeout: float = 1800.0
+    ) -> None:
         super().__init__(rank, size)
         self._ranks = list(ranks) if ranks else list(range(size))
-        self._engine = None if not ranks else Direct(self._ranks, rank, tag)
+        self._engine = None if not ranks else Direct(self._ranks, rank, tag, timeout)
         self._server: Any = None
         self._job = ""
         self._closed = False
@@ -393,7 +395,7 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupArendez:
         if not arendez.is_initialized():
             raise RendezvousError("an arendez subgroup needs the default group on the arendez backend")
         tag = (1 << 40) + int(hashlib.sha1(f"{opts.group_id}|{ranks}".encode()).hexdigest()[:8], 16)
-        return ProcessGroupArendez(rank, size, ranks, tag)
+        return ProcessGroupArendez(rank, size, ranks, tag, timeout)
     pg = ProcessGroupArendez(rank, size, None, 0)
     base = _unwrap(store)
     if isinstance(base, ServerStore):

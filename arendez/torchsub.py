@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import arendez
+from arendez.errors import CollectiveTimeoutError
 
 _REDUCE: dict[arendez.ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     arendez.ReduceOp.SUM: lambda a, b: a.add_(b),
@@ -33,23 +34,46 @@ class Direct:
     Every contribution is combined in group-rank order, so all members get identical results.
     """
 
-    def __init__(self, ranks: list[int], me: int, tag: int) -> None:
-        self.ranks, self.me, self.tag = ranks, me, tag
+    def __init__(self, ranks: list[int], me: int, tag: int, timeout: float) -> None:
+        self.ranks, self.me, self.tag, self.timeout = ranks, me, tag, timeout
         self._lock: asyncio.Lock | None = None
+        self._broken: CollectiveTimeoutError | None = None
 
     async def _exchange(
         self, collective: str, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]
     ) -> None:
+        """Send and receive one collective's messages within the subgroup's timeout. After a
+        timeout the subgroup is unusable (messages of the late call may still arrive, and would
+        be taken for the next one's): later calls raise the same error, as gloo's do."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:  # subgroup collectives match by order: one at a time
+            if self._broken is not None:
+                raise self._broken
+            peers: dict[asyncio.Future[Any], int] = {}  # each message's task -> the peer's group rank
+            for p, t in sends.items():
+                peers[asyncio.ensure_future(arendez.send(t, self.ranks[p], None, self.tag))] = p
+            for p, t in recvs.items():
+                peers[asyncio.ensure_future(arendez.recv(t, self.ranks[p], None, self.tag))] = p
             try:
-                await asyncio.gather(
-                    *(arendez.send(t, self.ranks[p], None, self.tag) for p, t in sends.items()),
-                    *(arendez.recv(t, self.ranks[p], None, self.tag) for p, t in recvs.items()),
-                )
-            except arendez.RankFailedError as exc:  # (name the call, not its send or recv)
-                raise exc.during(collective) from exc
+                done, pending = await asyncio.wait(peers, timeout=self.timeout)
+            except BaseException:  # (cancelled: withdraw every message of this call)
+                for task in peers:
+                    task.cancel()
+                raise
+            for task in pending:
+                task.cancel()
+            for task in done:
+                exc = task.exception()
+                if isinstance(exc, arendez.RankFailedError):  # (name the call, not its send or recv)
+                    raise exc.during(collective) from exc
+                if exc is not None:
+                    raise exc
+            if pending:
+                late = sorted({self.ranks[peers[task]] for task in pending})
+                what = f"{collective} on subgroup {self.ranks}"
+                self._broken = CollectiveTimeoutError(what, self.timeout, late)
+                raise self._broken
 
     def _others(self) -> Iterator[int]:
         return (p for p in range(len(self.ranks)) if p != self.me)

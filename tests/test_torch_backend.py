@@ -109,6 +109,19 @@ def test_future_callbacks_may_make_collectives_and_powersgd_matches_gloo() -> No
 
 
 @pytest.mark.timeout(90)
+def test_a_subgroups_own_timeout_ends_its_collective() -> None:
+    """``new_group(timeout=2s)``: its collective fails after 2 s naming the late rank, not after
+    the default group's 60 s; the subgroup then refuses further calls with the same error."""
+    results = _run("subgroup_timeout", 2, f"tcp://127.0.0.1:{free_port()}")
+    got = results[0]
+    assert got["error"] == "CollectiveTimeoutError", got
+    assert "all_reduce on subgroup [0, 1] timed out after 2s" in got["message"]
+    assert "never arrived: [1]" in got["message"]
+    assert got["after"] < 7, got  # the subgroup's 2 s, well before rank 1 comes at 8 s
+    assert got["again"] == "CollectiveTimeoutError"
+
+
+@pytest.mark.timeout(90)
 def test_reinit_after_destroy_with_the_same_store() -> None:
     """Each init through one store gets its own embedded server, never the last round's URL."""
     ws, rounds = 2, 3

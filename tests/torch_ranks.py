@@ -565,6 +565,30 @@ def callbacks_that_call(rank: int, ws: int, init: str, backend: str) -> dict[str
     return out
 
 
+@scenario
+def subgroup_timeout(rank: int, ws: int, init: str) -> dict[str, Any]:
+    """A subgroup made with a 2 s timeout (the default group's is 60 s); rank 1 comes late."""
+    dist.init_process_group(
+        "arendez", init_method=init, rank=rank, world_size=ws, timeout=datetime.timedelta(60)
+    )
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    out: dict[str, Any] = {}
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4), group=group)
+        except Exception as exc:
+            out = {"error": type(exc).__name__, "message": str(exc), "after": time.monotonic() - start}
+        try:
+            dist.all_reduce(torch.ones(4), group=group)
+        except Exception as exc:
+            out["again"] = type(exc).__name__
+    else:
+        time.sleep(8)
+    dist.destroy_process_group()
+    return out
+
+
 def main() -> None:
     name, rank, ws, init, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
