@@ -77,7 +77,7 @@ async def acquire(
     # a master TCPStore fails at once on a port in use (as torch's); a world's rank 0 waits a
     # little for the previous host of the port to leave
     who = "TCPStore(is_master=True)" if pinned else "rank 0"
-    server = await _start(host, port, token, ssl, who=who, wait=0.0 if pinned else BIND_WAIT)
+    server = await start_server(host, port, token, ssl, who=who, wait=0.0 if pinned else BIND_WAIT)
     port = server.port
     entry = _hosted[port] = _Hosted(server, loop, host, token, ssl is not None, pinned=pinned)
     entry.holder = loop.create_task(_hold(port, entry), name=f"arendez-embedded-server-{port}")
@@ -113,9 +113,12 @@ def as_child() -> bool:
     return mode == "process"
 
 
-async def _start(
+async def start_server(
     host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None, *, who: str, wait: float
 ) -> Any:
+    """A new server on ``host:port``: a child process (``ServerProcess``), or one in this event
+    loop with TLS, ``ARENDEZ_EMBEDDED_SERVER=loop`` or when no child can be started.
+    ``RendezvousError`` naming ``who`` if it cannot listen there."""
     if ssl is None and as_child():  # (a TLS context cannot be handed to another process)
         try:
             return await ServerProcess.start(host, port, token, wait)

@@ -10,11 +10,12 @@ CPU collective and DDP on arendez. How it is wired:
 - Every call is started on arendez's one loop thread (``arendez.loop.shared``) with one
   ``call_soon_threadsafe``; it returns a ``Work`` (``arendez.torchwork``) whose ``wait()`` blocks
   on a lock (the GIL is released) and whose ``get_future()`` is a ``torch.futures.Future``
-  completed by the loop thread. Calls are started in the order torch's threads make them, which
-  is what arendez matches collectives by.
+  completed on a callback thread (``arendez.callbacks``). Calls are started in the order
+  torch's threads make them, which is what arendez matches collectives by.
 - Rendezvous: torch builds its store from ``env://``/``tcp://`` (or takes the ``store=`` you
-  pass). Rank 0 then starts an arendez server in the loop thread on the store's host and
-  publishes ``arendez://token@host:port/job`` in that store; every rank joins through it (leases,
+  pass). Rank 0 then starts an arendez server (a child process, as ``tcp://``'s, so a stopped
+  rank 0 is still declared failed; kept for later inits, each a job of its own) on the store's
+  host and publishes ``arendez://token@host:port/job`` in that store; every rank joins through it (leases,
   failure detection, peer addresses). ``init_method="arendez://host:port/job"`` joins a
   standalone ``arendez-server`` directly; torch's own store is then kept on that server too.
 - Subgroups (``new_group(..., backend="arendez")``): torch calls the creator on members only,
@@ -28,12 +29,11 @@ CPU collective and DDP on arendez. How it is wired:
   (``arendez.torchstage``).
 - ``arendez://`` init and the torch ``Store`` kept on an arendez server: ``arendez.torchstore``.
 - ``destroy_process_group()`` calls ``shutdown()``, which destroys the arendez world (drain, then
-  close); the rank hosting the embedded server keeps it up until the others have left.
+  close); the hosting rank's server stays up for the others to leave, and for its next init.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import hashlib
 import importlib
@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 import arendez
 
-from . import farewell
+from . import embedded, farewell
 from .errors import InvalidArgumentError, RendezvousError
 from .loop import shared
 from .torchstage import Stage, split_rows
@@ -62,7 +62,6 @@ _PrefixStore: Any = torch._C._distributed_c10d.PrefixStore
 
 BACKEND = "arendez"
 _URL_KEY = "arendez/url"
-_LINGER_SECONDS = 10.0
 
 _KIND: Any = dist.ReduceOp.RedOpType
 _OPS = {  # keyed by torch's op kind (a dict hit, not a name lookup per call)
@@ -97,8 +96,6 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         super().__init__(rank, size)
         self._ranks = list(ranks) if ranks else list(range(size))
         self._engine = None if not ranks else Direct(self._ranks, rank, tag, timeout)
-        self._server: Any = None
-        self._job = ""
         self._closed = False
         self._name = ""
         self._desc = ""
@@ -353,18 +350,6 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
     async def _destroy(self) -> None:
         await arendez.destroy_process_group()
-        if self._server is not None:
-            loop = asyncio.get_running_loop()
-            until = loop.time() + _LINGER_SECONDS
-            while _job_in_use(self._server, self._job) and loop.time() < until:
-                await asyncio.sleep(0.02)
-            await self._server.close()
-            self._server = None
-
-
-def _job_in_use(server: Any, job: str) -> bool:
-    found = server.state.jobs.get(job)
-    return bool(found is not None and found.in_use)
 
 
 # -- creation and rendezvous -----------------------------------------------------------------
@@ -405,31 +390,41 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupArendez:
         # itself in, and init k (all its ranks count before any can finish it) reads round k's key.
         key = f"{_URL_KEY}/{(int(store.add(_URL_KEY + '/joins', 1)) - 1) // size}"
         if rank == 0:
-            url = shared.call(_host, pg, _host_of(store))
+            url = shared.call(_host, _host_of(store))
             store.set(key, url)
         else:
             store.wait([key], datetime.timedelta(seconds=timeout))
             url = store.get(key).decode()
     farewell.install_sigterm_handler()  # (from torch's thread: the loop thread cannot)
-    try:
-        shared.call(arendez.init_process_group, "tcp", url, world_size=size, rank=rank, timeout=timeout)
-    except BaseException:
-        if pg._server is not None:
-            shared.call(pg._server.close)
-        raise
+    shared.call(arendez.init_process_group, "tcp", url, world_size=size, rank=rank, timeout=timeout)
     return pg
 
 
-async def _host(pg: ProcessGroupArendez, host: str) -> str:
-    """Start the embedded arendez server for this job on the loop thread; its join URL."""
-    arendez_server = importlib.import_module("arendez_server")  # installed from server/
-    token = secrets.token_hex(16)
-    pg._job = f"torch-{secrets.token_hex(6)}"
-    server = arendez_server.Server(arendez_server.ServerConfig(host=host, port=0, token=token))
-    await server.start()
-    pg._server = server
+#: The store server this process hosts for the worlds it forms as rank 0 through a torch store,
+#: by host: a child process, as ``tcp://``'s (``arendez.embedded``), so a stopped rank 0 does not
+#: stop the server that declares it failed. Started once and kept: each init is a job of its own
+#: on it, so a destroy need not wait for the others to leave before closing it.
+_hosted: dict[str, tuple[Any, str]] = {}
+
+
+def _serving(server: Any) -> bool:
+    proc = getattr(server, "proc", None)  # (a ServerProcess; an in-loop server lives with the loop)
+    return proc is None or proc.poll() is None
+
+
+async def _host(host: str) -> str:
+    """The join URL of a new job on this process's store server for ``host`` (started if needed)."""
+    entry = _hosted.get(host)
+    if entry is None or not _serving(entry[0]):
+        token = secrets.token_hex(16)
+        server = await embedded.start_server(host, 0, token, None, who="rank 0", wait=0.0)
+        entry = _hosted[host] = (server, token)
+    server, token = entry
     where = f"[{host}]" if ":" in host else host
-    return f"arendez://{token}@{where}:{server.port}/{pg._job}"
+    return f"arendez://{token}@{where}:{server.port}/torch-{secrets.token_hex(6)}"
+
+
+os.register_at_fork(after_in_child=_hosted.clear)  # (a forked child hosts none of them)
 
 
 def register() -> None:

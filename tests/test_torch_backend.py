@@ -154,6 +154,28 @@ def test_kill_9_during_ddp_fails_every_survivor_within_3s(tmp_path: Any, victim:
 
 
 @pytest.mark.timeout(90)
+def test_sigstop_of_rank_0_during_ddp_fails_the_survivors_soon(tmp_path: Any) -> None:
+    """Rank 0 hosts the store server as a child process, which a stop of rank 0 leaves serving:
+    the server declares the stopped rank failed (no lease renewal for 2.5 s), not the group's
+    timeout (torch's default: 30 minutes) some time later."""
+    ws = 2
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = _spawn("ddp_until_failure", ws, "env://", str(tmp_path), env=env)
+    try:
+        wait_for_files(tmp_path, "ready-*", ws, timeout=60)
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        (res,) = collect(procs[1:], 30)
+    finally:
+        procs[0].kill()
+        procs[0].wait()
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.value
+    assert "rank 0" in out["message"] and "declared failed by the server" in out["message"], out
+    assert out["at"] - stopped_at < 8.0, f"detected after {out['at'] - stopped_at:.2f}s: {out}"
+
+
+@pytest.mark.timeout(90)
 def test_kill_9_in_a_subgroup_names_the_rank_and_the_collective(tmp_path: Any) -> None:
     """A subgroup's collectives run as sends and receives; the error names the call, not its step."""
     procs = _spawn("subgroup_until_failure", 3, f"tcp://127.0.0.1:{free_port()}", str(tmp_path))
