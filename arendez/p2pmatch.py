@@ -129,10 +129,13 @@ class P2PMatcher:
                 if claimed is not None and claimed.gid == gid:
                     settle(claimed.fut, exc)
 
-    def peer_lost(self, peer: int, reason: str) -> None:
-        """Fail the receives that wait on ``peer``."""
+    def peer_lost(
+        self, peer: int, reason: str, any_source_groups: set[int] | frozenset[int] = frozenset()
+    ) -> None:
+        """Fail the receives that wait on ``peer``, and those from any rank of the groups
+        ``any_source_groups``."""
         for posted in self._posted:
-            if posted.src == peer:
+            if posted.src == peer or (posted.src is None and posted.gid in any_source_groups):
                 settle(posted.fut, RankFailedError(peer, "recv", reason))
         for claimed in self._receiving.pop(peer, ()):
             if claimed is not None:

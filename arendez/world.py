@@ -405,4 +405,15 @@ class World:
                         op.error.add(peer, reason)  # name every failure, the first one first
                     else:
                         op.fail(RankFailedError(peer, op.name, reason))
-        self.p2p.peer_lost(peer, reason)
+        # a receive from any rank fails with a failure in its group (as MPI's ULFM has it), or
+        # once no other member is left to send; a peer that left in good order sent its last
+        self.p2p.peer_lost(
+            peer,
+            reason,
+            {
+                gid
+                for gid, group in self.groups.items()
+                if peer in group.ranks
+                and (not left or all(r == self.rank or r in self.dead for r in group.ranks))
+            },
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -9,8 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+import arendez as dist
+import arendez.testing
 from tests.harness import collect, free_port, run_ranks, server, spawn_rank, wait_for_files
 from tests.jobs import failures as failures_jobs
 from tests.jobs import lifecycle as lifecycle_jobs
@@ -51,6 +55,48 @@ def test_kill_9_during_all_reduce_fails_every_survivor_fast(arendez_server, tmp_
             assert out["rank_named"] == victim and "all_reduce" in out["message"], out
             assert out["at"] - killed_at < 3.0, f"detected after {out['at'] - killed_at:.2f}s"
             assert out["destroy_seconds"] < 3.0
+
+
+@pytest.mark.timeout(60)
+def test_a_receive_from_any_rank_fails_when_a_member_dies(arendez_server, tmp_path):
+    """``recv(src=None)`` waits on every member: a death among them fails it (as MPI's ULFM),
+    though the other members live on and could still send."""
+    ws, url = 3, f"{arendez_server.url}/recv-any-{tmp_path.name}"
+    procs = [
+        spawn_rank(failures_jobs.recv_from_any_until_failure, r, ws, url, str(tmp_path)) for r in range(ws)
+    ]
+    try:
+        wait_for_files(tmp_path, "ready-*", ws)
+        time.sleep(0.2)  # (rank 1 is in its recv)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        killed_at = time.time()
+        (res,) = collect(procs[1:2], 20)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.value
+    assert out["error"] == "RankFailedError" and "rank 0 failed during recv" in out["message"], out
+    assert out["at"] - killed_at < 3.0, f"detected after {out['at'] - killed_at:.2f}s"
+
+
+async def test_a_receive_from_any_rank_fails_once_every_other_member_left() -> None:
+    """A member that leaves in good order sent its last: a receive from any rank goes on while
+    another member could send, and fails once none is left."""
+
+    async def rank(r: int) -> str:
+        if r == 0:
+            try:
+                await asyncio.wait_for(dist.recv(np.zeros(2)), 10)
+            except dist.RankFailedError as exc:
+                return str(exc)
+            return "received"
+        await asyncio.sleep(0.3 * r)  # rank 1 leaves, then rank 2
+        return "left"
+
+    got = await dist.testing.run_ranks(3, rank, timeout=20)
+    assert "rank 2 failed during recv" in got[0] and "left" in got[0], got  # not rank 1
 
 
 def _stop_then_resume(

@@ -163,3 +163,22 @@ async def between_collectives(rank: int, ws: int, url: str, out_dir: str) -> dic
         outcome = {"error": type(exc).__name__, "rank_named": exc.rank, "message": str(exc)}
     await dist.destroy_process_group(timeout=2)
     return outcome
+
+
+async def recv_from_any_until_failure(rank: int, ws: int, url: str, ready_dir: str) -> dict[str, Any]:
+    """Rank 1 waits in ``recv(src=None)``; the others live (rank 0 is the victim) and never send."""
+    from pathlib import Path
+
+    await join(url, ws, rank, timeout=30.0)
+    await dist.barrier()
+    Path(ready_dir, f"ready-{rank}").write_text("1")
+    outcome: dict[str, Any] = {"error": None}
+    if rank == 1:
+        try:
+            await dist.recv(np.zeros(4, np.float32))
+        except dist.ArendezError as exc:
+            outcome = {"error": type(exc).__name__, "message": str(exc), "at": time.time()}
+    else:
+        await asyncio.sleep(20)
+    await dist.destroy_process_group(timeout=2)
+    return outcome
