@@ -137,15 +137,17 @@ class HeaderReader:
 
     def get_buffer(self) -> memoryview:
         filled = self._filled
-        if filled == len(self._buf):  # a frame larger than the buffer: make room for all of it
-            need = filled + 1
+        if filled == len(self._buf):  # a frame larger than the buffer: room for more of it
+            cap = _PREFIX_SIZE + self.max_header
             if filled >= _PREFIX_SIZE:
-                need = max(need, _PREFIX_SIZE + min(_unpack_prefix(self._view, 0)[0], self.max_header))
-            self._grow(need)
+                cap = _PREFIX_SIZE + min(_unpack_prefix(self._view, 0)[0], self.max_header)
+            self._grow(filled + 1, cap)
         return self._view[filled:]
 
-    def _grow(self, need: int) -> None:
-        bigger = bytearray(max(need, 2 * len(self._buf)))
+    def _grow(self, need: int, cap: int) -> None:
+        """Double the buffer (at most to ``cap``, the frame's announced size): what a peer makes
+        this reader hold stays within twice what it actually sent, whatever it announced."""
+        bigger = bytearray(max(need, min(2 * len(self._buf), cap)))
         bigger[: self._filled] = self._view[: self._filled]
         self._buf, self._view = bigger, memoryview(bigger)
 

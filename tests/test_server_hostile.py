@@ -231,3 +231,37 @@ async def test_a_storm_of_bad_clients_leaves_no_server_connection_alive() -> Non
     finally:
         gc.enable()
         await server.close(1.0)
+
+
+@pytest.mark.timeout(90)
+async def test_unfinished_requests_hold_what_was_sent_not_what_was_announced() -> None:
+    """After the handshake (a server without a token admits anyone), 300 clients each announce a
+    1 MiB request and send 4 KiB of it: the server holds about what arrived (it held the announced
+    MiB each, 300 MiB here), and a legitimate client is answered meanwhile."""
+    clients = 300
+    srv = start_server()
+    held: list[socket.socket] = []
+    store = None
+    try:
+        store = await dist.Store("127.0.0.1", srv.port, "legit", timeout=10).connect()
+        await store.set("warm", "1")
+        before = rss_kib(srv.proc.pid)
+        hello = msgpack.packb({"job": "x", "nonce": b"0123456789abcdef"}, use_bin_type=True)
+        for _ in range(clients):
+            sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            held.append(sock)
+            sock.recv(65536)  # the challenge
+            sock.sendall(struct.pack("<IQ", len(hello), 0) + hello)
+            assert sock.recv(65536), "no welcome"
+            sock.sendall(struct.pack("<IQ", 1 << 20, 0) + b"\0" * 4096)
+        latencies: list[float] = []
+        await _timed_store_round_trip(store, 1, latencies)
+        time.sleep(0.5)  # (the server has read what was sent)
+        grew = (rss_kib(srv.proc.pid) - before) / 1024
+    finally:
+        for sock in held:
+            sock.close()
+        if store is not None:
+            await store.close()
+        srv.stop()
+    assert grew < 48, f"the server grew by {grew:.1f} MiB for {clients} x 4 KiB of unfinished requests"
