@@ -77,7 +77,9 @@ _OPS = {  # keyed by torch's op kind (a dict hit, not a name lookup per call)
 
 
 def _op(opts: Any) -> arendez.ReduceOp:
-    kind = opts.reduceOp.op
+    """The reduce op of an options object, a ``ReduceOp`` or a ``ReduceOp.SUM``-style kind
+    (torch's ``pg.allreduce(tensor, op)`` overload, which a Python group receives as is)."""
+    kind = opts.reduceOp.op if hasattr(opts, "reduceOp") else getattr(opts, "op", opts)
     found = _OPS.get(kind)
     if found is None:
         names = [k.name for k in _OPS]
@@ -135,6 +137,8 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
     # -- reductions (bfloat16 is reduced as float32) -------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        if isinstance(tensors, torch.Tensor):  # torch's pg.allreduce(tensor[, op]) (DDP's join calls it)
+            tensors = [tensors]
         op, stage = _op(opts or dist.AllreduceOptions()), Stage(widen=True)
         t = stage(tensors[0])
         if self._engine:
@@ -203,6 +207,11 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
     # -- data movement (bfloat16 moves as its bits) --------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        if isinstance(tensors, torch.Tensor):  # torch's pg.broadcast(tensor, root) overload
+            tensors = [tensors]
+        if isinstance(opts, int):
+            root_rank, opts = opts, dist.BroadcastOptions()
+            opts.rootRank = root_rank
         root, stage = self._global(opts.rootRank, "src"), Stage()
         t = stage(tensors[0], out=opts.rootRank != self.rank())  # (the source is only read)
         if self._engine:

@@ -108,6 +108,17 @@ def test_future_callbacks_may_make_collectives_and_powersgd_matches_gloo() -> No
         assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.timeout(120)
+def test_ddp_join_with_uneven_inputs_and_unused_parameters_matches_gloo() -> None:
+    ws = 2
+    ours = _run("ddp_join_uneven", ws, f"tcp://127.0.0.1:{free_port()}", "arendez")
+    gloo = _run("ddp_join_uneven", ws, f"tcp://127.0.0.1:{free_port()}", "gloo")
+    assert [r["overloads"] for r in ours] == [[[float(ws)] * 3, [float(ws - 1)] * 2]] * ws
+    assert ours[0]["params"] == ours[1]["params"]
+    for got, want in zip(ours[0]["params"], gloo[0]["params"], strict=True):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.timeout(90)
 def test_a_subgroups_own_timeout_ends_its_collective() -> None:
     """``new_group(timeout=2s)``: its collective fails after 2 s naming the late rank, not after

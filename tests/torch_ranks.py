@@ -589,6 +589,33 @@ def subgroup_timeout(rank: int, ws: int, init: str) -> dict[str, Any]:
     return out
 
 
+@scenario
+def ddp_join_uneven(rank: int, ws: int, init: str, backend: str) -> dict[str, Any]:
+    """DDP's ``join()`` with uneven inputs and ``find_unused_parameters`` (its join hook calls the
+    group's ``allreduce(tensor)`` overload directly), then the ``allreduce(tensor, op)`` and
+    ``broadcast(tensor, root)`` overloads; ``backend`` "gloo" gives the reference."""
+    if backend == "gloo":
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ws)
+    else:
+        _init(rank, ws, init)
+    model = mlp()
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05)
+    with ddp_model.join():
+        for step in range(3 + 2 * rank):  # rank r runs 3 + 2r steps
+            train_step(ddp_model, opt, *batch(step, rank))
+    pg = dist.group.WORLD
+    assert pg is not None
+    t = torch.full((3,), float(rank + 1))
+    pg.allreduce(t, dist.ReduceOp.MAX).wait()
+    b = torch.full((2,), float(rank))
+    pg.broadcast(b, ws - 1).wait()
+    out = {"params": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
+    out["overloads"] = [t.tolist(), b.tolist()]
+    dist.destroy_process_group()
+    return out
+
+
 def main() -> None:
     name, rank, ws, init, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
