@@ -130,13 +130,27 @@ class P2PMatcher:
                     settle(claimed.fut, exc)
 
     def peer_lost(
-        self, peer: int, reason: str, any_source_groups: set[int] | frozenset[int] = frozenset()
+        self,
+        peer: int,
+        reason: str,
+        earlier: list[tuple[int, str]] | None = None,
+        any_source_groups: set[int] | frozenset[int] = frozenset(),
     ) -> None:
         """Fail the receives that wait on ``peer``, and those from any rank of the groups
-        ``any_source_groups``."""
+        ``any_source_groups``; their errors name the ``earlier`` failures (rank, reason) first."""
+
+        def error() -> RankFailedError:
+            if not earlier:
+                return RankFailedError(peer, "recv", reason)
+            (first, why), *rest = earlier
+            exc = RankFailedError(first, "recv", why)
+            for rank, later in (*rest, (peer, reason)):
+                exc.add(rank, later)
+            return exc
+
         for posted in self._posted:
             if posted.src == peer or (posted.src is None and posted.gid in any_source_groups):
-                settle(posted.fut, RankFailedError(peer, "recv", reason))
+                settle(posted.fut, error())
         for claimed in self._receiving.pop(peer, ()):
             if claimed is not None:
-                settle(claimed.fut, RankFailedError(peer, "recv", reason))
+                settle(claimed.fut, error())

@@ -407,9 +407,12 @@ class World:
                         op.fail(RankFailedError(peer, op.name, reason))
         # a receive from any rank fails with a failure in its group (as MPI's ULFM has it), or
         # once no other member is left to send; a peer that left in good order sent its last
+        # name the failures seen before this one first (the messenger's death may be their effect)
+        earlier = [(r, why) for r, why in self.failed.items() if r != peer]
         self.p2p.peer_lost(
             peer,
             reason,
+            earlier,
             {
                 gid
                 for gid, group in self.groups.items()

@@ -49,6 +49,27 @@ def test_survivors_of_a_stopped_rank_name_it_not_the_messenger(arendez_server, t
 
 
 @pytest.mark.timeout(60)
+def test_a_receive_from_the_messenger_names_the_root_cause_first(arendez_server, tmp_path):
+    """Rank 0 is killed; rank 1's process ends of it; rank 2, receiving from rank 1, had seen
+    rank 0 go: its error names rank 0 first, then rank 1."""
+    url = f"{arendez_server.url}/messenger-recv-{tmp_path.name}"
+    procs = [spawn_rank(goodbye.receiver_of_the_messenger, r, 3, url, str(tmp_path)) for r in range(3)]
+    try:
+        wait_for_files(tmp_path, "ready-*", 3)
+        time.sleep(0.3)  # (rank 2 is in its recv, rank 1 in its all_reduce)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        (res,) = collect(procs[2:], 30)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.value
+    assert out["error"] == "RankFailedError" and out["ranks"] == [0, 1], out
+    assert out["message"].startswith("rank 0 failed during recv"), out
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["exit", "raise", "sigterm"])
 def test_a_rank_that_ends_without_destroy_says_how(arendez_server, tmp_path, how):
     url = f"{arendez_server.url}/end-{how}-{tmp_path.name}"

@@ -41,6 +41,28 @@ async def messenger_dies(rank: int, ws: int, url: str, ready_dir: str, deaf: boo
     return outcome
 
 
+async def receiver_of_the_messenger(rank: int, ws: int, url: str, ready_dir: str) -> dict[str, Any]:
+    """The test kills rank 0. Rank 1, in an all_reduce with rank 0 on a pair group, lets the
+    RankFailedError escape (its process ends with it); rank 2 waits in ``recv(src=1)``."""
+    await join(url, ws, rank, timeout=30.0)
+    pair = await dist.new_group([0, 1])
+    await dist.barrier()
+    Path(ready_dir, f"ready-{rank}").write_text("1")
+    x = np.ones(10, np.float32)
+    outcome: dict[str, Any] = {"error": None}
+    if rank == 0:
+        time.sleep(30)  # (killed before it wakes)
+    elif rank == 1:
+        await dist.all_reduce(x, group=pair)  # raises naming rank 0, uncaught
+    else:
+        try:
+            await dist.recv(x, src=1)
+        except dist.RankFailedError as exc:
+            outcome = {"error": type(exc).__name__, "message": str(exc), "ranks": exc.ranks}
+    await dist.destroy_process_group(timeout=2)
+    return outcome
+
+
 async def ends_without_destroy(rank: int, ws: int, url: str, how: str) -> dict[str, Any]:
     """Rank 1 ends its process after one all_reduce (``how``: exit, raise, sigterm); rank 0's
     next all_reduce must name rank 1 and say how it ended."""
