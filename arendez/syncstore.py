@@ -211,12 +211,13 @@ class TCPStore(Store):
             except LimitError:  # refused by a named server limit: waiting will not help
                 raise
             except StoreError as exc:
-                if time.monotonic() + pause >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise StoreConnectTimeoutError(
                         f"TCPStore could not reach the store at {self.host}:{self.port} "
                         f"within {limit:g}s: {exc}"
                     ) from None
-                time.sleep(pause)
+                time.sleep(min(pause, left))  # (the last try comes at the deadline itself)
                 pause = min(2 * pause, 0.5)
 
     def _wait_for_workers(self, world_size: int, limit: float) -> None:
@@ -265,11 +266,11 @@ class TCPStore(Store):
 
     def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
         with self._lock:
-            self._store.wait(list(keys), self._limit(timeout))
+            self._store.wait(key_list(keys), self._limit(timeout))
 
     def check(self, keys: Iterable[str]) -> bool:
         with self._lock:
-            return self._store.check(list(keys))
+            return self._store.check(key_list(keys))
 
     def delete_key(self, key: str) -> bool:
         with self._lock:
@@ -308,6 +309,13 @@ class TCPStore(Store):
         """Close the connection to the server (a hosted server stays up while the process lives)."""
         with self._lock:
             self._store.close()
+
+
+def key_list(keys: Iterable[str]) -> list[str]:
+    """``keys`` as a list; one string is a ``TypeError`` (as torch's), not a list of its letters."""
+    if isinstance(keys, str | bytes):
+        raise TypeError(f"keys must be a list of strings, got the string {keys!r:.80}")
+    return list(keys)
 
 
 class HashStore(Store):
@@ -361,11 +369,11 @@ class HashStore(Store):
 
     def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
         with self._changed:
-            self._wait_for(list(keys), timeout)
+            self._wait_for(key_list(keys), timeout)
 
     def check(self, keys: Iterable[str]) -> bool:
         with self._changed:
-            return all(self._present(k) for k in keys)
+            return all(self._present(k) for k in key_list(keys))
 
     def delete_key(self, key: str) -> bool:
         with self._changed:
@@ -443,10 +451,10 @@ class PrefixStore(Store):
         return self.underlying_store.compare_set(self._k(key), expected_value, desired_value)
 
     def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
-        self.underlying_store.wait([self._k(k) for k in keys], timeout)
+        self.underlying_store.wait([self._k(k) for k in key_list(keys)], timeout)
 
     def check(self, keys: Iterable[str]) -> bool:
-        return self.underlying_store.check([self._k(k) for k in keys])
+        return self.underlying_store.check([self._k(k) for k in key_list(keys)])
 
     def delete_key(self, key: str) -> bool:
         return self.underlying_store.delete_key(self._k(key))

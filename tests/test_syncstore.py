@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import arendez.sync as sync
-from arendez.errors import LimitError, QueueEmptyError, StoreTimeoutError
-from tests.harness import server
+from arendez.errors import LimitError, QueueEmptyError, StoreConnectTimeoutError, StoreTimeoutError
+from arendez.syncstore import HashStore, PrefixStore, TCPStore
+from tests.harness import free_port, server
 
 SHORT = datetime.timedelta(seconds=20)
 
@@ -304,3 +305,25 @@ def test_only_users_that_wait_for_workers_count_as_torchs() -> None:
         seen[name] = counts
         del stores, master  # (torch's stores close when dropped)
     assert seen["arendez"] == seen["torch"] == [0, 0, 0, 1], seen
+
+
+def test_one_string_for_a_key_list_is_a_type_error_not_its_letters() -> None:
+    master = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5))
+    try:
+        for store in (master, HashStore(), PrefixStore("p", master)):
+            store.set("ab", "1")
+            with pytest.raises(TypeError, match="keys must be a list"):
+                store.check("ab")  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="keys must be a list"):
+                store.wait("ab")  # type: ignore[arg-type]
+            assert store.check(["ab"])
+    finally:
+        master.close()
+
+
+def test_a_client_before_its_master_tries_until_its_whole_timeout() -> None:
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(StoreConnectTimeoutError):
+        TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=1))
+    assert time.monotonic() - started >= 0.95  # (it gave up at 0.64 s)
