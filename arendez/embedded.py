@@ -9,7 +9,10 @@ ranks of one round could end up on two different servers and wait out their whol
 cycle also paid for the restart (refused connections, reconnect back-off) and alarmed the other
 ranks with a lost store.
 
-The server lives until the event loop that started it ends (a holder task closes it when the loop
+A master ``TCPStore`` (``arendez.sync``) pins the server it hosts: as torch's, the server closes
+once that store and its clones are gone (closed or collected), unless a world's rank 0 hosts it too.
+
+Otherwise the server lives until the event loop that started it ends (a holder task closes it when the loop
 cancels its tasks, as ``asyncio.run`` does) or until ``shutdown()``. A later loop in the same
 process (a second ``asyncio.run``) gets a fresh server on the same port.
 """
@@ -25,7 +28,7 @@ import ssl as _ssl
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import RendezvousError
+from .errors import RendezvousError, StoreError
 from .loop import disown_tasks
 from .serverproc import ServerProcess
 
@@ -43,10 +46,12 @@ class _Hosted:
     token: str | None
     tls: bool
     holder: asyncio.Task[None] | None = None
-    pinned: bool = False  # a master ``TCPStore`` of this process serves on it: never released
+    pins: int = 0  # master ``TCPStore``s of this process (with their clones) serving on it
+    world: bool = False  # a world's rank 0 hosts it too: it stays when the pins go
 
 
 _hosted: dict[int, _Hosted] = {}  # by the port the caller asked for
+_retiring: dict[int, asyncio.Task[None]] = {}  # servers closing once their last pin went
 
 
 def _forget_after_fork() -> None:
@@ -54,24 +59,42 @@ def _forget_after_fork() -> None:
     for entry in _hosted.values():
         disown_tasks(entry.loop)
     _hosted.clear()
+    _retiring.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 async def acquire(
-    host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None, *, pinned: bool = False
+    host: str,
+    port: int,
+    token: str | None,
+    ssl: _ssl.SSLContext | None,
+    *,
+    pinned: bool = False,
+    exclusive: bool = False,
 ) -> Any:
     """The process's embedded server on ``port``: the running one, or a new one if there is none
-    (or it was started by another event loop or with another host/token/TLS setting). ``pinned``:
-    a master ``TCPStore`` serves on it, so a world joining it as a client does not ``release`` it."""
+    (or it was started by another event loop or with another host/token/TLS setting).
+
+    ``pinned``: a master ``TCPStore`` serves on it, which ``unpin``s it when it is gone (torch's
+    server lives as long as its master store); ``exclusive``: a ``StoreError`` if another master
+    ``TCPStore`` of this process already serves that port (torch's ``multi_tenant=False``)."""
     loop = asyncio.get_running_loop()
+    if port and (closing := _retiring.get(port)) is not None:
+        await asyncio.wait([closing])  # the port's last master is gone: its server is closing
     current = _hosted.get(port) if port else None  # port 0: always a new server, on a free port
     if current is not None:
         alive = current.holder is not None and not current.holder.done()
         same = (current.host, current.token, current.tls) == (host, token, ssl is not None)
         if alive and same and current.loop is loop:
-            current.pinned = current.pinned or pinned
+            if exclusive and current.pins:
+                raise StoreError(
+                    f"a TCPStore of this process already serves port {port} "
+                    "(pass multi_tenant=True to share it, as in torch)"
+                )
+            current.pins += pinned
+            current.world = current.world or not pinned
             return current.server
         await _retire(current, loop)
     # a master TCPStore fails at once on a port in use (as torch's); a world's rank 0 waits a
@@ -79,21 +102,31 @@ async def acquire(
     who = "TCPStore(is_master=True)" if pinned else "rank 0"
     server = await start_server(host, port, token, ssl, who=who, wait=0.0 if pinned else BIND_WAIT)
     port = server.port
-    entry = _hosted[port] = _Hosted(server, loop, host, token, ssl is not None, pinned=pinned)
+    entry = _hosted[port] = _Hosted(server, loop, host, token, ssl is not None)
+    entry.pins, entry.world = int(pinned), not pinned
     entry.holder = loop.create_task(_hold(port, entry), name=f"arendez-embedded-server-{port}")
     return server
 
 
-def serves_pinned(port: int) -> bool:
-    """True if a master ``TCPStore`` of this process serves on ``port``."""
+def unpin(port: int) -> None:
+    """A master ``TCPStore`` serving on ``port`` is gone (closed or collected): the server closes
+    with the last of them, unless a world's rank 0 hosts it too. Called on the server's loop."""
     entry = _hosted.get(port)
-    return entry is not None and entry.pinned and entry.holder is not None and not entry.holder.done()
+    if entry is None or entry.pins == 0:
+        return
+    entry.pins -= 1
+    if entry.pins or entry.world:
+        return
+    del _hosted[port]
+    closing = entry.loop.create_task(_retire(entry, entry.loop), name=f"arendez-unpin-{port}")
+    _retiring[port] = closing
+    closing.add_done_callback(lambda task: _retiring.pop(port, None) if _retiring.get(port) is task else None)
 
 
 async def release(port: int, timeout: float = 2.0) -> None:
     """Close this process's embedded server on ``port``, if any: another rank hosts it now."""
     entry = _hosted.get(port)
-    if entry is not None and not entry.pinned:
+    if entry is not None and not entry.pins:
         await _retire(entry, asyncio.get_running_loop(), timeout)
 
 

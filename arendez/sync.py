@@ -298,13 +298,33 @@ def init_process_group(*args: Any, **kwargs: Any) -> Any:
     flightrec.install_signal_handler()  # (from this thread: the loop thread cannot install them)
     farewell.install_sigterm_handler()
     store = kwargs.get("store")
-    if isinstance(store, Store):  # (the world joins, and later leaves, that server's job)
-        host, port, job = meeting_point(kwargs.pop("store"))
-        kwargs["init_method"] = f"arendez://{endpoint((host, port))}/{job}"
-    return _init_process_group(*args, **kwargs)
+    if not isinstance(store, Store):
+        return _init_process_group(*args, **kwargs)
+    host, port, job = meeting_point(kwargs.pop("store"))  # (the world joins that server's job)
+    kwargs["init_method"] = f"arendez://{endpoint((host, port))}/{job}"
+    world = _init_process_group(*args, **kwargs)
+    _meeting_stores.append(store)  # (a master's server lives while the world does, as in torch)
+    return world
 
 
-destroy_process_group = _blocking(api.destroy_process_group)
+#: The stores the default worlds met on, held until they are destroyed (as torch's process group
+#: holds its store): a master ``TCPStore`` passed inline keeps its server up.
+_meeting_stores: list[Store] = []
+
+_destroy_process_group = _blocking(api.destroy_process_group)
+
+
+@functools.wraps(api.destroy_process_group)
+def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+    """As ``arendez.destroy_process_group``, blocking; destroying the default world lets go of
+    the store it met on."""
+    try:
+        return _destroy_process_group(*args, **kwargs)
+    finally:
+        if (args[0] if args else kwargs.get("group")) is None:
+            _meeting_stores.clear()
+
+
 new_group = _blocking(api.new_group)
 barrier = _blocking(api.barrier)
 all_reduce = _blocking(api.all_reduce)

@@ -12,8 +12,10 @@ connections and threads convoying on the GIL.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import numbers
+import os
 import threading
 import time
 import weakref
@@ -179,14 +181,13 @@ class TCPStore(Store):
                 f"TCPStore world_size must be a positive integer or None, got {world_size!r:.80}"
             )
         limit = seconds(timeout, 300.0)
+        self._pin: _ServerPin | None = None
         if is_master:
-            if port and not multi_tenant and embedded.serves_pinned(port):
-                raise StoreError(
-                    f"a TCPStore of this process already serves port {port} "
-                    "(pass multi_tenant=True to share it, as in torch)"
-                )
-            server = shared.call(embedded.acquire, host_name, port, None, None, pinned=True)
+            server = shared.call(
+                embedded.acquire, host_name, port, None, None, pinned=True, exclusive=not multi_tenant
+            )
             port = int(server.port)
+            self._pin = _ServerPin(port)
         self.host, self.port, self.world_size, self.timeout = host_name, port, world_size, timeout
         self._store: BlockingStore | SharedStoreClient
         if len(_own_connections) < env_int("ARENDEZ_TCPSTORE_OWN_CONNECTIONS", 16, minimum=0):
@@ -302,13 +303,37 @@ class TCPStore(Store):
         return False
 
     def clone(self) -> TCPStore:
-        """Another client of the same server (its own connection), as torch's ``clone``."""
-        return TCPStore(self.host, self.port, None, False, self.timeout)
+        """Another client of the same server (its own connection), as torch's ``clone``; the
+        clone of a master keeps its server up as the master does."""
+        other = TCPStore(self.host, self.port, None, False, self.timeout)
+        other._pin = self._pin
+        return other
 
     def close(self) -> None:
-        """Close the connection to the server (a hosted server stays up while the process lives)."""
+        """Close the connection to the server; a master's server closes with the last of the
+        master and its clones to be closed or collected (as torch's)."""
         with self._lock:
             self._store.close()
+            self._pin = None
+
+
+class _ServerPin:
+    """A master ``TCPStore``'s hold on the server it hosts, shared with its clones: when the last
+    of them lets go (``close`` or garbage collection) the server closes, as torch's does."""
+
+    def __init__(self, port: int) -> None:
+        finalizer = weakref.finalize(self, _unpin_soon, port, os.getpid())
+        finalizer.atexit = False  # (at exit the shared loop closes every server anyway)
+
+
+def _unpin_soon(port: int, pid: int) -> None:
+    """Tell the shared loop a master store is gone; never blocks (it may run in any thread,
+    the loop's included, when the collector runs)."""
+    loop = shared.running_loop()
+    if loop is None or os.getpid() != pid:  # (a forked child does not host the parent's server)
+        return
+    with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+        loop.call_soon_threadsafe(embedded.unpin, port)
 
 
 def key_list(keys: Iterable[str]) -> list[str]:

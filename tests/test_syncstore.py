@@ -327,3 +327,64 @@ def test_a_client_before_its_master_tries_until_its_whole_timeout() -> None:
     with pytest.raises(StoreConnectTimeoutError):
         TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=1))
     assert time.monotonic() - started >= 0.95  # (it gave up at 0.64 s)
+
+
+def _closes(port: int, within: float = 10.0) -> bool:
+    """True once nothing listens on ``port`` any more (polled, up to ``within`` seconds)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) != 0:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_a_masters_server_closes_with_the_master_and_its_clones_as_torchs() -> None:
+    """torch's master ``TCPStore`` owns its server: the clones keep it up, and once the last of
+    them is collected (or closed) the port is free for a new master of the same process, which
+    starts empty. Before, the server stayed until the process ended and a new master on the same
+    port failed with the port in use."""
+    import gc
+
+    master = TCPStore("127.0.0.1", 0, None, True, SHORT)
+    port = master.port
+    master.set("k", "v")
+    clone = master.clone()
+    del master
+    gc.collect()
+    time.sleep(0.3)
+    assert clone.get("k") == b"v"  # the clone holds the server
+    del clone
+    assert _closes(port)
+    again = TCPStore("127.0.0.1", port, None, True, SHORT)  # same process, same port, at once
+    assert not again.check(["k"])
+    again.set("k", "w")
+    again.close()
+    assert _closes(port)
+    third = TCPStore("127.0.0.1", port, None, True, SHORT)
+    del third  # collected at once: the next master must wait for that server to close
+    fourth = TCPStore("127.0.0.1", port, None, True, SHORT)
+    assert not fourth.check(["k"])
+    fourth.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_world_holds_the_master_store_it_met_on_until_it_is_destroyed() -> None:
+    """``init_process_group(store=TCPStore(..., is_master=True))`` with the store passed inline,
+    as torch scripts do: the world keeps the store (so its server) until it is destroyed."""
+    import gc
+
+    port = free_port()
+    sync.init_process_group(store=TCPStore("127.0.0.1", port, None, True, SHORT), rank=0, world_size=1)
+    try:
+        gc.collect()
+        time.sleep(0.3)
+        client = TCPStore("127.0.0.1", port, None, False, SHORT)
+        client.set("alive", "1")
+        assert not _closes(port, within=0.5)
+        client.close()
+    finally:
+        sync.destroy_process_group()
+    assert _closes(port)
