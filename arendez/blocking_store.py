@@ -308,6 +308,10 @@ class BlockingStore:
         keys: list[str] = self._call(["list_keys", None], self._budget(timeout))
         return keys
 
+    def append(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Append ``value`` to the bytes at ``key`` (created if missing), atomically."""
+        self._call(["append", None, key, to_bytes(value)], self._budget(timeout))
+
     def queue_push(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Append ``value`` to the queue ``key`` (queues are apart from the keys' values)."""
         self._call(["queue_push", None, key, to_bytes(value)], self._budget(timeout))

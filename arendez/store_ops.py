@@ -40,6 +40,10 @@ class KeyValueOps:
         )
         return value
 
+    async def append(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Append ``value`` to the bytes at ``key`` (created if missing), atomically."""
+        await self._ask("append", timeout, False, key, to_bytes(value))
+
     async def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
         await self._ask("wait", timeout, True, list(keys))

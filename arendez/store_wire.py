@@ -82,6 +82,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "get": ("key", "timeout"),
     "add": ("key", "amount"),
     "compare_set": ("key", "expected", "desired"),
+    "append": ("key", "value"),
     "delete": ("key",),
     "num_keys": (),
     "check": ("keys",),

@@ -300,6 +300,10 @@ class SharedStoreClient:
         keys: list[str] = self._call("list_keys", timeout, False)
         return keys
 
+    def append(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Append ``value`` to the bytes at ``key`` (created if missing), atomically."""
+        self._call("append", timeout, False, key, to_bytes(value))
+
     def queue_push(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Append ``value`` to the queue ``key``."""
         self._call("queue_push", timeout, False, key, to_bytes(value))

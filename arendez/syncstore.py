@@ -95,8 +95,8 @@ class Store:
         raise NotImplementedError
 
     def append(self, key: str, value: str | bytes) -> None:
-        """Append ``value`` to the bytes at ``key`` (created if missing), atomically: a
-        ``compare_set`` loop, so concurrent appends all land."""
+        """Append ``value`` to the bytes at ``key`` (created if missing), atomically (here a
+        ``compare_set`` loop, so concurrent appends all land; the stores do it in one step)."""
         extra = _bytes(value)
         current = self.get(key) if self.check([key]) else b""
         for _ in range(_APPEND_TRIES):
@@ -285,6 +285,12 @@ class TCPStore(Store):
         with self._lock:
             return [k for k in self._store.list_keys() if k != _WORKERS]
 
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to the bytes at ``key`` (created if missing), atomically: one request,
+        the server appends."""
+        with self._lock:
+            self._store.append(key, value)
+
     def queue_push(self, key: str, value: str | bytes) -> None:
         with self._lock:
             self._store.queue_push(key, value)
@@ -392,6 +398,11 @@ class HashStore(Store):
                 self._changed.notify_all()
             return current if current is not None else _bytes(expected_value)
 
+    def append(self, key: str, value: str | bytes) -> None:
+        with self._changed:
+            self._data[key] = self._data.get(key, b"") + _bytes(value)
+            self._changed.notify_all()
+
     def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
         with self._changed:
             self._wait_for(key_list(keys), timeout)
@@ -491,6 +502,9 @@ class PrefixStore(Store):
         """The keys under this prefix, without it (as torch's)."""
         start = f"{self.prefix}/"
         return [k[len(start) :] for k in self.underlying_store.list_keys() if k.startswith(start)]
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self.underlying_store.append(self._k(key), value)
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         self.underlying_store.queue_push(self._k(key), value)

@@ -43,7 +43,16 @@ sys.stdin.read()  # until the benchmark closes our stdin
 
 
 def _ranks(
-    module: str, port: int, world: int, first: int, last: int, timeout: float, ops: int, out: Any, go: Any
+    module: str,
+    port: int,
+    world: int,
+    first: int,
+    last: int,
+    timeout: float,
+    ops: int,
+    appends: int,
+    out: Any,
+    go: Any,
 ) -> None:
     """One process: threads for ranks ``first``..``last - 1``, started in a loop on ``go``."""
     store_type = __import__(module, fromlist=["TCPStore"]).TCPStore
@@ -60,6 +69,8 @@ def _ranks(
             for i in range(ops):  # (--ops: then some traffic per rank, one op in flight each)
                 store.set(f"step/{r}", str(i))
                 store.add("steps", 1)
+            for _ in range(appends):  # (--appends: every rank appends to one key, contended)
+                store.append("log", f"{r};")
         except Exception as exc:
             errors.append(f"rank {r}: {exc!r}")
 
@@ -73,7 +84,9 @@ def _ranks(
     out.put({"end": time.time(), "errors": len(errors), "first_error": errors[:1]})
 
 
-def run_case(backend: str, world: int, procs: int, timeout: float, ops: int = 0) -> dict[str, Any]:
+def run_case(
+    backend: str, world: int, procs: int, timeout: float, ops: int = 0, appends: int = 0
+) -> dict[str, Any]:
     """One rendezvous of ``world`` thread-ranks on ``backend``'s TCPStore."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -92,7 +105,7 @@ def run_case(backend: str, world: int, procs: int, timeout: float, ops: int = 0)
         per = -(-world // procs)
         spans = [(k * per, min(world, (k + 1) * per)) for k in range(procs) if k * per < world]
         workers = [
-            ctx.Process(target=_ranks, args=(module, port, world, lo, hi, timeout, ops, out, go))
+            ctx.Process(target=_ranks, args=(module, port, world, lo, hi, timeout, ops, appends, out, go))
             for lo, hi in spans
         ]
         for w in workers:
@@ -131,6 +144,9 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=2, help="runs per world size, alternating backends")
     p.add_argument("--backends", nargs="+", default=["torch", "arendez"], choices=sorted(MODULES))
     p.add_argument("--ops", type=int, default=0, help="then set + add this many times per rank")
+    p.add_argument(
+        "--appends", type=int, default=0, help="then append to one shared key this many times per rank"
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="each rank's store timeout (s)")
     p.add_argument("--json", default="", help="write the results here as JSON")
     args = p.parse_args()
@@ -144,7 +160,7 @@ def main() -> int:
         for run in range(1, args.repeat + 1):
             order = args.backends if run % 2 else list(reversed(args.backends))
             for backend in order:
-                r = run_case(backend, world, args.procs, args.timeout, args.ops)
+                r = run_case(backend, world, args.procs, args.timeout, args.ops, args.appends)
                 r["run"] = run
                 rows.append(r)
                 print(

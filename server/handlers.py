@@ -63,6 +63,12 @@ def _compare_set(server: Server, s: Session, job: Job, h: dict[str, Any]) -> byt
     return value
 
 
+def _append(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
+    key = h.get("key", "")
+    job.append(key, h.get("value"))
+    server.waits.changed(s.job, key)
+
+
 def _delete(server: Server, s: Session, job: Job, h: dict[str, Any]) -> bool:
     return job.delete(h.get("key"))
 
@@ -292,6 +298,7 @@ HANDLERS: dict[str, Any] = {
     "set": _set,
     "add": _add,
     "compare_set": _compare_set,
+    "append": _append,
     "delete": _delete,
     "num_keys": _num_keys,
     "check": _check,
@@ -337,6 +344,11 @@ def _c_compare_set(server: Server, s: Session, job: Job, r: list[Any]) -> bytes:
     value = job.compare_set(r[2], r[3], r[4])
     server.waits.changed(s.job, r[2])
     return value
+
+
+def _c_append(server: Server, s: Session, job: Job, r: list[Any]) -> None:
+    job.append(r[2], r[3])
+    server.waits.changed(s.job, r[2])
 
 
 def _c_delete(server: Server, s: Session, job: Job, r: list[Any]) -> bool:
@@ -388,6 +400,7 @@ COMPACT: dict[str, tuple[Handler, int]] = {
         "get": _c_get,
         "add": _c_add,
         "compare_set": _c_compare_set,
+        "append": _c_append,
         "delete": _c_delete,
         "num_keys": _c_num_keys,
         "check": _c_check,

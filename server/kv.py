@@ -109,6 +109,18 @@ class KeyValueStore:
             return new
         return current if current is not None else want
 
+    def append(self, key: object, value: object) -> None:
+        """Append ``value`` to the bytes at ``key`` (created if missing)."""
+        name, extra = self._check_key(key), self._check_value(value)
+        old = self.kv.get(name, b"")
+        size = len(old) + len(extra)
+        if size > self.limits.max_value:
+            raise LimitError(
+                f"append to {name!r} would make a value of {size} bytes, over the server's limit "
+                f"of {self.limits.max_value} bytes"
+            )
+        self._put(name, old + extra)
+
     def delete(self, key: object) -> bool:
         name = self._check_key(key)
         old = self.kv.pop(name, None)

@@ -227,6 +227,9 @@ async def test_store_operations(store_factory: Any) -> None:
         # concurrent adds from two clients through compare-and-swap lose nothing
         await asyncio.gather(*(c.add("sum", 1) for c in (a, b) for _ in range(25)))
         assert int(await a.get("sum")) == 50
+        await asyncio.gather(*(c.append("log", f"{i}.{j};") for i, c in enumerate((a, b)) for j in range(10)))
+        parts = (await b.get("log")).decode().split(";")[:-1]
+        assert sorted(parts) == sorted(f"{i}.{j}" for i in range(2) for j in range(10))  # none lost
     finally:
         await a.close()
         await b.close()

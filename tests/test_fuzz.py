@@ -39,6 +39,7 @@ OPS = [
     "get",
     "add",
     "compare_set",
+    "append",
     "wait",
     "delete",
     "num_keys",

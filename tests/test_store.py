@@ -202,9 +202,14 @@ async def test_prefix_store_maps_every_operation_under_its_prefix(arendez_server
         assert await inner.add("n", 5) == 5 and await store.get("a/b/n") == b"5"
         await inner.queue_push("q", "item")
         assert await store.queue_len("a/b/q") == 1 and await inner.queue_pop("q") == b"item"
+        waiting = asyncio.ensure_future(store.wait(["a/b/log"], timeout=10))
+        await asyncio.gather(*(inner.append("log", f"{i};") for i in range(20)))
+        await waiting  # (an append wakes the waiters of its key)
+        parts = (await store.get("a/b/log")).split(b";")[:-1]
+        assert sorted(parts) == sorted(str(i).encode() for i in range(20))  # none lost
         await store.set("other", "z")
-        assert sorted(await inner.list_keys()) == ["k", "n", "x", "y"]
-        assert sorted(await outer.list_keys()) == ["b/k", "b/n", "b/x", "b/y"]
+        assert sorted(await inner.list_keys()) == ["k", "log", "n", "x", "y"]
+        assert sorted(await outer.list_keys()) == ["b/k", "b/log", "b/n", "b/x", "b/y"]
         assert await inner.check(["k", "x"]) and await inner.delete("k") and not await inner.check(["k"])
         with pytest.raises(dist.StoreTimeoutError):
             await inner.wait(["never"], timeout=0.2)

@@ -179,6 +179,25 @@ def test_append_is_atomic_under_concurrent_writers_and_the_extended_api_says_so(
     assert master.get("p/k") == b"ab"
 
 
+@pytest.mark.timeout(30)
+def test_an_append_past_the_value_limit_names_that_limit_and_leaves_the_value(connection: str) -> None:
+    """The server appends (one request, whatever the contention): an append that would outgrow
+    the value limit is refused naming it, and the value stays as it was (before, the client's
+    compare_set loop sent the whole grown value and the error named compare_set)."""
+    from arendez_server.limits import MAX_VALUE
+
+    master = sync.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10))
+    master.set("big", b"x" * (MAX_VALUE - 10))
+    with pytest.raises(
+        LimitError,
+        match=rf"append to 'big' would make a value of {MAX_VALUE + 10} bytes.*limit of {MAX_VALUE}",
+    ):
+        master.append("big", b"y" * 20)
+    assert master.get("big") == b"x" * (MAX_VALUE - 10)
+    master.append("big", b"y" * 10)
+    assert len(master.get("big")) == MAX_VALUE
+
+
 def test_add_refuses_an_amount_that_is_not_an_integer(connection: str) -> None:
     """torch's ``add`` takes an int64; a float is a ``TypeError`` naming it, not truncated."""
     master = sync.TCPStore("127.0.0.1", 0, None, True, SHORT)

@@ -1,5 +1,5 @@
-"""``EtcdKV``: one job's key-value store on etcd v3 (set/get/add/compare_set/wait/check/delete/
-num_keys under ``/arendez/<job>/kv/``), the connection it runs on, and etcd transaction pieces.
+"""``EtcdKV``: one job's key-value store on etcd v3 (set/get/add/compare_set/append/wait/
+check/delete/num_keys under ``/arendez/<job>/kv/``), the connection it runs on, and etcd transaction pieces.
 ``EtcdStore`` (store.py) adds the rendezvous.
 """
 
@@ -269,6 +269,11 @@ class EtcdKV:
 
         result = await self._update(self._kv(key), swap, self._deadline(timeout))
         return want if result is None else result
+
+    async def append(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
+        """Append ``value`` to the bytes at ``key`` (created if missing), atomically."""
+        extra = self._value(value)
+        await self._update(self._kv(key), lambda current: (current or b"") + extra, self._deadline(timeout))
 
     async def _missing(self, names: list[bytes], deadline: float) -> tuple[list[bytes], int]:
         missing: list[bytes] = []
