@@ -3,18 +3,30 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
-from .store_wire import OPS, to_bytes
+from .store_wire import OPS, key_batches, to_bytes
 
 
 class KeyValueOps:
     """set/get/add/compare_set/wait/check/delete/num_keys/multi_get/multi_set/list_keys and the
-    queues, over ``_ask`` (the connection's compact request, ``Store._ask``)."""
+    queues, over ``_ask`` (the connection's compact request, ``Store._ask``). A key list longer
+    than one request may name goes as several requests (``key_batches``) under one deadline."""
+
+    timeout: float  # the default budget of a call, in seconds
 
     async def _ask(self, op: str, timeout: float | None, wait: bool, *args: Any) -> Any:
         raise NotImplementedError
+
+    async def _batched(self, op: str, timeout: float | None, keys: list[str]) -> list[Any]:
+        """``op`` on each batch of ``keys``, waiting up to what is left of ``timeout``."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else float(timeout))
+        return [
+            await self._ask(op, max(0.0, deadline - time.monotonic()), True, keys[part])
+            for part in key_batches(keys)
+        ]
 
     async def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``."""
@@ -46,12 +58,19 @@ class KeyValueOps:
 
     async def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Wait until every key in ``keys`` is set; ``StoreTimeoutError`` after ``timeout``."""
-        await self._ask("wait", timeout, True, list(keys))
+        keys = list(keys)
+        if len(key_batches(keys)) == 1:
+            await self._ask("wait", timeout, True, keys)
+        else:
+            await self._batched("wait", timeout, keys)
 
     async def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
         """True if every key in ``keys`` is set (no waiting)."""
-        found: bool = await self._ask("check", timeout, False, list(keys))
-        return found
+        keys = list(keys)
+        for part in key_batches(keys):
+            if not await self._ask("check", timeout, False, keys[part]):
+                return False
+        return True
 
     async def delete(self, key: str, timeout: float | None = None) -> bool:
         """Delete ``key``; True if it existed."""
@@ -65,17 +84,22 @@ class KeyValueOps:
 
     async def multi_get(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
         """The values of ``keys``, in order, waiting up to ``timeout`` for any not yet set."""
-        values: list[bytes] = await self._ask("multi_get", timeout, True, list(keys))
-        return values
+        keys = list(keys)
+        if len(key_batches(keys)) == 1:
+            values: list[bytes] = await self._ask("multi_get", timeout, True, keys)
+            return values
+        return [value for part in await self._batched("multi_get", timeout, keys) for value in part]
 
     async def multi_set(
         self, keys: Iterable[str], values: Iterable[str | bytes], timeout: float | None = None
     ) -> None:
-        """Set each of ``keys`` to the value at its position in ``values``, in one request."""
+        """Set each of ``keys`` to the value at its position in ``values``, in one request (in
+        several, one after another, if they do not fit one)."""
         keys, data = list(keys), [to_bytes(v) for v in values]
         if len(keys) != len(data):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(data)} values")
-        await self._ask("multi_set", timeout, False, keys, data)
+        for part in key_batches(keys, data):
+            await self._ask("multi_set", timeout, False, keys[part], data[part])
 
     async def list_keys(self, timeout: float | None = None) -> list[str]:
         """Every key of the job's store that holds a value (queues are not listed)."""
@@ -105,6 +129,11 @@ class PrefixStore(KeyValueOps):
     def __init__(self, prefix: str, store: KeyValueOps) -> None:
         self.prefix = prefix
         self.store = store
+
+    @property
+    def timeout(self) -> float:  # type: ignore[override]
+        """The underlying store's."""
+        return self.store.timeout
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}"

@@ -44,6 +44,26 @@ def request_limit(max_value: int, max_key: int) -> int:
 
 
 MAX_REQUEST = request_limit(MAX_VALUE, MAX_KEY)
+#: The most keys one request may name (a request that waits holds its keys on the server); the
+#: clients split longer key lists into several requests (``key_batches``).
+MAX_KEYS = 10_000
+
+
+def key_batches(keys: list[str], values: list[bytes] | None = None) -> list[slice]:
+    """Slices of ``keys`` (and of ``values``, for ``multi_set``) that each fit one request: at most
+    ``MAX_KEYS`` keys and, with their values, about half the server's default request frame."""
+    if len(keys) <= MAX_KEYS and values is None:
+        return [slice(0, len(keys))]
+    cuts, start, size = [], 0, 0
+    room = MAX_REQUEST // 2
+    for i, key in enumerate(keys):
+        item = len(key) + (len(values[i]) if values is not None else 0) + 16
+        if i > start and (i - start == MAX_KEYS or size + item > room):
+            cuts.append(slice(start, i))
+            start, size = i, 0
+        size += item
+    cuts.append(slice(start, len(keys)))
+    return cuts
 
 
 def check_request_size(op: str, nbytes: int) -> None:

@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 from . import embedded
 from .blocking_store import BlockingStore
@@ -34,6 +35,7 @@ from .errors import (
 from .loop import shared
 from .registry import seconds
 from .settings import env_int
+from .store_wire import MAX_KEYS, key_batches
 from .storemux import SharedStoreClient
 
 __all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
@@ -69,6 +71,13 @@ class Store:
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         """The deadline of ``get`` and ``wait`` without an explicit timeout."""
         self.timeout = timeout
+
+    def _limit(self, timeout: datetime.timedelta | None = None) -> float:
+        """Seconds a call may wait: ``timeout`` or the store's; zero (torch's "don't wait") too."""
+        chosen = timeout if timeout is not None else self.timeout
+        if isinstance(chosen, datetime.timedelta) and chosen == datetime.timedelta(0):
+            return 0.0
+        return seconds(chosen, 300.0)
 
     def set(self, key: str, value: str | bytes) -> None:
         raise NotImplementedError
@@ -235,8 +244,11 @@ class TCPStore(Store):
             time.sleep(pause)
             pause = min(2 * pause, 0.1)
 
-    def _limit(self, timeout: datetime.timedelta | None = None) -> float:
-        return seconds(timeout if timeout is not None else self.timeout, 300.0)
+    def _batched(self, op: str, keys: list[str], limit: float) -> list[Any]:
+        """``op`` on each batch of ``keys`` that fits one request, within one deadline."""
+        deadline = time.monotonic() + limit
+        call = getattr(self._store, op)
+        return [call(keys[part], max(0.0, deadline - time.monotonic())) for part in key_batches(keys)]
 
     def set(self, key: str, value: str | bytes) -> None:
         with self._lock:
@@ -257,21 +269,34 @@ class TCPStore(Store):
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """The values of ``keys`` (one request), waiting up to the store's timeout for any not set."""
+        keys = key_list(keys)
         with self._lock:
-            return self._store.multi_get(keys, self._limit())
+            if len(keys) <= MAX_KEYS:
+                return self._store.multi_get(keys, self._limit())
+            return [value for part in self._batched("multi_get", keys, self._limit()) for value in part]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        """Set each of ``keys`` to the value at the same position of ``values`` (one request)."""
+        """Set each of ``keys`` to the value at the same position of ``values`` (one request, or
+        several in turn if they do not fit one)."""
+        keys, data = key_list(keys), [_bytes(v) for v in values]
+        if len(keys) != len(data):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(data)} values")
         with self._lock:
-            self._store.multi_set(keys, values)
+            for part in key_batches(keys, data):
+                self._store.multi_set(keys[part], data[part])
 
     def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
+        names = key_list(keys)
         with self._lock:
-            self._store.wait(key_list(keys), self._limit(timeout))
+            if len(names) <= MAX_KEYS:
+                self._store.wait(names, self._limit(timeout))
+            else:
+                self._batched("wait", names, self._limit(timeout))
 
     def check(self, keys: Iterable[str]) -> bool:
+        names = key_list(keys)
         with self._lock:
-            return self._store.check(key_list(keys))
+            return all(self._store.check(names[part]) for part in key_batches(names))
 
     def delete_key(self, key: str) -> bool:
         with self._lock:
@@ -367,7 +392,7 @@ class HashStore(Store):
 
     def _wait_for(self, keys: list[str], timeout: datetime.timedelta | None, values: bool = False) -> None:
         """Wait until every key is present (``values``: holds a value, not only a queue)."""
-        limit = seconds(timeout if timeout is not None else self.timeout, 300.0)
+        limit = self._limit(timeout)
         end = time.monotonic() + limit
         present = self._data.__contains__ if values else self._present
         while not all(present(k) for k in keys):
@@ -441,7 +466,7 @@ class HashStore(Store):
             return item
 
     def _wait_for_queue(self, key: str) -> None:
-        limit = seconds(self.timeout, 300.0)
+        limit = self._limit()
         end = time.monotonic() + limit
         while key not in self._queues:
             left = end - time.monotonic()
@@ -459,6 +484,13 @@ class PrefixStore(Store):
 
     def __init__(self, prefix: str, store: Store) -> None:
         self.prefix, self.underlying_store = prefix, store
+
+    @property  # (torch's: the timeout is the underlying store's, and setting it sets that)
+    def timeout(self) -> datetime.timedelta:  # type: ignore[override]
+        return self.underlying_store.timeout
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.underlying_store.set_timeout(timeout)
 
     def meeting_point(self) -> tuple[str, int, str]:
         """The underlying ``TCPStore``'s, in a job of this prefix (a world per prefix)."""

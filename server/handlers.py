@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from arendez.errors import RendezvousError, StoreError
-from arendez.store_wire import OPS
+from arendez.errors import LimitError, RendezvousError, StoreError
+from arendez.store_wire import MAX_KEYS, OPS
 
 from .joins import JoinWait, check_neighbours
 from .rounds import Lease, Member
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 ELASTIC_SETTLE = 0.25
 #: The longest a blocking request may wait.
 MAX_WAIT = 7 * 24 * 3600.0
-#: Keys one request may name.
-MAX_KEYS = 10_000
 #: A handler's "cannot answer yet": the request continues in a task.
 BLOCK: Any = object()
 
@@ -186,8 +184,13 @@ def _keys(h: dict[str, Any]) -> list[str]:
 
 
 def _key_list(keys: Any) -> list[str]:
-    if not isinstance(keys, list) or len(keys) > MAX_KEYS:
-        raise StoreError(f"keys must be a list of at most {MAX_KEYS} strings")
+    if not isinstance(keys, list):
+        raise StoreError(f"keys must be a list of strings, got {type(keys).__name__}")
+    if len(keys) > MAX_KEYS:
+        raise LimitError(
+            f"a request names {len(keys)} keys, over the server's limit of {MAX_KEYS} keys per "
+            "request (arendez clients split longer lists)"
+        )
     return keys
 
 

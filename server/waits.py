@@ -36,6 +36,7 @@ class KeyWait:
         "_hooks",
         "_job",
         "_keys",
+        "_next",
         "_op",
         "_ready",
         "_result",
@@ -67,20 +68,28 @@ class KeyWait:
         self._hooks = hooks
         self._started = time.perf_counter()
         self.parked: str | None = None  # the key this waits on now
+        self._next = 0  # the keys before this one were there when last looked at
         self._timer: asyncio.TimerHandle | None = timer_at(deadline, self.expire)
         session.tasks.add(self)
 
     def wake(self) -> None:
-        """Answer if every key is there now; else park on the first missing one."""
+        """Answer if every key is there now; else park on the first missing one. The keys are
+        looked at from where the last look stopped (a request on N keys set one by one costs
+        O(N), not O(N**2)); a multi_get whose earlier key was deleted meanwhile looks again."""
         if self._timer is None:
             return
         self.parked = None
-        for key in self._keys:
-            if not self._ready(key):
-                self.parked = key
-                self._waits.park(self._session.job, key, self)
+        keys, ready = self._keys, self._ready
+        for i in range(self._next, len(keys)):
+            if not ready(keys[i]):
+                self._next, self.parked = i, keys[i]
+                self._waits.park(self._session.job, keys[i], self)
                 return
         value = self._result()
+        if value is None and self._op == "multi_get":  # (deleted after it was seen: look again)
+            self._next = 0
+            self.wake()
+            return
         self._settle()
         if self._compact:
             self._session.reply_value(self._rid, value)

@@ -215,3 +215,49 @@ async def test_prefix_store_maps_every_operation_under_its_prefix(arendez_server
             await inner.wait(["never"], timeout=0.2)
     finally:
         await store.close()
+
+
+@pytest.mark.timeout(60)
+async def test_key_lists_longer_than_one_request_go_as_several(arendez_server):
+    """torch's stores take any number of keys; the server takes 10,000 per request (a waiting
+    request holds its keys), so the client splits longer lists. A raw request over the bound is
+    a ``LimitError`` naming it, and the connection lives on."""
+    from arendez.store_wire import MAX_KEYS
+
+    store = await _client(arendez_server, "many-keys")
+    try:
+        keys = [f"k{i}" for i in range(2 * MAX_KEYS + 500)]
+        values = [f"{i}".encode() * 40 for i in range(len(keys))]  # (over one request frame too)
+        await store.multi_set(keys, values)
+        assert await store.multi_get(keys) == values
+        assert await store.check(keys) and not await store.check([*keys, "absent"])
+        await store.wait(keys)
+        with pytest.raises(dist.StoreTimeoutError):
+            await store.wait([*keys, "absent"], timeout=0.3)
+        with pytest.raises(
+            dist.LimitError, match=rf"names {MAX_KEYS + 1} keys, over the server's limit of {MAX_KEYS}"
+        ):
+            await store._ask("check", None, False, keys[: MAX_KEYS + 1])
+        assert await store.get("k7") == values[7]
+    finally:
+        await store.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_multi_get_sees_a_key_deleted_after_it_looked_as_missing(arendez_server):
+    """The server looks at a waiting request's keys from where it last stopped; a multi_get whose
+    earlier key was deleted meanwhile waits for it again rather than answering without it."""
+    a, b = await _client(arendez_server, "relook"), await _client(arendez_server, "relook")
+    try:
+        await a.set("first", "1")
+        pending = asyncio.ensure_future(b.multi_get(["first", "second"], timeout=10))
+        await asyncio.sleep(0.2)
+        await a.delete("first")
+        await a.set("second", "2")
+        await asyncio.sleep(0.2)
+        assert not pending.done()  # "first" went missing: it waits on
+        await a.set("first", "again")
+        assert await asyncio.wait_for(pending, 5) == [b"again", b"2"]
+    finally:
+        await a.close()
+        await b.close()

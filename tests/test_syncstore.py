@@ -407,3 +407,35 @@ def test_a_world_holds_the_master_store_it_met_on_until_it_is_destroyed() -> Non
     finally:
         sync.destroy_process_group()
     assert _closes(port)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["tcp", "hash"])
+def test_wait_with_a_zero_timeout_checks_now_and_prefix_timeouts_are_the_stores(kind: str) -> None:
+    """torch's ``wait(keys, timedelta(0))`` does not wait (ours was a ValueError);
+    ``PrefixStore.set_timeout`` sets the underlying store's, as torch's (ours was ignored)."""
+    store: sync.Store = TCPStore("127.0.0.1", 0, None, True, SHORT) if kind == "tcp" else HashStore()
+    store.set("here", "1")
+    store.wait(["here"], datetime.timedelta(0))
+    started = time.monotonic()
+    with pytest.raises(StoreTimeoutError):
+        store.wait(["absent"], datetime.timedelta(0))
+    prefixed = PrefixStore("p", store)
+    prefixed.set_timeout(datetime.timedelta(seconds=0.3))
+    assert store.timeout == prefixed.timeout == datetime.timedelta(seconds=0.3)
+    with pytest.raises(StoreTimeoutError):
+        prefixed.get("absent")  # 0.3 s, not the store's first 20 s
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.timeout(60)
+def test_a_tcpstore_takes_key_lists_longer_than_one_request(connection: str) -> None:
+    keys = [f"k{i}" for i in range(25_000)]
+    master = TCPStore("127.0.0.1", 0, None, True, SHORT)
+    prefixed = PrefixStore("p", master)
+    prefixed.multi_set(keys, ["v" * 60] * len(keys))
+    assert prefixed.multi_get(keys) == [b"v" * 60] * len(keys)
+    assert prefixed.check(keys) and not prefixed.check([*keys, "absent"])
+    prefixed.wait(keys)
+    with pytest.raises(StoreTimeoutError):
+        prefixed.wait([*keys, "absent"], datetime.timedelta(seconds=0.3))
