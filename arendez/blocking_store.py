@@ -79,18 +79,18 @@ class BlockingStore:
         self._wait_set = -1.0  # the socket's current timeout for one call
 
     # -- connection ------------------------------------------------------------------------
-    def connect(self) -> BlockingStore:
-        """Open the connection now (otherwise the first call opens it)."""
-        self._ensure()
+    def connect(self, timeout: float | None = None) -> BlockingStore:
+        """Open the connection now (otherwise the first call opens it), within ``timeout``
+        seconds if that is less than the connect timeout."""
+        self._ensure(timeout)
         return self
 
-    def _ensure(self) -> socket.socket:
+    def _ensure(self, timeout: float | None = None) -> socket.socket:
         if self._sock is not None:
             return self._sock
+        budget = self._connect_timeout if timeout is None else min(max(timeout, 0.001), self._connect_timeout)
         try:  # (TLS never takes the server's local socket)
-            sock = local.open_blocking(
-                self.host, self.port, self._connect_timeout, local_ok=self._ssl is None
-            )
+            sock = local.open_blocking(self.host, self.port, budget, local_ok=self._ssl is None)
         except OSError as exc:
             raise StoreConnectionError(f"store at {self.host}:{self.port} unreachable: {exc}") from None
         try:
@@ -99,15 +99,15 @@ class BlockingStore:
             self._sock = sock
             self._reader, self._ready, self._wait_set = HeaderReader(_REPLY_LIMIT), collections.deque(), -1.0
             peer = f"{self.host}:{self.port}"
-            self._set_wait(sock, self._connect_timeout)
-            challenge = self._next(sock, time.monotonic(), self._connect_timeout)
+            self._set_wait(sock, budget)
+            challenge = self._next(sock, time.monotonic(), budget)
             reply, nonce = handshake.answer_challenge(challenge, self._token, {"job": self.job}, peer)
             welcome = handshake.early_welcome(challenge, self._token)
             if welcome is not None:  # (no welcome follows: requests may go right behind the hello)
                 reply["early"] = True
             sock.sendall(frame(self._packer.pack(reply)))
             if welcome is None:
-                welcome = self._next(sock, time.monotonic(), self._connect_timeout)
+                welcome = self._next(sock, time.monotonic(), budget)
                 handshake.check_welcome(welcome, self._token, nonce, peer)
             if welcome.get("store") != STORE_PROTOCOL:
                 raise ProtocolError(

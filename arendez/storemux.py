@@ -165,8 +165,9 @@ class SharedStoreClient:
         self._calls = 0  # over the shared connection
         self._direct: BlockingStore | None = None  # the client's own connection, once it has one
 
-    def connect(self) -> SharedStoreClient:
-        """Attach to a shared connection (opening one, retrying until ``timeout``, if needed)."""
+    def connect(self, timeout: float | None = None) -> SharedStoreClient:
+        """Attach to a shared connection (opening one, retrying until the store's timeout, if
+        needed; ``timeout`` is for ``BlockingStore``'s signature: the shared one has its own)."""
         self._ensure()
         return self
 

@@ -216,7 +216,7 @@ class TCPStore(Store):
         deadline, pause = time.monotonic() + limit, 0.01
         while True:
             try:
-                self._store.connect()
+                self._store.connect(deadline - time.monotonic())  # (an attempt ends by the deadline)
                 return
             except LimitError:  # refused by a named server limit: waiting will not help
                 raise

@@ -26,6 +26,9 @@ async def _survivor(url: str, world_size: int, rank: int) -> str:
             await dist.all_reduce(x)
         return "no error"
     except dist.RankFailedError as exc:
+        # stay in the group past the lease (2.5 s): a killed rank this one had no link to is
+        # the server's news then (a rank that destroys at once hears of no more losses)
+        await asyncio.sleep(4)
         return type(exc).__name__
     finally:
         await dist.destroy_process_group(timeout=5)
@@ -94,6 +97,8 @@ async def test_a_failure_at_scale_is_a_few_lines_per_process(arendez_server, tmp
     told = [m for m in lines if "flight recorder dump" in m]
     assert 2 <= len(told) <= 4, "\n".join(told)  # (one per rank and dump: 16-32)
     assert any("more flight recorder dump(s) written by rank(s)" in m for m in told), told
-    assert sorted(p.name for p in dumps.glob("arendez-flightrec-*.json")) == sorted(
-        f"arendez-flightrec-burst-{tmp_path.name}-rank{r}.json" for r in range(LOCAL)
-    )
+    # (a killed rank may see another's death, and dump, before its own SIGKILL lands)
+    written = {p.name for p in dumps.glob("arendez-flightrec-*.json")}
+    expected = {f"arendez-flightrec-burst-{tmp_path.name}-rank{r}.json" for r in range(world_size)}
+    assert written <= expected, written - expected
+    assert {f"arendez-flightrec-burst-{tmp_path.name}-rank{r}.json" for r in range(LOCAL)} <= written

@@ -4,6 +4,8 @@ calls, and a thousand clients (as threads of one process) against a real server 
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +15,7 @@ import pytest
 import arendez.sync as sync
 from arendez.errors import LimitError, QueueEmptyError, StoreConnectTimeoutError, StoreTimeoutError
 from arendez.syncstore import HashStore, PrefixStore, TCPStore
-from tests.harness import free_port, server
+from tests.harness import free_port, server, start_server
 
 SHORT = datetime.timedelta(seconds=20)
 
@@ -346,6 +348,22 @@ def test_a_client_before_its_master_tries_until_its_whole_timeout() -> None:
     with pytest.raises(StoreConnectTimeoutError):
         TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=1))
     assert time.monotonic() - started >= 0.95  # (it gave up at 0.64 s)
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_server_fails_the_connect_within_the_stores_timeout(connection: str) -> None:
+    """A stopped server (SIGSTOP: it accepts, never greets) is given the store's timeout, not
+    the 20 s handshake allowance (a 2 s store took 20 s on a connection of its own)."""
+    srv = start_server()
+    try:
+        os.killpg(srv.proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(StoreConnectTimeoutError, match="within 2s"):
+            TCPStore("127.0.0.1", srv.port, None, False, timeout=datetime.timedelta(seconds=2))
+        assert time.monotonic() - started < 6.0
+    finally:
+        os.killpg(srv.proc.pid, signal.SIGCONT)
+        srv.stop()
 
 
 def _closes(port: int, within: float = 10.0) -> bool:
