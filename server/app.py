@@ -23,7 +23,7 @@ from typing import Any
 
 import msgpack
 
-from arendez import handshake, transport, wire
+from arendez import burstlog, handshake, transport, wire
 from arendez.errors import (
     ArendezError,
     AuthenticationError,
@@ -46,6 +46,18 @@ from .state import ServerState
 from .waits import KeyWaits
 
 log = logging.getLogger("arendez.server")
+
+
+def _refusals(items: Any) -> str:
+    hosts = {host for host, _ in items}
+    return (
+        f"{len(items)} more connection(s) refused in the last {burstlog.WINDOW:g} s, from "
+        f"{len(hosts)} host(s); the last: {items[-1][1]}"
+    )
+
+
+#: a flood of refused connections is a line and a summary per second, not a line each
+_REFUSALS = burstlog.BurstLog(log, _refusals)
 
 #: The largest frame a client may send before its handshake (a hello is under 300 bytes).
 HELLO_MAX = 1024
@@ -180,7 +192,7 @@ class Server:
             return
         refused = self.admission.refusal(host)
         if refused is not None:
-            log.warning("%s", refused)
+            _REFUSALS.note(None, logging.WARNING, (host, str(refused)), "%s", refused)
             conn.fail(refused, tell_peer=True)  # sent in place of the challenge
             return
         challenge, conn.nonce = handshake.make_challenge(self.config.token, _WELCOME)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +33,26 @@ async def test_connection_refused_by_per_host_limit_names_the_limit():
     finally:
         for store in stores:
             await store.close()
+        srv.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_flood_of_refused_connections_is_a_line_and_a_summary_in_the_servers_log():
+    """200 connections past the limit are not 200 warnings: the first is logged, the rest of
+    its second summed up in one line naming how many and the limit."""
+    srv = start_server("--max-connections", "1")
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port)):
+            for _ in range(200):
+                with socket.create_connection(("127.0.0.1", srv.port)) as extra:
+                    extra.recv(4096)  # (the refusal, sent in place of the challenge)
+            time.sleep(1.5)  # (the summary closes a second after the first line)
+            lines = [ln for ln in srv.stderr_text().splitlines() if "refused" in ln]
+        assert 2 <= len(lines) <= 4, lines
+        summary = re.search(r"(\d+) more connection\(s\) refused", "\n".join(lines))
+        assert summary is not None and 190 <= int(summary.group(1)) <= 199, lines
+        assert "--max-connections" in lines[-1], lines
+    finally:
         srv.stop()
 
 

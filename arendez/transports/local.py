@@ -23,6 +23,7 @@ Host names are not resolved for this, and TLS never takes the shortcut.
 from __future__ import annotations
 
 import asyncio
+import encodings.idna  # noqa: F401 - loaded now: out of file descriptors, a connect would fail loading it
 import ipaddress
 import os
 import secrets
