@@ -24,6 +24,7 @@ import contextlib
 import importlib
 import logging
 import os
+import socket
 import ssl as _ssl
 from dataclasses import dataclass
 from typing import Any
@@ -73,13 +74,35 @@ async def acquire(
     *,
     pinned: bool = False,
     exclusive: bool = False,
+    sock: socket.socket | None = None,
 ) -> Any:
     """The process's embedded server on ``port``: the running one, or a new one if there is none
     (or it was started by another event loop or with another host/token/TLS setting).
 
     ``pinned``: a master ``TCPStore`` serves on it, which ``unpin``s it when it is gone (torch's
     server lives as long as its master store); ``exclusive``: a ``StoreError`` if another master
-    ``TCPStore`` of this process already serves that port (torch's ``multi_tenant=False``)."""
+    ``TCPStore`` of this process already serves that port (torch's ``multi_tenant=False``);
+    ``sock``: the port already bound and listening, for a new server to serve (ours to close)."""
+    try:
+        server = await _acquire(host, port, token, ssl, pinned, exclusive, sock)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    if sock is not None and getattr(getattr(server, "config", None), "sock", None) is not sock:
+        sock.close()  # (unless this loop's new server serves it: a child has its own copy)
+    return server
+
+
+async def _acquire(
+    host: str,
+    port: int,
+    token: str | None,
+    ssl: _ssl.SSLContext | None,
+    pinned: bool,
+    exclusive: bool,
+    sock: socket.socket | None,
+) -> Any:
     loop = asyncio.get_running_loop()
     if port and (closing := _retiring.get(port)) is not None:
         await asyncio.wait([closing])  # the port's last master is gone: its server is closing
@@ -100,7 +123,7 @@ async def acquire(
     # a master TCPStore fails at once on a port in use (as torch's); a world's rank 0 waits a
     # little for the previous host of the port to leave
     who = "TCPStore(is_master=True)" if pinned else "rank 0"
-    server = await start_server(host, port, token, ssl, who=who, wait=0.0 if pinned else BIND_WAIT)
+    server = await start_server(host, port, token, ssl, who=who, wait=0.0 if pinned else BIND_WAIT, sock=sock)
     port = server.port
     entry = _hosted[port] = _Hosted(server, loop, host, token, ssl is not None)
     entry.pins, entry.world = int(pinned), not pinned
@@ -147,21 +170,31 @@ def as_child() -> bool:
 
 
 async def start_server(
-    host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None, *, who: str, wait: float
+    host: str,
+    port: int,
+    token: str | None,
+    ssl: _ssl.SSLContext | None,
+    *,
+    who: str,
+    wait: float,
+    sock: socket.socket | None = None,
 ) -> Any:
-    """A new server on ``host:port``: a child process (``ServerProcess``), or one in this event
-    loop with TLS, ``ARENDEZ_EMBEDDED_SERVER=loop`` or when no child can be started.
-    ``RendezvousError`` naming ``who`` if it cannot listen there."""
+    """A new server on ``host:port`` (or on ``sock``, bound and listening there): a child
+    process (``ServerProcess``), or one in this event loop with TLS,
+    ``ARENDEZ_EMBEDDED_SERVER=loop`` or when no child can be started. ``RendezvousError``
+    naming ``who`` if it cannot listen there."""
     if ssl is None and as_child():  # (a TLS context cannot be handed to another process)
         try:
-            return await ServerProcess.start(host, port, token, wait)
+            return await ServerProcess.start(host, port, token, wait, sock)
         except ChildProcessError as exc:
             log.warning("%s: no store process (%s); hosting the store in this event loop", who, exc)
         except OSError as exc:
             raise RendezvousError(f"{who} cannot host the store on port {port}: {exc}") from None
     module = importlib.import_module("arendez_server")  # installed from server/
+    if sock is not None and sock.fileno() == -1:  # (handed to a child that then failed)
+        sock = None
     try:
-        return await module.start_server(host, port, token, ssl, wait)
+        return await module.start_server(host, port, token, ssl, wait, sock=sock)
     except OSError as exc:
         raise RendezvousError(f"{who} cannot host the store on port {port}: {exc}") from None
 

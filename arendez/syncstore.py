@@ -16,13 +16,14 @@ import contextlib
 import datetime
 import numbers
 import os
+import socket
 import threading
 import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from . import embedded
+from . import embedded, serverproc
 from .blocking_store import BlockingStore
 from .errors import (
     ArendezError,
@@ -160,6 +161,28 @@ class Store:
         raise NotImplementedError
 
 
+def _listening(fd: int | None, port: int) -> socket.socket | None:
+    """The caller's listening socket ``master_listen_fd`` (torch's; a copy: the fd stays
+    theirs), checked against ``port``."""
+    if fd is None:
+        return None
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError as exc:
+        raise ValueError(f"TCPStore master_listen_fd={fd} is not a socket: {exc}") from None
+    try:
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or not listening:
+            raise ValueError(f"TCPStore master_listen_fd={fd} is not a listening TCP socket")
+        bound = sock.getsockname()[1]
+        if port and bound != port:
+            raise ValueError(f"TCPStore master_listen_fd={fd} listens on port {bound}, not {port}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class TCPStore(Store):
     """torch's ``TCPStore``: a client of an arendez store server at ``host_name:port``;
     ``is_master`` hosts that server in this process (``port=0`` picks a free one: read ``.port``).
@@ -181,10 +204,6 @@ class TCPStore(Store):
         master_listen_fd: int | None = None,
         use_libuv: bool = True,
     ) -> None:
-        if master_listen_fd is not None:
-            raise ArendezError(
-                "TCPStore(master_listen_fd=...) is not supported: arendez's server binds its own port"
-            )
         if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
             raise ValueError(
                 f"TCPStore world_size must be a positive integer or None, got {world_size!r:.80}"
@@ -192,8 +211,17 @@ class TCPStore(Store):
         limit = seconds(timeout, 300.0)
         self._pin: _ServerPin | None = None
         if is_master:
+            # the port listens from now on (clients that come meanwhile wait in its queue)
+            sock = _listening(master_listen_fd, port) or serverproc.listening_socket(host_name, port)
             server = shared.call(
-                embedded.acquire, host_name, port, None, None, pinned=True, exclusive=not multi_tenant
+                embedded.acquire,
+                host_name,
+                port,
+                None,
+                None,
+                pinned=True,
+                exclusive=not multi_tenant,
+                sock=sock,
             )
             port = int(server.port)
             self._pin = _ServerPin(port)

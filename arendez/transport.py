@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import os
 import socket
 import ssl as _ssl
+import struct
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -430,4 +432,29 @@ async def open_connection(
             ssl=ssl,
             server_hostname=host if ssl is not None else None,
         )
+    transport_ = conn._transport
+    sock = transport_.get_extra_info("socket") if transport_ is not None else None
+    if sock is not None and connected_to_itself(sock):
+        reset_on_close(sock)
+        conn.abort()
+        raise ConnectionRefusedError(
+            errno.ECONNREFUSED, f"nothing listens on {host}:{port} (connected to itself)"
+        )
     return conn
+
+
+def reset_on_close(sock: Any) -> None:
+    """Make closing ``sock`` a reset: no TIME-WAIT holds its address afterwards (a socket that
+    connected to itself would otherwise keep the port from a server for a minute)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def connected_to_itself(sock: Any) -> bool:
+    """True for a TCP self-connect: dialling a free port of this host from the ephemeral range,
+    the kernel may pick that very port as the source, and the socket connects to itself; it
+    must be closed at once, or it holds the port the server is about to listen on."""
+    try:
+        return bool(sock.getsockname() == sock.getpeername())
+    except OSError:
+        return False

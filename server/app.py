@@ -15,6 +15,7 @@ import collections
 import errno
 import functools
 import logging
+import socket
 import ssl as _ssl
 import time
 from collections.abc import Callable
@@ -72,6 +73,9 @@ class ServerConfig:
     port: int = 0
     token: str | None = None
     ssl: _ssl.SSLContext | None = None
+    #: A socket already bound and listening (by the process that started this one): served
+    #: instead of binding ``host:port``.
+    sock: socket.socket | None = None
     lease: float = 2.5
     #: Extra seconds a member's lease gets before its process's keeper first renews it.
     lease_arm_grace: float = 30.0
@@ -112,15 +116,24 @@ class Server:
         loop = asyncio.get_running_loop()
         self.admission.fit_fd_limit(cfg.raise_fd_limit)
         limits = wire.Limits(max_header=HELLO_MAX, max_payload=0)  # raised once authenticated
-        self._server = await loop.create_server(
-            lambda: ServerConnection(self, limits),
-            cfg.host,
-            cfg.port,
-            ssl=cfg.ssl,
-            reuse_address=True,
-            backlog=cfg.backlog,
-            start_serving=False,
-        )
+        if cfg.sock is not None:
+            self._server = await loop.create_server(
+                lambda: ServerConnection(self, limits),
+                sock=cfg.sock,
+                ssl=cfg.ssl,
+                backlog=cfg.backlog,
+                start_serving=False,
+            )
+        else:
+            self._server = await loop.create_server(
+                lambda: ServerConnection(self, limits),
+                cfg.host,
+                cfg.port,
+                ssl=cfg.ssl,
+                reuse_address=True,
+                backlog=cfg.backlog,
+                start_serving=False,
+            )
         for sock in self._server.sockets:  # accepted connections inherit these: no syscalls each
             transport.tune_tcp_socket(sock)
         await self._server.start_serving()
@@ -392,11 +405,20 @@ class Server:
 
 
 async def start_server(
-    host: str, port: int, token: str | None, ssl: _ssl.SSLContext | None = None, wait: float = 0.0
+    host: str,
+    port: int,
+    token: str | None,
+    ssl: _ssl.SSLContext | None = None,
+    wait: float = 0.0,
+    sock: socket.socket | None = None,
 ) -> Server:
     """A started server on ``host`` (else on every address) and ``port`` (0: a free one), as a
     rank hosts it: a port in use is retried for ``wait`` s (the last host may be leaving); any
-    other failure to listen is the ``OSError``."""
+    other failure to listen is the ``OSError``. ``sock``: serve this listening socket instead."""
+    if sock is not None:
+        server = Server(ServerConfig(host=host, port=sock.getsockname()[1], token=token, ssl=ssl, sock=sock))
+        await server.start()
+        return server
     loop = asyncio.get_running_loop()
     until = loop.time() + wait
     while True:

@@ -2,7 +2,11 @@
 
 Run as ``python -m arendez_server.child``. The parent writes one JSON line to our stdin::
 
-    {"host": ..., "port": ..., "token": ... or null, "wait": seconds, "log_level": 30, "parent": pid}
+    {"host": ..., "port": ..., "token": ... or null, "wait": seconds, "log_level": 30, "parent": pid,
+     "fd": n or null}
+
+(``fd``: a socket the parent already bound and listens on, passed down to us: then clients that
+come while we start wait in its queue instead of being refused and retrying.)
 
 and we answer one JSON line on stdout: ``{"port": N}`` once listening, or ``{"error": text,
 "errno": n}`` (a port in use is retried for ``wait`` seconds first: the last host may be
@@ -23,6 +27,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -43,8 +48,14 @@ def _say(answer: dict[str, Any]) -> None:
 async def _serve(order: dict[str, Any]) -> int:
     loop = asyncio.get_running_loop()
     try:
+        fd = order.get("fd")
         server = await start_server(
-            str(order["host"]), int(order["port"]), order.get("token"), None, float(order["wait"])
+            str(order["host"]),
+            int(order["port"]),
+            order.get("token"),
+            None,
+            float(order["wait"]),
+            sock=None if fd is None else socket.socket(fileno=int(fd)),
         )
     except OSError as exc:
         _say({"error": str(exc), "errno": exc.errno or 0})

@@ -57,8 +57,6 @@ def test_what_cannot_apply_says_so() -> None:
     assert not sync.is_nccl_available() and sync.is_gloo_available()
     with pytest.raises(ArendezError, match="FileStore is not supported"):
         sync.FileStore("/tmp/x", 2)
-    with pytest.raises(ArendezError, match="master_listen_fd"):
-        sync.TCPStore("127.0.0.1", 1, master_listen_fd=3)
     with pytest.raises(ValueError, match="group_size"):
         sync.init_process_group()
         try:

@@ -457,3 +457,20 @@ def test_a_tcpstore_takes_key_lists_longer_than_one_request(connection: str) -> 
     prefixed.wait(keys)
     with pytest.raises(StoreTimeoutError):
         prefixed.wait([*keys, "absent"], datetime.timedelta(seconds=0.3))
+
+
+def test_a_master_serves_the_listening_socket_it_is_given_as_torchs_master_listen_fd() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    try:
+        master = TCPStore("127.0.0.1", port, None, True, SHORT, master_listen_fd=listener.fileno())
+        client = TCPStore("127.0.0.1", port, None, False, SHORT)
+        client.set("k", b"v")
+        assert master.get("k") == b"v"
+        client.close()
+        master.close()
+        with pytest.raises(ValueError, match="not a listening TCP socket"):
+            with socket.socket() as idle:
+                TCPStore("127.0.0.1", 0, None, True, SHORT, master_listen_fd=idle.fileno())
+    finally:
+        listener.close()

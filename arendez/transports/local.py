@@ -23,7 +23,8 @@ Host names are not resolved for this, and TLS never takes the shortcut.
 from __future__ import annotations
 
 import asyncio
-import encodings.idna  # noqa: F401 - loaded now: out of file descriptors, a connect would fail loading it
+import encodings.idna  # noqa: F401 - loaded now: out of descriptors, a connect could not load it
+import errno
 import ipaddress
 import os
 import secrets
@@ -161,6 +162,11 @@ def open_blocking(host: str, port: int, timeout: float, *, local_ok: bool = True
                 continue
     sock = socket.create_connection((host, port), timeout=timeout)
     try:
+        if transport.connected_to_itself(sock):
+            transport.reset_on_close(sock)
+            raise ConnectionRefusedError(
+                errno.ECONNREFUSED, f"nothing listens on {host}:{port} (connected to itself)"
+            )
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except BaseException:
         sock.close()
