@@ -70,8 +70,12 @@ class ProcessGroup:
         return self.ranks.index(self.world.rank)
 
     def link_kind(self) -> str:
-        """``"shm"`` if every member said hello from this host (shared memory on), else ``"tcp"``
-        (``Op.link_kind``; recomputed only when the same-host set changes)."""
+        """``"shm"`` if every rank is on this machine with shared memory on, else ``"tcp"``
+        (``Op.link_kind``). All ranks must agree, whichever links they have opened so far
+        (links open lazily): so it is the round's answer (``World.one_machine``); only an
+        in-process world, without one, goes by the hellos."""
+        if self.world.one_machine is not None:
+            return "shm" if self.world.one_machine else "tcp"
         same = self.world.shm.same_host
         if self._link[0] != len(same):
             me = self.world.rank

@@ -219,6 +219,8 @@ async def _tcp_world(
         port = await mesh.listen(os.environ.get("ARENDEZ_LISTEN_ADDR") or advertise, 0)
         address = mesh.advertised(f"[{advertise}]:{port}" if ":" in advertise else f"{advertise}:{port}")
         offsets = neighbour_offsets(where.world_size)
+        channels = shm.Channels(allowed=shm.enabled() and secure is None)
+        machine = channels.host if channels.allowed else ""
         if where.min_size:  # elastic: the size is known once the round closes
             member = await store.join(
                 where.world_size,
@@ -232,12 +234,19 @@ async def _tcp_world(
                 came_from=where.came_from,
                 hint=where.hint,
                 dead=where.dead,
+                machine=machine,
             )
             offsets = neighbour_offsets(member.world_size)
             known, resolve = dict(member.addresses), store.addresses
         elif isinstance(store, Store):  # only the neighbours' addresses; the rest on first use
             member = await store.join(
-                where.world_size, where.rank, address, deadline - loop.time(), peers=False, neighbours=offsets
+                where.world_size,
+                where.rank,
+                address,
+                deadline - loop.time(),
+                peers=False,
+                neighbours=offsets,
+                machine=machine,
             )
             known, resolve = dict(member.addresses), store.addresses
         else:  # (etcd: every address comes with the round)
@@ -245,7 +254,10 @@ async def _tcp_world(
             known, resolve = dict(enumerate(member.peers)), None
         world = World(member.rank, member.world_size, timeout)
         world.store, world.mesh, world.server, world.address = store, mesh, server, address
-        world.shm = shm.Channels(allowed=shm.enabled() and secure is None)  # before peers say hello
+        world.shm = channels  # (before peers say hello)
+        # lane sizes and algorithms follow from it, so every rank must see the same: the round's
+        # answer (etcd's has none: TCP's lanes, whatever the links turn out to be)
+        world.one_machine = getattr(member, "one_machine", None) is True
         store.on_event = lambda event, w=world: _on_server_event(w, event)
         mesh.start(
             member.rank,

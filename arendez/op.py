@@ -306,10 +306,10 @@ class Op:
         return self._wait_slot(key, raw, fold=fold)
 
     def link_kind(self) -> str:
-        """``"shm"`` if every peer said hello from this host (shared memory on), else ``"tcp"``.
+        """``"shm"`` if every rank is on this host with shared memory on, else ``"tcp"``.
 
-        The algorithm choice depends on it, so both ends of a pair must agree: host keys are
-        compared the same way on both, and init has every peer's hello before it returns.
+        The algorithm choice depends on it, so every rank must get the same answer: it is the
+        rendezvous round's (``Group.link_kind``), not what this rank's open links say.
         """
         return self.group.link_kind()
 

@@ -40,6 +40,9 @@ class Membership:
     #: the job's previous round (the others are new: replacements, scale-up, stale ranks).
     generation: int = -1
     survivors: int = 0
+    #: Whether every rank of the round named this rank's machine (``join(machine=...)``): the
+    #: same answer for all (None: not asked, or a server that does not tell).
+    one_machine: bool | None = None
 
 
 class MembershipOps:
@@ -76,6 +79,7 @@ class MembershipOps:
         came_from: int = -1,
         hint: int = -1,
         dead: Iterable[int] = (),
+        machine: str | None = None,
     ) -> Membership:
         """Join the job's rendezvous round; returns once all ``world_size`` ranks are in.
 
@@ -84,6 +88,8 @@ class MembershipOps:
         assigns ranks, the ranks of the job's latest round (``came_from``, its generation)
         first in their old order (``hint``, the old rank), then the others by ``hint``. ``dead``:
         ranks of that round this rank saw fail (the server declares them failed at once).
+        ``machine``: what identifies this rank's machine for shared memory ("" for none); the
+        answer then says whether all ranks named the same one (``Membership.one_machine``).
 
         With ``peers=False`` the answer carries no peer addresses (``Membership.peers`` is
         empty): fetch the ones needed with ``addresses``, so a round costs O(N), not O(N²).
@@ -116,6 +122,7 @@ class MembershipOps:
                         else {}
                     ),
                     **({"settle": settle} if settle is not None else {}),
+                    **({"machine": machine} if machine is not None else {}),
                 )
                 break
             except (StoreTimeoutError, LimitError):
@@ -142,6 +149,7 @@ class MembershipOps:
             {int(r): str(a) for r, a in answer.get("addresses", {}).items()},
             int(answer.get("generation", -1)),
             int(answer.get("survivors", 0)),
+            bool(answer["one_machine"]) if "one_machine" in answer else None,
         )
         return m
 

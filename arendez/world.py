@@ -88,6 +88,9 @@ class World:
         self._early_mail: dict[int, dict[int, list[Key]]] = {}  # DATA for them, by seq
         self._pending_gids: set[int] = set()
         self.shm_control = ShmControl(rank, shm.Channels(allowed=False), self.send_control)
+        #: Whether the round said every rank is on this machine (shared memory on everywhere):
+        #: the link kind all ranks agree on. None: not known (in-process worlds: by the hellos).
+        self.one_machine: bool | None = None
         self.closed = False
         self._peers_gone = asyncio.Event()
         if world_size == 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 ELASTIC_SETTLE = 0.25
 #: The longest a blocking request may wait.
 MAX_WAIT = 7 * 24 * 3600.0
+#: Longest machine tag a joiner may name (``arendez.shm.host_key`` is about 60 characters).
+MACHINE_MAX = 256
 #: A handler's "cannot answer yet": the request continues in a task.
 BLOCK: Any = object()
 
@@ -260,6 +263,10 @@ def start_join(server: Server, s: Session, job: Job, rid: Any, h: dict[str, Any]
     if s.round is not None:
         raise RendezvousError("this connection already joined the job")
     check_neighbours(h.get("neighbours"))
+    machine = h.get("machine", "")
+    if not isinstance(machine, str) or len(machine) > MACHINE_MAX:
+        raise RendezvousError(f"machine must be a string of at most {MACHINE_MAX} characters")
+    machine = sys.intern(machine)  # (one string per machine, however many ranks name it)
     deadline = _deadline(h.get("timeout"))
     member: Member | None = None
     settle = ELASTIC_SETTLE
@@ -276,6 +283,7 @@ def start_join(server: Server, s: Session, job: Job, rid: Any, h: dict[str, Any]
             came_from=h.get("came_from", -1),
             hint=h.get("hint", -1),
             dead=h.get("dead", ()),
+            machine=machine,
         )
         server.members.depart(gone)
         rank = member.rank
@@ -286,6 +294,7 @@ def start_join(server: Server, s: Session, job: Job, rid: Any, h: dict[str, Any]
             str(h.get("address", "")),
             time.monotonic(),
             _lease_of(server, h),
+            machine,
         )
     s.round, s.rank = round_, rank
     join = JoinWait(server, s, job, rid, h, round_, rank, member, deadline)

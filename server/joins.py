@@ -152,6 +152,8 @@ class JoinWait:
             forming = self.job.forming  # ranks that came while this round closed wait for the next one
             if forming is not None and forming is not round_ and forming.members:
                 answer["joining"] = len(forming.members)
+        if "machine" in h:  # (a client that asks: whether all ranks share one machine)
+            answer["one_machine"] = round_.one_machine()
         offsets = h.get("neighbours")
         if offsets is not None:  # the addresses of rank + offset (mod world_size), in the answer
             answer["addresses"] = round_.addresses([(rank + o) % round_.world_size for o in offsets])

@@ -46,6 +46,8 @@ class Member:
     lease: Lease | None = None
     came_from: int = -1  # elastic: the generation of the round this rank was in (-1: none)
     hint: int = -1  # elastic: its rank in that round (or its launcher slot): ordering only
+    #: What identifies its machine for shared memory (opaque; "": none, or not said)
+    machine: str = ""
 
     def expired(self, now: float, lease: float, arm_grace: float) -> bool:
         """Silent for longer than ``lease`` (its own heartbeats, or its process's lease)."""
@@ -90,6 +92,16 @@ class Round:
     #: Why joins to this round were refused while it formed (the first few): the members left
     #: waiting hear of them if the round then times out.
     refused: list[str] = field(default_factory=list)
+    _one_machine: tuple[int, bool] = (-1, False)  # (for how many members, the answer)
+
+    def one_machine(self) -> bool:
+        """True if every member named the same machine (not ""): all may share memory. The
+        ranks choose lane sizes and algorithms by it, so all must get the same answer: the
+        round's, computed once for its members (O(N) once, not per join answer)."""
+        if self._one_machine[0] != len(self.members):
+            tags = {m.machine for m in self.members.values()}
+            self._one_machine = (len(self.members), len(tags) == 1 and "" not in tags)
+        return self._one_machine[1]
 
     def refuse(self, why: str) -> RendezvousError:
         """The error refusing a join to this round, remembered (at most ``REFUSALS_KEPT``)."""

@@ -31,7 +31,13 @@ class Job(KeyValueStore):
         return self.forming is not None or any(r.in_use for r in self.rounds.values())
 
     def join(
-        self, rank: int, world_size: int, address: str, now: float, lease: Lease | None = None
+        self,
+        rank: int,
+        world_size: int,
+        address: str,
+        now: float,
+        lease: Lease | None = None,
+        machine: str = "",
     ) -> tuple[Round, int]:
         """Add a member to the round being formed; return it and the rank (assigned if -1).
 
@@ -62,7 +68,7 @@ class Job(KeyValueStore):
             raise RendezvousError(f"rank {rank!r} is outside 0..{world_size - 1}")
         elif rank in forming.members:
             raise forming.refuse(f"rank {rank} of job {self.name!r} has already joined")
-        forming.add(Member(rank, address, now, lease=lease))
+        forming.add(Member(rank, address, now, lease=lease, machine=machine))
         if forming.complete:
             for member in forming.members.values():  # leases start now: early joiners waited
                 member.last_seen = now
@@ -82,6 +88,7 @@ class Job(KeyValueStore):
         came_from: int = -1,
         hint: int = -1,
         dead: object = (),
+        machine: str = "",
     ) -> tuple[Round, Member, list[Departure]]:
         """Add a member to the elastic round being formed (``min_size``..``max_size`` ranks).
 
@@ -122,7 +129,7 @@ class Job(KeyValueStore):
         gone = self._declare_dead(came_from, dead)
         key = forming._arrivals
         forming._arrivals += 1
-        member = Member(key, address, now, lease=lease, came_from=came_from, hint=hint)
+        member = Member(key, address, now, lease=lease, came_from=came_from, hint=hint, machine=machine)
         forming.add(member)
         forming._count(member)
         forming.settled = False  # an arrival restarts the settle time

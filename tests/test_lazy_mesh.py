@@ -189,3 +189,30 @@ def test_a_send_on_a_failed_dial_names_the_rank_it_was_for() -> None:
     with pytest.raises(ConnectionResetError, match="could not connect to rank 5: no connection") as caught:
         link.send({"op": "x"})
     assert getattr(caught.value, "peer", None) == 5
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+async def test_every_rank_sees_the_same_link_kind_whichever_links_it_has_opened(
+    arendez_server, monkeypatch, shared_memory
+):
+    """The link kind picks lane sizes and algorithms, so all ranks must agree on it from the
+    start. It was "shm" once every member had said hello over a link: with links opened
+    lazily, ranks switched at different moments, and identical large all_reduces failed with
+    CollectiveMismatchError (QA: 5 of 10 trials at W=6 after a barrier)."""
+    monkeypatch.setenv("ARENDEZ_SHM", shared_memory)
+    ws = 12
+
+    async def rank_main(rank: int) -> tuple[str, str]:
+        group = dist.current_world().groups[0]
+        before = group.link_kind()  # (only the neighbours' links are open)
+        await dist.barrier()
+        x = np.full(1 << 18, float(rank), np.float32)
+        await dist.all_reduce(x)
+        assert x[0] == sum(range(ws))
+        return before, group.link_kind()
+
+    url = f"arendez://127.0.0.1:{arendez_server.port}/link-kind-{shared_memory}"
+    kinds = await testing.run_ranks(ws, rank_main, init_method=url, timeout=80)
+    expected = "shm" if shared_memory == "1" else "tcp"
+    assert kinds == [(expected, expected)] * ws

@@ -88,3 +88,16 @@ def test_free_ranks_are_handed_out_in_order_around_explicit_ones():
     job.join(1, 4, "x", 0.0)
     ranks = [job.join(-1, 4, "y", 0.0)[1] for _ in range(3)]
     assert ranks == [0, 2, 3]
+
+
+def test_a_round_is_on_one_machine_only_if_every_member_named_the_same_one():
+    job = Job("j", StateLimits())
+    same, _ = job.join(0, 2, "h:1", 0.0, machine="boot-a:1:2")
+    job.join(1, 2, "h:2", 0.0, machine="boot-a:1:2")
+    assert same.one_machine()
+    mixed, _ = job.join(0, 2, "h:1", 1.0, machine="boot-a:1:2")
+    job.join(1, 2, "h:2", 1.0, machine="boot-b:1:2")
+    assert not mixed.one_machine()
+    silent, _ = job.join(0, 2, "h:1", 2.0, machine="")  # (shared memory off on both)
+    job.join(1, 2, "h:2", 2.0, machine="")
+    assert not silent.one_machine()

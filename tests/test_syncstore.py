@@ -469,8 +469,7 @@ def test_a_master_serves_the_listening_socket_it_is_given_as_torchs_master_liste
         assert master.get("k") == b"v"
         client.close()
         master.close()
-        with pytest.raises(ValueError, match="not a listening TCP socket"):
-            with socket.socket() as idle:
-                TCPStore("127.0.0.1", 0, None, True, SHORT, master_listen_fd=idle.fileno())
+        with pytest.raises(ValueError, match="not a listening TCP socket"), socket.socket() as idle:
+            TCPStore("127.0.0.1", 0, None, True, SHORT, master_listen_fd=idle.fileno())
     finally:
         listener.close()

@@ -127,7 +127,10 @@ async def p2p_back_to_back(rank: int, ws: int, url: str) -> Any:
         await dist.send(np.full(3, 1, np.int32), 1)
         await dist.send(np.full(5, 2, np.int32), 1)
         await dist.barrier()
-        await dist.barrier()  # rank 1 has posted its last recv: leaving now cannot fail it
+        await dist.barrier()  # rank 1 has posted its last recv
+        # leave after rank 1's destroy: a receive from any source fails once every other
+        # member has left (RankFailedError), which would race the destroy it waits for
+        await asyncio.sleep(0.5)
         await dist.destroy_process_group()
         return None
     first, second = np.zeros(3, np.int32), np.zeros(5, np.int32)
