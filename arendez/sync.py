@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 import sys as _sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -257,6 +258,15 @@ def _outputs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[A
     return []
 
 
+#: arguments the collectives only read (their stand-ins are not copied back)
+_READ_ONLY = frozenset({"input", "input_tensor", "input_list", "input_tensor_list", "scatter_list"})
+_READ_ONLY_OF = {
+    "send": frozenset({"tensor"}),
+    "isend": frozenset({"tensor"}),
+    "gather": frozenset({"tensor"}),
+}
+
+
 def _staged(
     fn: Callable[..., Coroutine[Any, Any, Any]], args: tuple[Any, ...], kwargs: dict[str, Any], widen: bool
 ) -> tuple[Callable[..., Coroutine[Any, Any, Any]], tuple[Any, ...], dict[str, Any]] | None:
@@ -273,19 +283,20 @@ def _staged(
     if not any(needs(v) or (isinstance(v, list) and any(needs(t) for t in v)) for v in values):
         return None
     stage = Stage(widen=widen)
+    bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+    read = _READ_ONLY | _READ_ONLY_OF.get(fn.__name__, frozenset())
 
-    def swap(v: Any) -> Any:
+    def swap(v: Any, out: bool) -> Any:
         if isinstance(v, torch.Tensor):
-            return stage(v) if needs(v) else v
+            return stage(v, out) if needs(v) else v
         if isinstance(v, list) and any(isinstance(t, torch.Tensor) for t in v):
-            return [swap(t) for t in v]
+            return [swap(t, out) for t in v]
         return v
 
-    return (
-        functools.partial(stage.run, functools.partial(fn, **{k: swap(v) for k, v in kwargs.items()})),
-        tuple(swap(a) for a in args),
-        {},
-    )
+    # only what the call writes is copied back: an input's stand-in written back over an output
+    # that is a slice of it (an in-place reduce_scatter_tensor) undid the result
+    staged = {name: swap(v, name not in read) for name, v in bound.items()}
+    return functools.partial(stage.run, functools.partial(fn, **staged)), (), {}
 
 
 _init_process_group = _blocking(api.init_process_group)  # (a world left up is closed at exit: loop.py)

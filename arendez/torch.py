@@ -329,15 +329,26 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     # -- point to point (ranks are group ranks) ----------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
         peer, stage = self._global(dst, "dst"), Stage()
-        return self._run(tensors, stage, arendez.send, stage(tensors[0], out=False), peer, None, tag)
+        t = stage(tensors[0], out=False)
+        return self._run(tensors, stage, arendez.send, t, peer, None, self._p2p_tag(tag))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
         peer, stage = self._global(src, "src"), Stage()
-        return self._run(tensors, stage, self._recv, stage(tensors[0]), peer, tag)
+        return self._run(tensors, stage, self._recv, stage(tensors[0]), peer, self._p2p_tag(tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         stage = Stage()
-        return self._run(None, stage, self._recv, stage(tensors[0]), None, tag)
+        return self._run(None, stage, self._recv, stage(tensors[0]), None, self._p2p_tag(tag))
+
+    def _p2p_tag(self, tag: int) -> int:
+        """The world's tag for this group's ``tag``: a subgroup's messages travel on the world,
+        in a tag space of their own (else a subgroup's receive took the world's, or another
+        subgroup's, message of the same tag, and a receive from any source took a non-member's)."""
+        if self._engine is None:
+            return tag
+        if not -(1 << 31) <= tag < 1 << 31:
+            raise ValueError(f"tag {tag} of a subgroup's send or recv must fit in 32 signed bits")
+        return (1 << 61) | ((self._engine.tag & 0xFFFFFFF) << 32) | (tag & 0xFFFFFFFF)
 
     async def _recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> int:
         sender = await arendez.recv(tensor, src, None, tag)

@@ -62,10 +62,11 @@ class Stage:
             if self.widened and str(exc).endswith("got float32"):
                 raise InvalidArgumentError(f"{str(exc)[: -len('float32')]}bfloat16") from None
             raise
-        for t, carried in self.back:
-            if _overlaps(t) and torch.equal(t, carried.to(t.dtype)):
-                continue  # an expanded tensor that was only read (a broadcast's source)
-            t.copy_(carried)
+        with torch.no_grad():  # (the caller's no_grad is its thread's; this is the loop's)
+            for t, carried in self.back:
+                if _overlaps(t) and torch.equal(t, carried.to(t.dtype)):
+                    continue  # an expanded tensor that was only read (a broadcast's source)
+                t.copy_(carried)
         return result
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import arendez
-from arendez.errors import CollectiveTimeoutError
+from arendez.errors import CollectiveTimeoutError, InvalidArgumentError
 
 _REDUCE: dict[arendez.ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     arendez.ReduceOp.SUM: lambda a, b: a.add_(b),
@@ -50,6 +50,8 @@ class Direct:
         async with self._lock:  # subgroup collectives match by order: one at a time
             if self._broken is not None:
                 raise self._broken
+            if not sends and not recvs:  # (a group of one)
+                return
             peers: dict[asyncio.Future[Any], int] = {}  # each message's task -> the peer's group rank
             for p, t in sends.items():
                 peers[asyncio.ensure_future(arendez.send(t, self.ranks[p], None, self.tag))] = p
@@ -78,6 +80,7 @@ class Direct:
     def _others(self) -> Iterator[int]:
         return (p for p in range(len(self.ranks)) if p != self.me)
 
+    @torch.no_grad()  # (the caller's no_grad is its thread's; this runs on the loop's)
     def _combine(self, parts: list[torch.Tensor], out: torch.Tensor, op: arendez.ReduceOp) -> None:
         acc = parts[0].clone()
         for part in parts[1:]:
@@ -85,6 +88,19 @@ class Direct:
         if op is arendez.ReduceOp.AVG:
             acc.div_(len(parts))
         out.copy_(acc.view_as(out))
+
+    def _sizes(self, collective: str, tensors: list[torch.Tensor], each: int, what: str) -> None:
+        """Refuse a call whose tensors do not fit before any message goes: a call that failed
+        on one member after another had sent would leave that message to the next call."""
+        if len(tensors) != len(self.ranks):
+            raise InvalidArgumentError(
+                f"{collective}: {what} has {len(tensors)} tensors, the subgroup {len(self.ranks)} ranks"
+            )
+        for i, t in enumerate(tensors):
+            if t.numel() != each:
+                raise InvalidArgumentError(
+                    f"{collective}: {what}[{i}] has {t.numel()} elements, expected {each}"
+                )
 
     async def all_reduce(self, t: torch.Tensor, op: arendez.ReduceOp, name: str = "all_reduce") -> None:
         flat = t.reshape(-1)
@@ -102,6 +118,7 @@ class Direct:
         self._combine(parts, t, op)
 
     async def reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: arendez.ReduceOp) -> None:
+        self._sizes("reduce_scatter", ins, out.numel(), "the input list")
         parts = [
             ins[self.me].reshape(-1) if p == self.me else torch.empty_like(out.reshape(-1))
             for p in range(len(self.ranks))
@@ -120,7 +137,9 @@ class Direct:
         )
 
     async def all_gather(self, outs: list[torch.Tensor], x: torch.Tensor) -> None:
-        outs[self.me].copy_(x.view_as(outs[self.me]))
+        self._sizes("all_gather", outs, x.numel(), "the output list")
+        with torch.no_grad():
+            outs[self.me].copy_(x.view_as(outs[self.me]))
         await self._exchange(
             "all_gather", {p: x for p in self._others()}, {p: outs[p] for p in self._others()}
         )
@@ -131,7 +150,9 @@ class Direct:
             await self._exchange("gather", {r: x}, {})
             return
         assert outs is not None
-        outs[r].copy_(x.view_as(outs[r]))
+        self._sizes("gather", outs, x.numel(), "the gather list")
+        with torch.no_grad():
+            outs[r].copy_(x.view_as(outs[r]))
         await self._exchange("gather", {}, {p: outs[p] for p in self._others()})
 
     async def scatter(self, out: torch.Tensor, ins: list[torch.Tensor] | None, root: int) -> None:
@@ -140,11 +161,18 @@ class Direct:
             await self._exchange("scatter", {}, {r: out})
             return
         assert ins is not None
-        out.copy_(ins[r].view_as(out))
+        self._sizes("scatter", ins, out.numel(), "the scatter list")
+        with torch.no_grad():
+            out.copy_(ins[r].view_as(out))
         await self._exchange("scatter", {p: ins[p] for p in self._others()}, {})
 
     async def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
-        outs[self.me].copy_(ins[self.me].view_as(outs[self.me]))
+        if len(outs) != len(self.ranks) or len(ins) != len(self.ranks):
+            raise InvalidArgumentError(
+                f"all_to_all: {len(outs)} outputs and {len(ins)} inputs for a subgroup of {len(self.ranks)}"
+            )
+        with torch.no_grad():
+            outs[self.me].copy_(ins[self.me].view_as(outs[self.me]))
         await self._exchange(
             "all_to_all", {p: ins[p] for p in self._others()}, {p: outs[p] for p in self._others()}
         )

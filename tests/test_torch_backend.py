@@ -132,6 +132,22 @@ def test_a_subgroups_own_timeout_ends_its_collective() -> None:
     assert got["again"] == "CollectiveTimeoutError"
 
 
+@pytest.mark.timeout(120)
+def test_subgroups_of_one_their_point_to_point_a_shared_mistake_and_no_grad_as_gloo() -> None:
+    """A one-member subgroup's collectives work (they raised on an empty set of messages); a
+    subgroup's send/recv are apart from the world's of the same tag, and its receive from any
+    source takes no non-member's message; a size mistake both members make fails on both and
+    leaves no message behind; parameters are written under the caller's no_grad."""
+    results = _run("subgroup_edges", 3, f"tcp://127.0.0.1:{free_port()}")
+    assert [r["single"] for r in results] == [[float(r + 1)] * 3 for r in range(3)]
+    assert results[1]["p2p"] == [[2.0, 2.0], [1.0, 1.0]]
+    assert results[1]["any"] == [0, [7.0, 7.0], [9.0, 9.0]]
+    for got in results[:2]:
+        assert got["mistake"] == "InvalidArgumentError", got
+        assert got["after"] == [2.0, 20.0, 200.0], got
+        assert got["no_grad"] == {"bf16": 4.5, "fp32 on the pair": 3.0}, got
+
+
 @pytest.mark.timeout(90)
 def test_reinit_after_destroy_with_the_same_store() -> None:
     """Each init through one store gets its own embedded server, never the last round's URL."""

@@ -616,6 +616,65 @@ def ddp_join_uneven(rank: int, ws: int, init: str, backend: str) -> dict[str, An
     return out
 
 
+@scenario
+def subgroup_edges(rank: int, ws: int, init: str) -> dict[str, Any]:
+    """3 ranks: one-member subgroups, subgroup point-to-point beside the world's, a size
+    mistake made by both members, and parameters written under no_grad (QA, gloo's results)."""
+    _init(rank, ws, init)
+    out: dict[str, Any] = {}
+    singles, _ = dist.new_subgroups(group_size=1)
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, group=singles)
+    dist.broadcast(t, src=rank, group=singles)
+    gathered = [torch.zeros(3)]
+    dist.all_gather(gathered, t, group=singles)
+    dist.barrier(group=singles)
+    out["single"] = gathered[0].tolist()
+    pair = dist.new_group([0, 1])
+    if rank == 0:
+        dist.send(torch.full((2,), 1.0), 1)  # on the world, tag 0
+        dist.send(torch.full((2,), 2.0), 1, group=pair)  # on the subgroup, tag 0
+    elif rank == 1:
+        on_pair, on_world = torch.zeros(2), torch.zeros(2)
+        dist.recv(on_pair, 0, group=pair)
+        dist.recv(on_world, 0)
+        out["p2p"] = [on_pair.tolist(), on_world.tolist()]
+    if rank == 2:
+        dist.send(torch.full((2,), 9.0), 1)  # a non-member's message on the world
+    elif rank == 0:
+        dist.send(torch.full((2,), 7.0), 1, group=pair)
+    if rank == 1:
+        anyone, stranger = torch.zeros(2), torch.zeros(2)
+        src = dist.recv(anyone, None, group=pair)
+        dist.recv(stranger, 2)
+        out["any"] = [src, anyone.tolist(), stranger.tolist()]
+    if rank in (0, 1):
+        try:  # both members make the same mistake: 11 elements cannot hold 2 x 5
+            dist.all_gather_into_tensor(torch.zeros(11), torch.ones(5), group=pair)
+            out["mistake"] = "no error"
+        except Exception as exc:
+            out["mistake"] = type(exc).__name__
+        sums = []
+        for value in (1.0, 10.0, 100.0):
+            x = torch.full((5,), value)
+            dist.all_reduce(x, group=pair)
+            sums.append(x[0].item())
+        out["after"] = sums
+        params = {
+            "bf16": torch.nn.Parameter(torch.full((4,), 1.5, dtype=torch.bfloat16)),
+            "fp32 on the pair": torch.nn.Parameter(torch.full((4,), 1.5)),
+        }
+        with torch.no_grad():
+            dist.all_reduce(params["bf16"])
+            dist.all_reduce(params["fp32 on the pair"], group=pair)
+        out["no_grad"] = {k: p.float()[0].item() for k, p in params.items()}
+    else:
+        with torch.no_grad():
+            dist.all_reduce(torch.nn.Parameter(torch.full((4,), 1.5, dtype=torch.bfloat16)))
+    dist.destroy_process_group()
+    return out
+
+
 def main() -> None:
     name, rank, ws, init, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)

@@ -151,6 +151,10 @@ def dtypes_and_layouts(rank: int, size: int) -> None:
     w = torch.arange(6.0).reshape(2, 3).t() * (rank + 1)
     dist.all_reduce(w, op=dist.ReduceOp.MAX, async_op=True).wait()
     print("transposed async max", w.tolist())
+    flat = torch.arange(1.0, 2 * size + 1, dtype=torch.bfloat16) * (rank + 1)  # (ZeRO's in-place
+    shard = flat[rank * 2 : rank * 2 + 2]  # reduce-scatter: the output is a slice of the input)
+    dist.reduce_scatter_tensor(shard, flat)
+    print("bf16 in-place reduce_scatter_tensor", shard.tolist())
 
 
 def everything(rank: int, size: int) -> None:
