@@ -131,7 +131,9 @@ def _why_ended(owner: asyncio.Task[Any] | None) -> str | None:
     """Why the process ended, if it failed; None for a normal end (a clean leave, as torch's
     processes that never call destroy: the peers are told it left, not that it failed)."""
     exc: Any = None
-    if owner is not None and owner.done() and not owner.cancelled():
+    if owner is not None and owner.done() and owner.cancelled():  # Ctrl-C under asyncio.run
+        return "its process ended with the task that initialized it cancelled (as by Ctrl-C)"
+    if owner is not None and owner.done():
         exc = owner.exception()
     if exc is None:
         exc = getattr(sys, "last_value", None)

@@ -70,12 +70,12 @@ def test_a_receive_from_the_messenger_names_the_root_cause_first(arendez_server,
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how", ["exit", "raise", "sigterm"])
+@pytest.mark.parametrize("how", ["exit", "raise", "sigterm", "sigint"])
 def test_a_rank_that_ends_without_destroy_says_how(arendez_server, tmp_path, how):
     url = f"{arendez_server.url}/end-{how}-{tmp_path.name}"
     procs = [spawn_rank(goodbye.ends_without_destroy, r, 2, url, how) for r in range(2)]
     zero, one = collect(procs, 30)
-    expected = {"exit": 0, "raise": 1, "sigterm": -signal.SIGTERM}[how]
+    expected = {"exit": 0, "raise": 1, "sigterm": -signal.SIGTERM, "sigint": -signal.SIGINT}[how]
     assert one.returncode == expected, one.stderr[-2000:]
     assert zero.returncode == 0, zero.stderr[-3000:]
     out = zero.value
@@ -84,6 +84,7 @@ def test_a_rank_that_ends_without_destroy_says_how(arendez_server, tmp_path, how
         "exit": "it left: it destroyed its process group, or its process ended",
         "raise": "uncaught RuntimeError: rank 1 gives up",
         "sigterm": "terminated (SIGTERM)",
+        "sigint": "the task that initialized it cancelled (as by Ctrl-C)",
     }[how]
     assert words in out["message"], out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -76,6 +77,9 @@ async def ends_without_destroy(rank: int, ws: int, url: str, how: str) -> dict[s
             time.sleep(5)  # (the signal ends the process before this)
         if how == "raise":
             raise RuntimeError("rank 1 gives up")
+        if how == "sigint":  # (Ctrl-C: asyncio.run cancels the main task, then KeyboardInterrupt)
+            os.kill(os.getpid(), signal.SIGINT)
+            await asyncio.sleep(5)
         return {"how": how}  # returns: the process exits without destroy
     await store.set("reduced-0", "1")
     try:
