@@ -7,6 +7,8 @@ runs the matching algorithm as the group's next collective.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -223,8 +225,33 @@ async def all_to_all(output_tensor_list: list[Any], input_tensor_list: list[Any]
     for i, (a, b) in enumerate(zip(ins, outs, strict=True)):
         if a.dtype != ins[0].dtype or b.dtype != ins[0].dtype:
             raise InvalidArgumentError(f"all_to_all tensors must share one dtype (tensor {i} differs)")
+    ins = _apart_from(ins, outs)
     fp = "|".join(["all_to_all", ins[0].dtype.str, str(g.size)])
     await g.run("all_to_all", fp, lambda c: algo.all_to_all(c, outs, ins))
+
+
+def _span(a: np.ndarray[Any, Any]) -> tuple[int, int]:
+    """The bytes ``a`` may touch: [first, last) addresses (bounds, as ``may_share_memory``)."""
+    utils: Any = getattr(np.lib, "array_utils", np)  # (numpy 2 moved it)
+    low, high = utils.byte_bounds(a)
+    return int(low), int(high)
+
+
+def _apart_from(
+    ins: list[np.ndarray[Any, Any]], outs: list[np.ndarray[Any, Any]]
+) -> list[np.ndarray[Any, Any]]:
+    """``ins``, with a copy of each that shares memory with an output (``all_to_all(ts, ts)``:
+    a piece would be received over one still to be sent). O(n log n) in the group size."""
+    spans = sorted(_span(o) for o in outs if o.size)
+    starts = [low for low, _ in spans]
+    reach = list(itertools.accumulate((high for _, high in spans), max))
+    apart = []
+    for a in ins:
+        low, high = _span(a)
+        before = bisect.bisect_left(starts, high)  # outputs starting before this input ends
+        overlaps = a.size > 0 and before > 0 and reach[before - 1] > low
+        apart.append(a.copy() if overlaps else a)
+    return apart
 
 
 def _split(
@@ -256,5 +283,7 @@ async def all_to_all_single(
     x = as_array(input, writable=False, what="input")
     ins = _split(x, tuple(np.shape(input)), input_split_sizes, g.size, "input")
     outs = _split(out, tuple(np.shape(output)), output_split_sizes, g.size, "output")
+    if out.size and x.size and np.may_share_memory(out, x):  # (in place: send from a copy)
+        ins = _split(x.copy(), tuple(np.shape(input)), input_split_sizes, g.size, "input")
     fp = "|".join(["all_to_all_single", x.dtype.str, str(g.size)])
     await g.run("all_to_all_single", fp, lambda c: algo.all_to_all(c, outs, ins))
