@@ -64,8 +64,10 @@ class Stage:
             raise
         with torch.no_grad():  # (the caller's no_grad is its thread's; this is the loop's)
             for t, carried in self.back:
-                if _overlaps(t) and torch.equal(t, carried.to(t.dtype)):
-                    continue  # an expanded tensor that was only read (a broadcast's source)
+                if _overlaps(t):
+                    if torch.equal(t, carried.to(t.dtype)):
+                        continue  # an expanded tensor that was only read (a broadcast's source)
+                    t, carried = _distinct(t, carried)  # (written once per memory location)
                 t.copy_(carried)
         return result
 
@@ -73,6 +75,15 @@ class Stage:
 def _overlaps(t: torch.Tensor) -> bool:
     """True if elements of ``t`` share memory (an ``expand``ed tensor): it cannot be written."""
     return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape, strict=True))
+
+
+def _distinct(t: torch.Tensor, carried: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` and ``carried`` narrowed to the first index of each of ``t``'s expanded (stride 0)
+    dimensions: the elements of ``t`` that do not share memory, as gloo writes them."""
+    for dim, (stride, size) in enumerate(zip(t.stride(), t.shape, strict=True)):
+        if stride == 0 and size > 1:
+            t, carried = t.narrow(dim, 0, 1), carried.narrow(dim, 0, 1)
+    return t, carried
 
 
 def split_rows(t: torch.Tensor, sizes: list[int], n: int) -> list[torch.Tensor]:

@@ -155,6 +155,9 @@ def dtypes_and_layouts(rank: int, size: int) -> None:
     shard = flat[rank * 2 : rank * 2 + 2]  # reduce-scatter: the output is a slice of the input)
     dist.reduce_scatter_tensor(shard, flat)
     print("bf16 in-place reduce_scatter_tensor", shard.tolist())
+    expanded = torch.full((1, 2), rank + 1.0).expand(3, 2)  # (stride 0: gloo writes it once)
+    dist.all_reduce(expanded)
+    print("expanded all_reduce", expanded.tolist())
 
 
 def everything(rank: int, size: int) -> None:
