@@ -167,8 +167,13 @@ def _listening(fd: int | None, port: int) -> socket.socket | None:
     if fd is None:
         return None
     try:
-        sock = socket.socket(fileno=os.dup(fd))
+        copy = os.dup(fd)
     except OSError as exc:
+        raise ValueError(f"TCPStore master_listen_fd={fd} is not open: {exc}") from None
+    try:
+        sock = socket.socket(fileno=copy)
+    except OSError as exc:
+        os.close(copy)
         raise ValueError(f"TCPStore master_listen_fd={fd} is not a socket: {exc}") from None
     try:
         listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1

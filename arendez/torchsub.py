@@ -28,6 +28,10 @@ _REDUCE: dict[arendez.ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
 }
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
 class Direct:
     """Collectives of one subgroup as direct messages between its members, one at a time.
 
@@ -150,7 +154,11 @@ class Direct:
             await self._exchange("gather", {r: x}, {})
             return
         assert outs is not None
-        self._sizes("gather", outs, x.numel(), "the gather list")
+        try:
+            self._sizes("gather", outs, x.numel(), "the gather list")
+        except InvalidArgumentError:  # the members' parts are on their way: take them first
+            await self._exchange("gather", {}, {p: torch.empty_like(x) for p in self._others()})
+            raise
         with torch.no_grad():
             outs[r].copy_(x.view_as(outs[r]))
         await self._exchange("gather", {}, {p: outs[p] for p in self._others()})
@@ -171,6 +179,8 @@ class Direct:
             raise InvalidArgumentError(
                 f"all_to_all: {len(outs)} outputs and {len(ins)} inputs for a subgroup of {len(self.ranks)}"
             )
+        # (in place, as all_to_all(ts, ts): send from copies, not from what is received into)
+        ins = [x.clone() if any(_same_storage(x, o) for o in outs) else x for x in ins]
         with torch.no_grad():
             outs[self.me].copy_(ins[self.me].view_as(outs[self.me]))
         await self._exchange(

@@ -471,5 +471,14 @@ def test_a_master_serves_the_listening_socket_it_is_given_as_torchs_master_liste
         master.close()
         with pytest.raises(ValueError, match="not a listening TCP socket"), socket.socket() as idle:
             TCPStore("127.0.0.1", 0, None, True, SHORT, master_listen_fd=idle.fileno())
+        read, write = os.pipe()
+        try:
+            before = len(os.listdir("/proc/self/fd"))
+            with pytest.raises(ValueError, match="not a socket"):
+                TCPStore("127.0.0.1", 0, None, True, SHORT, master_listen_fd=read)
+            assert len(os.listdir("/proc/self/fd")) == before  # (its copy was closed)
+        finally:
+            os.close(read)
+            os.close(write)
     finally:
         listener.close()

@@ -146,6 +146,9 @@ def test_subgroups_of_one_their_point_to_point_a_shared_mistake_and_no_grad_as_g
         assert got["mistake"] == "InvalidArgumentError", got
         assert got["after"] == [2.0, 20.0, 200.0], got
         assert got["no_grad"] == {"bf16": 4.5, "fp32 on the pair": 3.0}, got
+        assert got["after gather"] == [6.0] * 3, got  # (no member's part left for this call)
+    assert results[0]["a2a"] == [0.0, 10.0, 0.0, 10.0] and results[1]["a2a"] == [1.0, 11.0, 1.0, 11.0]
+    assert results[0]["gather"] == "InvalidArgumentError" and results[1]["gather"] == "no error"
 
 
 @pytest.mark.timeout(90)

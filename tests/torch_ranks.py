@@ -660,6 +660,19 @@ def subgroup_edges(rank: int, ws: int, init: str) -> dict[str, Any]:
             dist.all_reduce(x, group=pair)
             sums.append(x[0].item())
         out["after"] = sums
+        me = dist.get_rank(pair)
+        ts = [torch.full((1 << 16,), 10.0 * me + j) for j in range(2)]
+        dist.all_to_all(ts, ts, group=pair)  # in place
+        out["a2a"] = [t[0].item() for t in ts] + [t[-1].item() for t in ts]
+        wrong = [torch.zeros(4), torch.zeros(5)] if rank == 0 else None  # (5: the root's mistake)
+        try:
+            dist.gather(torch.ones(4), wrong, dst=0, group=pair)
+            out["gather"] = "no error"
+        except Exception as exc:
+            out["gather"] = type(exc).__name__
+        x = torch.full((3,), 3.0)
+        dist.all_reduce(x, group=pair)
+        out["after gather"] = x.tolist()
         params = {
             "bf16": torch.nn.Parameter(torch.full((4,), 1.5, dtype=torch.bfloat16)),
             "fp32 on the pair": torch.nn.Parameter(torch.full((4,), 1.5)),
