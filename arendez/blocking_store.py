@@ -89,25 +89,28 @@ class BlockingStore:
         if self._sock is not None:
             return self._sock
         budget = self._connect_timeout if timeout is None else min(max(timeout, 0.001), self._connect_timeout)
+        started = time.monotonic()  # (one deadline for the connect and the whole handshake)
         try:  # (TLS never takes the server's local socket)
             sock = local.open_blocking(self.host, self.port, budget, local_ok=self._ssl is None)
         except OSError as exc:
             raise StoreConnectionError(f"store at {self.host}:{self.port} unreachable: {exc}") from None
         try:
             if self._ssl is not None:
+                sock.settimeout(max(started + budget - time.monotonic(), 0.001))
                 sock = self._ssl.wrap_socket(sock, server_hostname=self.host)
             self._sock = sock
             self._reader, self._ready, self._wait_set = HeaderReader(_REPLY_LIMIT), collections.deque(), -1.0
             peer = f"{self.host}:{self.port}"
-            self._set_wait(sock, budget)
-            challenge = self._next(sock, time.monotonic(), budget)
+            self._set_wait(sock, max(started + budget - time.monotonic(), 0.001))
+            challenge = self._next(sock, started, budget)
             reply, nonce = handshake.answer_challenge(challenge, self._token, {"job": self.job}, peer)
             welcome = handshake.early_welcome(challenge, self._token)
             if welcome is not None:  # (no welcome follows: requests may go right behind the hello)
                 reply["early"] = True
             sock.sendall(frame(self._packer.pack(reply)))
             if welcome is None:
-                welcome = self._next(sock, time.monotonic(), budget)
+                self._set_wait(sock, max(started + budget - time.monotonic(), 0.001))
+                welcome = self._next(sock, started, budget)
                 handshake.check_welcome(welcome, self._token, nonce, peer)
             if welcome.get("store") != STORE_PROTOCOL:
                 raise ProtocolError(

@@ -155,3 +155,51 @@ def test_a_connection_closed_during_the_handshake_is_a_store_connection_error():
     finally:
         listener.close()
         closer.join(5)
+
+
+@pytest.mark.timeout(30)
+def test_the_connect_timeout_bounds_the_whole_handshake(tmp_path):
+    """A server whose every frame comes late (here through a relay that holds each for 0.7 s)
+    gets one deadline for the connect and both handshake frames: a 1 s connect gives up after
+    about 1 s. Before, each frame had the whole budget, and this connect took 1.4 s and
+    succeeded."""
+    import socket
+
+    from arendez.errors import StoreConnectionError
+
+    token_file = tmp_path / "token"
+    token_file.write_text("tok\n")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def pump(src: socket.socket, dst: socket.socket, delay: float) -> None:
+        try:
+            while not stop.is_set() and (data := src.recv(65536)):
+                time.sleep(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def relay(srv_port: int) -> None:
+        client, _ = listener.accept()
+        upstream = socket.create_connection(("127.0.0.1", srv_port))
+        threading.Thread(target=pump, args=(client, upstream, 0.0), daemon=True).start()
+        pump(upstream, client, 0.7)
+        client.close()
+        upstream.close()
+
+    with server("--token-file", str(token_file)) as srv:
+        relayer = threading.Thread(target=relay, args=(srv.port,), daemon=True)
+        relayer.start()
+        st = BlockingStore("127.0.0.1", port, "slow", token="tok", connect_timeout=1.0)
+        started = time.monotonic()
+        try:
+            with pytest.raises(StoreConnectionError, match="did not answer the handshake"):
+                st.connect()
+            assert time.monotonic() - started < 1.3
+        finally:
+            stop.set()
+            st.close()
+            listener.close()
+            relayer.join(5)
