@@ -56,6 +56,10 @@ class QueueEmptyError(StoreError):
 class RendezvousError(ArendezError):
     """Joining a job failed: bad URL, full job, inconsistent world size, deadline passed."""
 
+    #: ranks of the round just formed that could not be reached (they died or stopped
+    #: meanwhile); empty for other causes
+    unreachable: tuple[int, ...] = ()
+
 
 class AlreadyInitializedError(RendezvousError, ValueError):
     """``init_process_group`` while the default group is up, or forming (a ``ValueError``, as

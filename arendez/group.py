@@ -64,6 +64,14 @@ class ProcessGroup:
     _link: tuple[int, str] = field(default=(-1, ""), init=False, repr=False)
     _watchdog: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
     _watch_at: float = field(default=0.0, init=False, repr=False)
+    _members: frozenset[int] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def members(self) -> frozenset[int]:
+        """The group's global ranks, as a set."""
+        if self._members is None:
+            self._members = frozenset(self.ranks)
+        return self._members
 
     @property
     def rank(self) -> int:
@@ -104,9 +112,15 @@ class ProcessGroup:
             raise GroupDestroyedError("the process group is being destroyed")
         if self.world.expulsion is not None:  # (not the peers that left because of it)
             raise RankFailedError(self.world.rank, name, self.world.expulsion)
-        for peer in self.ranks:  # (a peer that left cleanly may have sent all we still need)
-            if peer in self.world.failed:
-                raise RankFailedError(peer, name, self.world.failed[peer])
+        failed = self.world.failed  # (a peer that left cleanly may have sent all we still need)
+        if failed:
+            members = self.members
+            mine = [(r, why) for r, why in failed.items() if r in members]  # first failure first
+            if mine:
+                exc = RankFailedError(mine[0][0], name, mine[0][1])
+                for rank, why in mine[1:]:
+                    exc.add(rank, why)
+                raise exc
 
     async def run(
         self, name: str, fp: str, body: Callable[[Any], Awaitable[T]], timeout: float | None = None

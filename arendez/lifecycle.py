@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -156,9 +157,27 @@ def _checked_elastic(
 
 async def init_elastic(where: Plan, timeout: float, join_timeout: float) -> None:
     """Join an elastic round (``where.min_size`` > 0) and install the world; collectives get
-    ``timeout``, the join ``join_timeout``."""
+    ``timeout``, the join ``join_timeout``.
+
+    A member of the round that dies before its peers reach it (a second failure while the
+    world re-forms) does not end the job: this rank joins the next round, naming it dead, as
+    the round's other members will once they see it fail; all within ``join_timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + join_timeout
     with forming():
-        world = await _tcp_world(where, timeout, None, join_timeout=join_timeout)
+        while True:
+            formed: list[tuple[int, int]] = []  # (generation, rank) of the round joined
+            try:
+                world = await _tcp_world(
+                    where, timeout, None, join_timeout=max(0.001, deadline - loop.time()), formed=formed
+                )
+                break
+            except RendezvousError as exc:
+                if not exc.unreachable or not formed or loop.time() >= deadline:
+                    raise
+                generation, rank = formed[0]
+                log.warning("rank %d of round %d: %s; joining the next round", rank, generation, exc)
+                where = replace(where, came_from=generation, hint=rank, dead=exc.unreachable)
         farewell.register(world)
         install(world)
 
@@ -174,10 +193,16 @@ async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> Wor
 
 
 async def _tcp_world(
-    where: Plan, timeout: float, given: Store | None, *, join_timeout: float | None = None
+    where: Plan,
+    timeout: float,
+    given: Store | None,
+    *,
+    join_timeout: float | None = None,
+    formed: list[tuple[int, int]] | None = None,
 ) -> World:
     """Join through the store, connect to the algorithms' neighbours (the rest of the mesh
-    connects on first use), set up same-host shared memory."""
+    connects on first use), set up same-host shared memory. An elastic join appends the round's
+    ``(generation, rank)`` to ``formed`` once the round closed."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (timeout if join_timeout is None else join_timeout)
     secure = tls.from_env()
@@ -238,6 +263,8 @@ async def _tcp_world(
             )
             offsets = neighbour_offsets(member.world_size)
             known, resolve = dict(member.addresses), store.addresses
+            if formed is not None:
+                formed.append((member.generation, member.rank))
         elif isinstance(store, Store):  # only the neighbours' addresses; the rest on first use
             member = await store.join(
                 where.world_size,

@@ -166,7 +166,10 @@ class JoinWait:
         if not self._settle():
             return
         round_, session = self._round, self._session
-        joined = sorted(round_.members)  # counted before this rank withdraws: it joined too
+        # counted before this rank withdraws (it joined too), with those that gave up before it
+        joined = sorted(round_.gave_up.union(round_.members))
+        if len(round_.gave_up) < round_.world_size:  # (elastic: arrival numbers, as many bounded)
+            round_.gave_up.add(self.rank)
         self._withdraw()
         if round_.elastic:
             exc = RendezvousError(

@@ -93,6 +93,9 @@ class Round:
     #: waiting hear of them if the round then times out.
     refused: list[str] = field(default_factory=list)
     _one_machine: tuple[int, bool] = (-1, False)  # (for how many members, the answer)
+    #: Ranks that joined and gave up at their own deadline while the round formed: they count
+    #: as joined when the others' deadlines pass (they are not the ones missing)
+    gave_up: set[int] = field(default_factory=set)
 
     def one_machine(self) -> bool:
         """True if every member named the same machine (not ""): all may share memory. The

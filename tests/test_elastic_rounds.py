@@ -214,3 +214,41 @@ async def test_ranks_waiting_to_join_are_news_to_the_running_round_by_its_nonce(
     finally:
         for store in stores:
             await store.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_member_dead_before_its_peers_reach_it_sends_them_to_the_next_round(
+    arendez_server: ServerProcess,
+) -> None:
+    """A rank of the round just formed that died before anyone connected (a second failure
+    during a re-form: QA saw survivors crash with ``RendezvousError`` in 4 of 12 trials) does
+    not end the job: the others join the next round, naming it dead, and form it without it."""
+    import socket
+
+    from arendez.registry import fresh_context
+    from arendez.store import Store
+
+    url = f"{arendez_server.url}/dead-member"
+    host, port = arendez_server.url.removeprefix("arendez://").rsplit(":", 1)
+    with socket.socket() as closed:  # an address where nothing listens: the member "died"
+        closed.bind(("127.0.0.1", 0))
+        dead_address = f"127.0.0.1:{closed.getsockname()[1]}"
+    ghost = Store(host, int(port), "dead-member")
+    await ghost.connect(10)
+
+    async def rank() -> tuple[int, int, int]:
+        await dist.init_process_group(init_method=url, world_size=(2, 3), timeout=20)
+        x = np.ones(4, np.float32)
+        await dist.all_reduce(x)
+        got = (dist.get_world_size(), elastic.generation(), int(x[0]))
+        await dist.destroy_process_group()
+        return got
+
+    try:
+        loop = asyncio.get_running_loop()
+        ranks = [loop.create_task(rank(), context=fresh_context()) for _ in range(2)]
+        await asyncio.sleep(0.2)  # (the ghost joins last and completes the round of 3)
+        await ghost.join(3, -1, dead_address, 10, peers=False, min_size=2)
+        assert await asyncio.gather(*ranks) == [(2, 1, 2), (2, 1, 2)]
+    finally:
+        await ghost.close()

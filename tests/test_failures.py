@@ -295,3 +295,15 @@ def test_a_death_seen_between_collectives_names_the_next_one(arendez_server):
     for res in results[:2]:
         assert res.returncode == 0, res.stderr[-3000:]
         assert res.value == "2 all_reduce", res.value
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_after_two_failures_blames_the_first_and_names_both(arendez_server):
+    """Seen in failure trials: it blamed the lowest-numbered failed rank (0, which only ended
+    after seeing rank 2 die) and left rank 2 out of ``ranks``."""
+    url = f"{arendez_server.url}/two-die"
+    procs = [spawn_rank(failures_jobs.two_die_between_collectives, r, 3, url) for r in range(3)]
+    results = collect(procs, 40)
+    assert results[0].returncode == 3, results[0].stderr[-3000:]
+    assert results[1].returncode == 0, results[1].stderr[-3000:]
+    assert results[1].value == "2 [2, 0]", results[1].value

@@ -46,3 +46,24 @@ async def test_a_round_that_times_out_names_the_joins_it_refused(arendez_server)
     finally:
         for store in stores:
             await store.close()
+
+
+@pytest.mark.timeout(30)
+async def test_ranks_that_gave_up_first_are_not_named_missing(arendez_server) -> None:
+    """Ranks whose deadlines pass a moment apart: the later ones still count the earlier ones as
+    joined. Before, rank 2 said "only 1 of 4 joined (missing: 0, 1, 3)" when only 3 never came."""
+    stores = [
+        await dist.Store("127.0.0.1", arendez_server.port, "gave-up", timeout=10).connect() for _ in range(3)
+    ]
+    try:
+        joins = [
+            asyncio.ensure_future(store.join(4, rank, f"127.0.0.1:{rank + 1}", timeout=1.0 + 0.3 * rank))
+            for rank, store in enumerate(stores)
+        ]
+        outcomes = await asyncio.gather(*joins, return_exceptions=True)
+        for outcome in outcomes:
+            assert isinstance(outcome, dist.RendezvousError), outcome
+            assert "only 3 of 4 ranks joined in time (missing: 1 rank(s): 3)" in str(outcome), outcome
+    finally:
+        for store in stores:
+            await store.close()

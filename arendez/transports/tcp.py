@@ -244,7 +244,9 @@ class Mesh:
                 while True:
                     failed = [p for p in wanted if p in self._unreachable]
                     if failed:
-                        raise RendezvousError(self._describe(failed, "could not connect to"))
+                        exc = RendezvousError(self._describe(failed, "could not connect to"))
+                        exc.unreachable = tuple(failed)
+                        raise exc
                     if all(p in self.conns for p in wanted):
                         return
                     self._connected.clear()

@@ -61,6 +61,29 @@ async def dies_between_collectives(rank: int, ws: int, url: str) -> str:
     return outcome
 
 
+async def two_die_between_collectives(rank: int, ws: int, url: str) -> str:
+    """Rank 2 crashes; rank 0, once it knows, ends its process with an uncaught exception. Rank 1
+    then starts a collective: the error blames rank 2, the first failure, and names both."""
+    await join(url, ws, rank)
+    world = dist.current_world()
+    await dist.all_reduce(np.ones(10, np.float32))
+    await world.store.set(f"reduced-{rank}", "1")
+    if rank == 2:
+        await world.store.wait(["reduced-0", "reduced-1"], timeout=10)
+        os._exit(0)  # no goodbye: a crash
+    await until(lambda world: 2 in world.failed, "rank 2's death was never seen")
+    if rank == 0:
+        raise SystemExit(3)  # (its goodbye names rank 2's death, then its own end)
+    await until(lambda world: 0 in world.failed, "rank 0's end was never seen")
+    try:
+        await dist.all_reduce(np.ones(10, np.float32))
+        outcome = "no error"
+    except dist.RankFailedError as exc:
+        outcome = f"{exc.rank} {exc.ranks}"
+    await dist.destroy_process_group()
+    return outcome
+
+
 async def reduce_until_failure(
     rank: int, ws: int, url: str, ready_dir: str, size: int, seconds: float
 ) -> dict[str, Any]:
