@@ -78,10 +78,52 @@ def _torch_numpy(obj: Any) -> np.ndarray[Any, Any] | None:
         return None
     if getattr(obj, "device", None) is not None and obj.device.type != "cpu":
         raise InvalidArgumentError(f"only CPU tensors are supported, got a tensor on {obj.device}")
+    if str(obj.layout) != "torch.strided":
+        raise InvalidArgumentError(
+            f"{obj.layout} tensors are not supported here (the torch backend reduces sparse COO tensors)"
+        )
     if not obj.is_contiguous():
         raise InvalidArgumentError("tensor is not contiguous; call .contiguous() first")
-    array: np.ndarray[Any, Any] = obj.detach().numpy()  # shares memory with the tensor
-    return array
+    if obj.is_conj() or obj.is_neg():
+        raise InvalidArgumentError("tensor has its conjugate or negative bit set; call .resolve_conj() first")
+    dtype = _numpy_dtype(obj.dtype)
+    if obj.numel() == 0:
+        return np.empty(tuple(obj.shape), dtype)
+    # a view of the tensor's memory that holds the tensor (its base). Not ``Tensor.numpy()``,
+    # which marks the storage as never to be resized again: FSDP frees and regrows its flat
+    # parameters' storage between the collectives on them (torch: "Trying to resize storage
+    # that is not resizable")
+    return np.asarray(_TensorMemory(obj, dtype))
+
+
+class _TensorMemory:
+    """A tensor's memory as numpy's array interface; the array viewing it keeps this (and so
+    the tensor) alive."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, tensor: Any, dtype: np.dtype[Any]) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tuple(tensor.shape),
+            "typestr": dtype.str,
+            "data": (tensor.data_ptr(), False),
+        }
+
+
+_NUMPY_DTYPES: dict[Any, np.dtype[Any]] = {}
+
+
+def _numpy_dtype(torch_dtype: Any) -> np.dtype[Any]:
+    """numpy's dtype for a torch dtype (``TypeError`` for those numpy lacks, as torch's)."""
+    found = _NUMPY_DTYPES.get(torch_dtype)
+    if found is None:
+        import torch
+
+        found = torch.empty(0, dtype=torch_dtype).numpy().dtype  # (a throwaway tensor)
+        _NUMPY_DTYPES[torch_dtype] = found
+    return found
 
 
 def as_array(obj: Any, *, writable: bool = True, what: str = "tensor") -> np.ndarray[Any, Any]:

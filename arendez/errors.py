@@ -192,7 +192,10 @@ class CollectiveTimeoutError(ArendezError, TimeoutError):
         if self.unresponsive:
             parts.append(f"ranks that did not answer: {self.unresponsive}")
         if not self.missing and not self.unresponsive:
-            parts.append("every rank had started it (slow peer or network)")
+            parts.append(
+                "every rank had started it (a slow peer or network, or ranks that disagree on "
+                "its root or sizes so that no data showed the mismatch)"
+            )
         super().__init__("; ".join(parts))
 
 

@@ -274,10 +274,10 @@ def _staged(
     there are none); the stand-ins written are copied back when the call succeeds."""
     import torch
 
-    from .torchstage import Stage
+    from .torchstage import Stage, stand_in_needed
 
     def needs(v: Any) -> bool:
-        return isinstance(v, torch.Tensor) and (v.dtype == torch.bfloat16 or not v.is_contiguous())
+        return isinstance(v, torch.Tensor) and stand_in_needed(v)
 
     values = [*args, *kwargs.values()]
     if not any(needs(v) or (isinstance(v, list) and any(needs(t) for t in v)) for v in values):

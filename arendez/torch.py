@@ -47,10 +47,10 @@ import torch.distributed as dist
 
 import arendez
 
-from . import embedded, farewell
+from . import embedded, farewell, torchsparse
 from .errors import InvalidArgumentError, RendezvousError
 from .loop import shared
-from .torchstage import Stage, split_rows
+from .torchstage import Stage, split_rows, writing
 from .torchstore import ServerStore, arendez_rendezvous, close_stores, seconds
 from .torchsub import Direct
 from .torchwork import Work, start
@@ -105,6 +105,23 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def getBackendName(self) -> str:
         return BACKEND
 
+    # torch asks a group which devices it serves and for the backend of one (DCP's async save,
+    # broadcast_from_rank0 state dicts, FSDP's default device); a Python group registers no
+    # C++ backend, so it answers both itself: it serves the CPU, and is its own backend
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
+    def _get_backend(self, device: Any) -> ProcessGroupArendez:
+        kind = torch.device(device).type
+        if kind != "cpu":
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+
     # torch keeps a group's name on its C++ backends, which a Python group has none of; device
     # meshes (DTensor, FSDP2) find groups by these names (torch's registry maps name -> group)
     def _set_group_name(self, name: str) -> None:
@@ -140,6 +157,10 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         if isinstance(tensors, torch.Tensor):  # torch's pg.allreduce(tensor[, op]) (DDP's join calls it)
             tensors = [tensors]
         op, stage = _op(opts or dist.AllreduceOptions()), Stage(widen=True)
+        if tensors[0].layout is not torch.strided:  # (sparse gradients: DDP of a sparse Embedding)
+            torchsparse.check(tensors[0], op)
+            gather = self._engine.all_gather if self._engine else arendez.all_gather
+            return self._run(tensors, stage, torchsparse.all_reduce, tensors[0], gather, self.size())
         t = stage(tensors[0])
         if self._engine:
             return self._run(tensors, stage, self._engine.all_reduce, t, op)
@@ -163,7 +184,8 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
                 await stage.run(arendez.all_reduce, carried, op)
             offset = 0
             for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                with writing(t):  # (on the loop thread: the caller's modes are its thread's)
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
@@ -373,6 +395,28 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
 
 # -- creation and rendezvous -----------------------------------------------------------------
+def _run_uncompiled(*classes: type) -> None:
+    """Make ``torch.compile`` run these classes' methods, and all they call, as they are: DDP's
+    bucket rebuild calls ``broadcast`` from inside a compiled forward, and Dynamo then tried to
+    trace it and failed ("Member '_global' is not registered"). A flag on the code objects
+    (torch's eval-frame API, as its ``skip_code``; nothing per call, and no import of Dynamo,
+    which costs a second); with a torch without that API nothing is marked."""
+    try:
+        from torch._C._dynamo import eval_frame
+
+        skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+    except (ImportError, AttributeError):
+        return
+    for cls in classes:
+        for value in vars(cls).values():
+            code = getattr(getattr(value, "fget", value), "__code__", None)
+            if code is not None:
+                eval_frame.set_code_exec_strategy(code, skip)
+
+
+_run_uncompiled(ProcessGroupArendez, Work)
+
+
 def _unwrap(store: Any) -> Any:
     """The store under torch's ``PrefixStore`` layers."""
     while isinstance(store, _PrefixStore):

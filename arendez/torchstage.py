@@ -8,6 +8,7 @@ into the caller's tensors when the call succeeds, so torch's in-place semantics 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -15,12 +16,33 @@ import torch
 
 from .errors import InvalidArgumentError
 
-_RAW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: it travels as its bits
-_WIDEN = (torch.bfloat16,)  # ... and is reduced as float32
+# dtypes numpy lacks travel as their bits (an integer dtype of their size)...
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_RAW = {
+    dtype: _BITS[dtype.itemsize]
+    for name in (
+        "bfloat16", "complex32", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+        "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16",
+    )
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype) and dtype.itemsize in _BITS
+}  # fmt: skip
+_WIDEN = (torch.bfloat16,)  # ... and bfloat16 is reduced as float32; the others not at all
+
+
+def stand_in_needed(t: torch.Tensor) -> bool:
+    """True if arendez cannot carry ``t`` as it is (a dtype numpy lacks, or non-contiguous)."""
+    return t.dtype in _RAW or not t.is_contiguous()
+
+
+def writing(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """The mode to write the caller's ``t`` in from the loop thread, where the caller's modes do
+    not hold: an inference tensor only in inference mode, any other without autograd."""
+    return torch.inference_mode() if t.is_inference() else torch.no_grad()
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
-    """A view arendez can carry without reducing (bfloat16 travels as int16 bits)."""
+    """A view arendez can carry without reducing (bfloat16 travels as int16 bits, float8 as
+    uint8...)."""
     return t.view(_RAW[t.dtype]) if t.dtype in _RAW else t
 
 
@@ -41,6 +63,10 @@ class Stage:
     def __call__(self, t: torch.Tensor, out: bool = True) -> torch.Tensor:
         """The tensor to hand arendez for ``t`` (``out``: the call writes it)."""
         carried = t
+        if self.widen and t.dtype in _RAW and t.dtype not in _WIDEN:
+            raise InvalidArgumentError(
+                f"cannot reduce {t.dtype} tensors (they can be sent, gathered, broadcast)"
+            )
         if self.widen and t.dtype in _WIDEN:
             carried = t.to(torch.float32, memory_format=torch.contiguous_format)
             self.widened = True
@@ -62,8 +88,8 @@ class Stage:
             if self.widened and str(exc).endswith("got float32"):
                 raise InvalidArgumentError(f"{str(exc)[: -len('float32')]}bfloat16") from None
             raise
-        with torch.no_grad():  # (the caller's no_grad is its thread's; this is the loop's)
-            for t, carried in self.back:
+        for t, carried in self.back:
+            with writing(t):
                 if _overlaps(t):
                     if torch.equal(t, carried.to(t.dtype)):
                         continue  # an expanded tensor that was only read (a broadcast's source)

@@ -15,6 +15,7 @@ import torch
 
 import arendez
 from arendez.errors import CollectiveTimeoutError, InvalidArgumentError
+from arendez.torchstage import writing
 
 _REDUCE: dict[arendez.ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     arendez.ReduceOp.SUM: lambda a, b: a.add_(b),
@@ -84,14 +85,14 @@ class Direct:
     def _others(self) -> Iterator[int]:
         return (p for p in range(len(self.ranks)) if p != self.me)
 
-    @torch.no_grad()  # (the caller's no_grad is its thread's; this runs on the loop's)
     def _combine(self, parts: list[torch.Tensor], out: torch.Tensor, op: arendez.ReduceOp) -> None:
-        acc = parts[0].clone()
-        for part in parts[1:]:
-            _REDUCE[op](acc, part)
-        if op is arendez.ReduceOp.AVG:
-            acc.div_(len(parts))
-        out.copy_(acc.view_as(out))
+        with writing(out):  # (the caller's modes are its thread's; this runs on the loop's)
+            acc = parts[0].clone()
+            for part in parts[1:]:
+                _REDUCE[op](acc, part)
+            if op is arendez.ReduceOp.AVG:
+                acc.div_(len(parts))
+            out.copy_(acc.view_as(out))
 
     def _sizes(self, collective: str, tensors: list[torch.Tensor], each: int, what: str) -> None:
         """Refuse a call whose tensors do not fit before any message goes: a call that failed
@@ -142,7 +143,7 @@ class Direct:
 
     async def all_gather(self, outs: list[torch.Tensor], x: torch.Tensor) -> None:
         self._sizes("all_gather", outs, x.numel(), "the output list")
-        with torch.no_grad():
+        with writing(outs[self.me]):
             outs[self.me].copy_(x.view_as(outs[self.me]))
         await self._exchange(
             "all_gather", {p: x for p in self._others()}, {p: outs[p] for p in self._others()}
@@ -159,7 +160,7 @@ class Direct:
         except InvalidArgumentError:  # the members' parts are on their way: take them first
             await self._exchange("gather", {}, {p: torch.empty_like(x) for p in self._others()})
             raise
-        with torch.no_grad():
+        with writing(outs[r]):
             outs[r].copy_(x.view_as(outs[r]))
         await self._exchange("gather", {}, {p: outs[p] for p in self._others()})
 
@@ -170,7 +171,7 @@ class Direct:
             return
         assert ins is not None
         self._sizes("scatter", ins, out.numel(), "the scatter list")
-        with torch.no_grad():
+        with writing(out):
             out.copy_(ins[r].view_as(out))
         await self._exchange("scatter", {p: ins[p] for p in self._others()}, {})
 
@@ -181,7 +182,7 @@ class Direct:
             )
         # (in place, as all_to_all(ts, ts): send from copies, not from what is received into)
         ins = [x.clone() if any(_same_storage(x, o) for o in outs) else x for x in ins]
-        with torch.no_grad():
+        with writing(outs[self.me]):
             outs[self.me].copy_(ins[self.me].view_as(outs[self.me]))
         await self._exchange(
             "all_to_all", {p: ins[p] for p in self._others()}, {p: outs[p] for p in self._others()}

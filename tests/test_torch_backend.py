@@ -329,3 +329,25 @@ def test_arendez_url_arguments_are_checked_as_the_other_apis_check_them(arendez_
     store.set("k", "v")
     assert store.get("k") == b"v"
     store.close()
+
+
+@pytest.mark.timeout(120)
+def test_torch_features_beyond_the_collectives_as_on_gloo() -> None:
+    """Found by QA, each failing on arendez while gloo ran it: a tensor's storage left not
+    resizable after a collective (FSDP1 failed in its first backward), a group without device
+    types (DCP's async save, broadcast_from_rank0 state dicts), sparse gradients, copy-backs
+    into inference tensors, float8 data, torch.compile of a DDP model."""
+    results = _run("torch_features", 2, f"tcp://127.0.0.1:{free_port()}")
+    for got in results:
+        # (gloo's group serves CUDA too; its all_reduce of a strided tensor is wrong, README)
+        names = {key.split("/")[0] for key in got} - {"devices", "inference"}
+        for name in sorted(names):
+            assert got[f"{name}/arendez"] == got[f"{name}/gloo"], (
+                name,
+                got[f"{name}/arendez"],
+                got[f"{name}/gloo"],
+            )
+        assert got["devices/arendez"] == ["cpu", "cpu"]
+        assert got["resize/arendez"] == [64, 0]
+        assert got["inference/arendez"] == [[3.0, 3.0], [3.0, 3.0]]
+        assert got["inference/gloo"][0] == [3.0, 3.0]

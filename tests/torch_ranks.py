@@ -688,6 +688,109 @@ def subgroup_edges(rank: int, ws: int, init: str) -> dict[str, Any]:
     return out
 
 
+def _torch_feature_cases(rank: int, ws: int) -> dict[str, Callable[[Any], Any]]:
+    """What torch features need of a group beyond the collectives (QA: each failed on arendez
+    while gloo ran it); each case returns what the caller sees, compared with a gloo group's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    def resize(group: Any) -> list[int]:  # (the tensor's storage was left not resizable)
+        buf = torch.ones(4)
+        dist.all_reduce(buf, group=group)
+        buf.resize_(64)
+        src = torch.arange(4.0)
+        dist.broadcast(src, 0, group=group)
+        src.untyped_storage().resize_(0)
+        return [buf.numel(), src.untyped_storage().nbytes()]
+
+    def fsdp1(group: Any) -> list[float]:  # (frees and regrows its flat parameters' storage)
+        model = FullyShardedDataParallel(mlp(), process_group=group, device_id=torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(2):
+            train_step(model, opt, *batch(step, rank))
+        with FullyShardedDataParallel.summon_full_params(model):
+            return [round(float(p.sum()), 5) for p in model.parameters()]
+
+    def devices(group: Any) -> list[str]:  # (a Python group had none: DCP's async save failed)
+        g = group or dist.group.WORLD
+        return [str(d) for d in g._device_types] + [str(dist.distributed_c10d._get_pg_default_device(g))]
+
+    def from_rank0(group: Any) -> float:  # (broadcast_from_rank0 read the group's devices)
+        model = DistributedDataParallel(mlp(), process_group=group)
+        full = {k: torch.full_like(v, 3.0) for k, v in mlp().state_dict().items()} if rank == 0 else {}
+        set_model_state_dict(
+            model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+        return float(sum(p.sum() for p in model.parameters()))
+
+    def sparse(group: Any) -> list[Any]:  # (sparse COO all_reduce; DDP of a sparse Embedding)
+        s = torch.sparse_coo_tensor(torch.tensor([[0, rank + 1]]), torch.tensor([1.0, 2.0]), (ws + 2,))
+        dist.all_reduce(s, group=group)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1))
+        DistributedDataParallel(model, process_group=group)(torch.tensor([[rank, 3]])).sum().backward()
+        grad = model[0].weight.grad
+        assert grad is not None and grad.is_sparse
+        return [s.to_dense().tolist(), grad.to_dense().tolist()]
+
+    def inference(group: Any) -> list[list[float]]:  # (copy-backs into inference tensors)
+        with torch.inference_mode():
+            half = torch.full((2,), float(rank + 1), dtype=torch.bfloat16)
+            dist.all_reduce(half, group=group)
+            strided = torch.full((2, 2), float(rank + 1))[:, 0]
+            dist.all_reduce(strided, group=group)
+        return [half.float().tolist(), strided.tolist()]
+
+    def float8(group: Any) -> list[float]:  # (sent as its bits; gloo broadcasts none)
+        t = (torch.arange(4.0) * (rank + 1)).to(torch.float8_e4m3fn)
+        if rank == 0:
+            dist.send(t, 1, group=group)
+        elif rank == 1:
+            dist.recv(t, 0, group=group)
+        return t.float().tolist()
+
+    def compiled_ddp(group: Any) -> list[float]:  # (Dynamo traced into the group's broadcast)
+        torch.manual_seed(0)
+        model = DistributedDataParallel(mlp(), process_group=group)
+        run = torch.compile(model, backend="eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(2):
+            x, y = batch(step, rank)
+            torch.nn.functional.mse_loss(run(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [round(float(p.sum()), 5) for p in model.parameters()]
+
+    return {
+        "resize": resize,
+        "fsdp1": fsdp1,
+        "devices": devices,
+        "from_rank0": from_rank0,
+        "sparse": sparse,
+        "inference": inference,
+        "float8": float8,
+        "compiled_ddp": compiled_ddp,
+    }
+
+
+@scenario
+def torch_features(rank: int, ws: int, init: str) -> dict[str, Any]:
+    """Each case on the arendez default group and on a gloo group of the same ranks."""
+    _init(rank, ws, init)
+    gloo = dist.new_group(list(range(ws)), backend="gloo")
+    out: dict[str, Any] = {}
+    for name, case in _torch_feature_cases(rank, ws).items():
+        for label, group in [("arendez", None), ("gloo", gloo)]:
+            try:
+                out[f"{name}/{label}"] = case(group)
+            except Exception as exc:
+                out[f"{name}/{label}"] = f"{type(exc).__name__}: {exc}"
+            dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
 def main() -> None:
     name, rank, ws, init, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
