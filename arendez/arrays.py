@@ -78,22 +78,23 @@ def _torch_numpy(obj: Any) -> np.ndarray[Any, Any] | None:
         return None
     if getattr(obj, "device", None) is not None and obj.device.type != "cpu":
         raise InvalidArgumentError(f"only CPU tensors are supported, got a tensor on {obj.device}")
-    if str(obj.layout) != "torch.strided":
-        raise InvalidArgumentError(
-            f"{obj.layout} tensors are not supported here (the torch backend reduces sparse COO tensors)"
-        )
-    if not obj.is_contiguous():
+    if not obj.is_contiguous():  # (sparse tensors land here too)
+        if obj.is_sparse or obj.is_sparse_csr:
+            raise InvalidArgumentError(
+                f"{obj.layout} tensors are not supported here (the torch backend reduces sparse COO tensors)"
+            )
         raise InvalidArgumentError("tensor is not contiguous; call .contiguous() first")
     if obj.is_conj() or obj.is_neg():
         raise InvalidArgumentError("tensor has its conjugate or negative bit set; call .resolve_conj() first")
-    dtype = _numpy_dtype(obj.dtype)
-    if obj.numel() == 0:
-        return np.empty(tuple(obj.shape), dtype)
-    # a view of the tensor's memory that holds the tensor (its base). Not ``Tensor.numpy()``,
-    # which marks the storage as never to be resized again: FSDP frees and regrows its flat
-    # parameters' storage between the collectives on them (torch: "Trying to resize storage
-    # that is not resizable")
-    return np.asarray(_TensorMemory(obj, dtype))
+    typestr = _numpy_typestr(obj.dtype)
+    numel = obj.numel()
+    if numel == 0:
+        return np.empty(0, typestr)
+    # a flat view of the tensor's memory that holds the tensor (its base). Not
+    # ``Tensor.numpy()``, which marks the storage as never to be resized again: FSDP frees and
+    # regrows its flat parameters' storage between the collectives on them (torch: "Trying to
+    # resize storage that is not resizable")
+    return np.asarray(_TensorMemory(obj, numel, typestr))
 
 
 class _TensorMemory:
@@ -102,27 +103,27 @@ class _TensorMemory:
 
     __slots__ = ("__array_interface__", "tensor")
 
-    def __init__(self, tensor: Any, dtype: np.dtype[Any]) -> None:
+    def __init__(self, tensor: Any, numel: int, typestr: str) -> None:
         self.tensor = tensor
         self.__array_interface__ = {
             "version": 3,
-            "shape": tuple(tensor.shape),
-            "typestr": dtype.str,
+            "shape": (numel,),
+            "typestr": typestr,
             "data": (tensor.data_ptr(), False),
         }
 
 
-_NUMPY_DTYPES: dict[Any, np.dtype[Any]] = {}
+_NUMPY_TYPESTRS: dict[Any, str] = {}
 
 
-def _numpy_dtype(torch_dtype: Any) -> np.dtype[Any]:
-    """numpy's dtype for a torch dtype (``TypeError`` for those numpy lacks, as torch's)."""
-    found = _NUMPY_DTYPES.get(torch_dtype)
+def _numpy_typestr(torch_dtype: Any) -> str:
+    """numpy's type string for a torch dtype (``TypeError`` for those numpy lacks, as torch's)."""
+    found = _NUMPY_TYPESTRS.get(torch_dtype)
     if found is None:
         import torch
 
-        found = torch.empty(0, dtype=torch_dtype).numpy().dtype  # (a throwaway tensor)
-        _NUMPY_DTYPES[torch_dtype] = found
+        found = torch.empty(0, dtype=torch_dtype).numpy().dtype.str  # (a throwaway tensor)
+        _NUMPY_TYPESTRS[torch_dtype] = found
     return found
 
 
