@@ -27,6 +27,7 @@ flight (the loop thread reconnects; the next call waits for that until its own d
 from __future__ import annotations
 
 import _thread
+import collections
 import contextlib
 import itertools
 import os
@@ -124,8 +125,9 @@ _promoted = itertools.count()  # promotions this process has begun (past MAX_PRO
 
 
 def _forget_after_fork() -> None:
-    global _pool, _generation, _promotions, _promoted
+    global _pool, _generation, _promotions, _promoted, _wakeups
     _pool = _Pool()
+    _wakeups = _Wakeups()  # (its lock may have been held by a thread that did not come along)
     _generation += 1
     _promotions, _promoted = True, itertools.count()
 
@@ -133,20 +135,67 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-class _Reply:
-    """The answer one caller waits for: a pre-acquired lock the loop thread releases."""
+class _Wakeups:
+    """Callers whose answers came, woken one at a time: the loop thread wakes the first, and each
+    caller, once it runs again, wakes the next. Woken all at once (hundreds of threads of one
+    process), they all waited for the GIL together, each waking every switch interval to try:
+    most of the clients' CPU went to that (futex calls and context switches, by ``perf``)."""
 
-    __slots__ = ("error", "lock", "value")
+    def __init__(self) -> None:
+        self._mutex = _thread.allocate_lock()
+        self._ready: collections.deque[_Reply] = collections.deque()
+        self._running = False  # a woken caller has yet to pass the turn on
+
+    def finished(self, reply: _Reply) -> None:
+        """On the loop thread: ``reply``'s caller may run (now, or after the ones before it)."""
+        with self._mutex:
+            if reply.abandoned:  # (its caller timed out and left)
+                return
+            if self._running:
+                self._ready.append(reply)
+                return
+            self._running = True
+        reply.lock.release()
+
+    def pass_on(self) -> None:
+        """On a woken caller's thread: wake the next caller waiting for its turn, if any."""
+        with self._mutex:
+            ready = self._ready
+            while ready and ready[0].abandoned:  # (withdraw removes them; kept safe regardless)
+                ready.popleft()
+            if not ready:
+                self._running = False
+                return
+            nxt = ready.popleft()
+        nxt.lock.release()
+
+    def withdraw(self, reply: _Reply) -> bool:
+        """A caller that gave up waiting: True if its turn came meanwhile (pass it on)."""
+        with self._mutex:
+            with contextlib.suppress(ValueError):
+                self._ready.remove(reply)
+            reply.abandoned = True
+        return reply.lock.acquire(blocking=False)
+
+
+_wakeups = _Wakeups()
+
+
+class _Reply:
+    """The answer one caller waits for: a pre-acquired lock released when its turn comes."""
+
+    __slots__ = ("abandoned", "error", "lock", "value")
 
     def __init__(self) -> None:
         self.lock = _thread.allocate_lock()
         self.lock.acquire()
         self.value: Any = None
         self.error: BaseException | None = None
+        self.abandoned = False
 
     def finish(self, value: Any, error: BaseException | None) -> None:
         self.value, self.error = value, error
-        self.lock.release()
+        _wakeups.finished(self)
 
 
 def _release(conn: _Connection, generation: int) -> None:
@@ -232,10 +281,17 @@ class SharedStoreClient:
         loop = shared.loop()
         loop.call_soon_threadsafe(store.ask_soon, op, budget, wait, args, reply.finish)
         limit = (budget if wait else min(budget, _CALL_TIMEOUT)) + _LOOP_SLACK
-        if not reply.lock.acquire(timeout=limit):
+        try:
+            woken = reply.lock.acquire(timeout=limit)
+        except BaseException:  # (interrupted while waiting)
+            if _wakeups.withdraw(reply):
+                _wakeups.pass_on()
+            raise
+        if not woken and not _wakeups.withdraw(reply):
             raise StoreTimeoutError(
                 f"store {op} got no answer within {limit:g}s (is the arendez loop thread stuck?)"
             )
+        _wakeups.pass_on()
         if reply.error is not None:
             raise reply.error
         return reply.value

@@ -203,3 +203,66 @@ def test_a_client_refused_its_own_connection_stays_on_the_shared_one(monkeypatch
         assert store.get("k") == b"7"
         assert storemux._promotions is False
         store.close()
+
+
+def test_answered_callers_are_woken_one_at_a_time_in_order() -> None:
+    """The loop thread wakes the first caller whose answer came; each woken caller wakes the
+    next (woken all at once, hundreds of threads waited for the GIL together: most of the
+    clients' CPU at 10,000 thread-ranks). A caller that gave up is skipped; one whose turn came
+    as it gave up passes it on."""
+    wakeups = storemux._Wakeups()
+    replies = [storemux._Reply() for _ in range(4)]
+
+    def woken() -> list[bool]:
+        state = []
+        for reply in replies:
+            got = reply.lock.acquire(blocking=False)
+            if got:
+                reply.lock.release()
+            state.append(got)
+        return state
+
+    for reply in replies:
+        wakeups.finished(reply)
+    assert woken() == [True, False, False, False]
+    assert not wakeups.withdraw(replies[2])  # (queued, never woken: it leaves the queue)
+    replies[0].lock.acquire()
+    wakeups.pass_on()
+    assert woken() == [False, True, False, False]
+    replies[1].lock.acquire()
+    wakeups.pass_on()  # (skips the withdrawn one)
+    assert woken() == [False, False, False, True]
+    assert wakeups.withdraw(replies[3])  # its turn came as it gave up: it must pass it on
+    wakeups.pass_on()
+    late = storemux._Reply()
+    wakeups.finished(late)  # nobody running: woken at once
+    assert late.lock.acquire(blocking=False)
+
+
+@pytest.mark.timeout(90)
+def test_callers_that_time_out_do_not_stall_the_others() -> None:
+    """Callers waiting on a missing key time out while others' answers keep coming: no turn is
+    left with a caller that has gone."""
+    with server() as srv:
+        short = datetime.timedelta(seconds=0.3)
+        clients = [
+            sync.TCPStore("127.0.0.1", srv.port, None, False, short if i % 4 == 0 else TIMEOUT)
+            for i in range(40)
+        ]
+
+        def work(i: int) -> str:
+            store = clients[i]
+            if i % 4 == 0:
+                try:
+                    store.get(f"missing-{i}")
+                except StoreTimeoutError:
+                    return "timed out"
+                return "found"
+            for k in range(30):
+                store.set(f"k{i}", str(k))
+                assert store.get(f"k{i}") == str(k).encode()
+            return "ok"
+
+        with ThreadPoolExecutor(40) as pool:
+            outcomes = list(pool.map(work, range(40)))
+        assert outcomes == ["timed out" if i % 4 == 0 else "ok" for i in range(40)]
