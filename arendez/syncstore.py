@@ -119,8 +119,9 @@ class Store:
 
     def barrier(self, key: str, world_size: int, timeout: datetime.timedelta | None = None) -> None:
         """Return once ``world_size`` callers have called ``barrier`` with ``key`` (torch's
-        ``Store.barrier``, same keys: ``key/num_members`` counts the arrivals, the last sets
-        ``key/last_member``); ``StoreTimeoutError`` after ``timeout`` (default: the store's)."""
+        ``Store.barrier``; its keys are ``key/num_members``, counting the arrivals, and
+        ``key/last_member``, which the last sets: torch 2.13 keeps a single counter at ``key``);
+        ``StoreTimeoutError`` after ``timeout`` (default: the store's)."""
         if world_size < 1:
             raise ValueError(f"barrier {key!r} needs world_size >= 1, got {world_size}")
         if self.add(f"{key}/num_members", 1) == world_size:
@@ -209,10 +210,12 @@ class TCPStore(Store):
         master_listen_fd: int | None = None,
         use_libuv: bool = True,
     ) -> None:
-        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        if world_size is not None and (not isinstance(world_size, int) or world_size == 0 or world_size < -1):
             raise ValueError(
-                f"TCPStore world_size must be a positive integer or None, got {world_size!r:.80}"
+                f"TCPStore world_size must be positive, None or -1 (unknown), not {world_size!r:.80}"
             )
+        if world_size == -1:  # (torch takes -1 as "not known", as None)
+            world_size = None
         limit = seconds(timeout, 300.0)
         self._pin: _ServerPin | None = None
         if is_master:

@@ -404,6 +404,11 @@ class Server:
             self.members.depart(self.state.expire(now, cfg.lease, cfg.lease_arm_grace))
 
 
+#: A server a rank hosts (tcp://, env://, a TCPStore master) serves its own job, as torch's
+#: master store does, which caps no key count: 100 times the standalone server's keys per job.
+HOSTED_LIMITS = StateLimits(max_keys_per_job=10_000_000, max_bytes_per_job=4 << 30)
+
+
 async def start_server(
     host: str,
     port: int,
@@ -416,7 +421,11 @@ async def start_server(
     rank hosts it: a port in use is retried for ``wait`` s (the last host may be leaving); any
     other failure to listen is the ``OSError``. ``sock``: serve this listening socket instead."""
     if sock is not None:
-        server = Server(ServerConfig(host=host, port=sock.getsockname()[1], token=token, ssl=ssl, sock=sock))
+        server = Server(
+            ServerConfig(
+                host=host, port=sock.getsockname()[1], token=token, ssl=ssl, sock=sock, limits=HOSTED_LIMITS
+            )
+        )
         await server.start()
         return server
     loop = asyncio.get_running_loop()
@@ -424,7 +433,7 @@ async def start_server(
     while True:
         error: OSError | None = None
         for bind in (host, "0.0.0.0"):
-            server = Server(ServerConfig(host=bind, port=port, token=token, ssl=ssl))
+            server = Server(ServerConfig(host=bind, port=port, token=token, ssl=ssl, limits=HOSTED_LIMITS))
             try:
                 await server.start()
                 return server

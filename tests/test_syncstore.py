@@ -482,3 +482,19 @@ def test_a_master_serves_the_listening_socket_it_is_given_as_torchs_master_liste
             os.close(write)
     finally:
         listener.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_master_holds_more_keys_than_a_standalone_job_and_world_size_minus_one_is_unknown() -> None:
+    """QA: a ``TCPStore`` master refused its 100,001st key (torch's holds any number), and
+    ``world_size=-1`` (torch: not known) was a ``ValueError``."""
+    master = TCPStore("127.0.0.1", 0, -1, True, timeout=datetime.timedelta(seconds=30))
+    try:
+        assert master.world_size is None
+        keys = [f"k{i}" for i in range(100_500)]
+        for start in range(0, len(keys), 5_000):
+            chunk = keys[start : start + 5_000]
+            master.multi_set(chunk, ["v"] * len(chunk))
+        assert master.num_keys() >= 100_500
+    finally:
+        master.close()
