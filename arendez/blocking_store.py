@@ -43,6 +43,8 @@ _REPLY_LIMIT = 64 << 20  # replies carry values in their header (server bound: 1
 _TIMEVAL = struct.Struct("@ll")
 _CALL_TIMEOUT = 30.0
 _monotonic = time.monotonic
+#: ``set``s that may be sent before their answers are read (then one waits for all of them)
+_MAX_UNACKED = 256
 _REPLY_SLACK = 1.0  # how long past a waiting op's timeout the server's own answer may take
 
 transport.register_remote_errors(*STORE_ERRORS)
@@ -76,6 +78,10 @@ class BlockingStore:
         self._packer = msgpack.Packer(use_bin_type=True)
         self._pack = self._packer.pack
         self._id = 0
+        #: ``set``s sent whose answers were not read yet (request id -> key), and the first error
+        #: one of them got, raised by the next call (torch's ``set`` waits for no answer either)
+        self._unacked: dict[int, str] = {}
+        self._set_error: StoreError | None = None
         self._wait_set = -1.0  # the socket's current timeout for one call
 
     # -- connection ------------------------------------------------------------------------
@@ -138,8 +144,28 @@ class BlockingStore:
     def close(self) -> None:
         """Close the connection (a later call reopens it)."""
         sock, self._sock = self._sock, None
+        self._unacked.clear()
         if sock is not None:
             sock.close()
+
+    def _answered(self, reply: Any) -> bool:
+        """Take ``reply`` if it answers an unacknowledged ``set`` (keeping the first error)."""
+        if type(reply) is list:
+            return len(reply) == 2 and self._unacked.pop(reply[0], None) is not None
+        if not isinstance(reply, dict):
+            return False
+        key = self._unacked.pop(reply.get("id"), None)  # type: ignore[arg-type]
+        if key is None:
+            return False
+        if "error" in reply and self._set_error is None:
+            error = transport.remote_error(reply, StoreError)
+            self._set_error = StoreError(f"an earlier set of {key!r} failed: {error}")
+        return True
+
+    def _raise_set_error(self) -> None:
+        error, self._set_error = self._set_error, None
+        if error is not None:
+            raise error
 
     def __enter__(self) -> BlockingStore:
         return self.connect()
@@ -178,6 +204,8 @@ class BlockingStore:
         within ``budget`` seconds (``waited``: the caller's timeout of a waiting op, which the
         server itself enforces)."""
         started = _monotonic()
+        if self._set_error is not None:
+            self._raise_set_error()
         sock = self._sock or self._ensure()
         self._id = request[1] = rid = self._id + 1
         op = request[0]
@@ -204,6 +232,8 @@ class BlockingStore:
                 self._ready.extend(got)
             while True:
                 reply = self._next(sock, started, budget)
+                if self._unacked and self._answered(reply):
+                    continue
                 if type(reply) is list:
                     if len(reply) == 2 and reply[0] == rid:
                         return reply[1]
@@ -241,10 +271,35 @@ class BlockingStore:
 
     # -- operations ------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
-        """Store ``value`` under ``key``."""
+        """Store ``value`` under ``key``. Returns once the request is sent, as torch's: its answer
+        is read by a later call, and an error in it (a limit, say) is raised by the call after that."""
         if type(value) is not bytes:
             value = to_bytes(value)
-        self._call(["set", None, key, value], self._budget(timeout))
+        request: list[Any] = ["set", None, key, value]
+        budget = self._budget(timeout)
+        if len(self._unacked) >= _MAX_UNACKED or self._ssl is not None:
+            self._call(request, budget)  # (its answer comes after theirs: all are read)
+            return
+        if self._set_error is not None:
+            self._raise_set_error()
+        sock = self._sock or self._ensure()
+        self._id = request[1] = rid = self._id + 1
+        data = frame(self._pack(request))
+        if len(data) > MAX_REQUEST:
+            check_request_size("set", len(data))
+        current = self._wait_set
+        if current > budget or current < 0.5 * min(budget, _CALL_TIMEOUT):
+            self._set_wait(sock, budget)
+        try:
+            sock.sendall(data)
+        except BlockingIOError:  # SO_SNDTIMEO expired
+            self.close()
+            raise StoreTimeoutError(f"store set of {key!r} could not be sent within {budget:g}s") from None
+        except OSError as exc:
+            self.close()
+            where = f"{self.host}:{self.port}"
+            raise StoreConnectionError(f"store set failed: lost the connection to {where}: {exc}") from None
+        self._unacked[rid] = key
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` for it to be set."""

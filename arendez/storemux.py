@@ -29,6 +29,7 @@ from __future__ import annotations
 import _thread
 import collections
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -49,6 +50,10 @@ CLIENTS_PER_CONNECTION = 128
 #: How long past a call's own deadline a caller waits for the loop thread before it gives up
 #: (the loop answers every request by its deadline; this only guards against a stopped loop).
 _LOOP_SLACK = 10.0
+#: ``set``s of one client that may wait for their answers at once (then a set waits for all)
+_MAX_UNACKED = 256
+#: ... each of at most this many bytes (a larger one waits, so a refusal of its size is raised)
+_MAX_UNACKED_BYTES = 64 << 10
 _CALL_TIMEOUT = 30.0
 #: Calls a client makes over a shared connection before it opens one of its own (0: never).
 PROMOTE_AFTER = env_int("ARENDEZ_TCPSTORE_PROMOTE_AFTER", 32, minimum=0)
@@ -213,6 +218,12 @@ class SharedStoreClient:
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._calls = 0  # over the shared connection
         self._direct: BlockingStore | None = None  # the client's own connection, once it has one
+        self._promotion_tried = False
+        # ``set``s handed to the loop thread whose answers have not come (counted under the
+        # mutex: the loop thread takes them off), and the first error one of them got
+        self._mutex = _thread.allocate_lock()
+        self._unacked = 0
+        self._set_error: StoreError | None = None
 
     def connect(self, timeout: float | None = None) -> SharedStoreClient:
         """Attach to a shared connection (opening one, retrying until the store's timeout, if
@@ -270,8 +281,13 @@ class SharedStoreClient:
         direct = self._direct
         if direct is not None and self._generation == _generation:
             return getattr(direct, op)(*args, timeout)
+        if self._set_error is not None:
+            self._raise_set_error()
         self._calls += 1
-        if self._calls == PROMOTE_AFTER and _promotions and self._generation == _generation:
+        # (with a set still on the shared connection, a call on its own would overtake it: this
+        # call waits on the shared one, and the set's answer comes before its own)
+        if self._calls >= PROMOTE_AFTER and self._promotion_due() and self._unacked == 0:
+            self._promotion_tried = True
             direct = self._promote()
             if direct is not None:
                 return getattr(direct, op)(*args, timeout)
@@ -298,8 +314,47 @@ class SharedStoreClient:
 
     # -- operations (as ``BlockingStore``'s) ---------------------------------------------------
     def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
-        """Store ``value`` under ``key``."""
-        self._call("set", timeout, False, key, value if type(value) is bytes else to_bytes(value))
+        """Store ``value`` under ``key``. Returns once handed to the loop thread, as torch's
+        ``set`` waits for no answer; an error in the answer is raised by this client's first call
+        that starts after the answer came.
+        (Later calls go the same way, in order, so they see the value.)"""
+        value = value if type(value) is bytes else to_bytes(value)
+        direct = self._direct
+        if direct is not None and self._generation == _generation:
+            direct.set(key, value, timeout)
+            return
+        if self._set_error is not None:
+            self._raise_set_error()
+        if (
+            self._unacked >= _MAX_UNACKED  # (its answer comes after theirs: it waits for all)
+            or len(value) > _MAX_UNACKED_BYTES  # (a value past the size limit: raised now)
+            or (self._calls + 1 >= PROMOTE_AFTER and self._promotion_due())
+        ):
+            self._call("set", timeout, False, key, value)
+            return
+        self._calls += 1
+        store = self._ensure().store
+        budget = self.timeout if timeout is None else float(timeout)
+        with self._mutex:
+            self._unacked += 1
+        done = functools.partial(self._set_done, key)
+        shared.loop().call_soon_threadsafe(store.ask_soon, "set", budget, False, (key, value), done)
+
+    def _promotion_due(self) -> bool:
+        """A promotion may be tried (once the calls reach ``PROMOTE_AFTER``)."""
+        return not self._promotion_tried and _promotions and self._generation == _generation
+
+    def _set_done(self, key: str, value: Any, error: BaseException | None) -> None:
+        with self._mutex:
+            self._unacked -= 1
+            if error is not None and self._set_error is None:
+                self._set_error = StoreError(f"an earlier set of {key!r} failed: {error}")
+
+    def _raise_set_error(self) -> None:
+        with self._mutex:
+            error, self._set_error = self._set_error, None
+        if error is not None:
+            raise error
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` for it to be set."""

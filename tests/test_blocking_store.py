@@ -203,3 +203,22 @@ def test_the_connect_timeout_bounds_the_whole_handshake(tmp_path):
             st.close()
             listener.close()
             relayer.join(5)
+
+
+@pytest.mark.timeout(30)
+def test_set_does_not_wait_for_its_answer_and_its_error_reaches_the_next_call():
+    """``set`` returns once sent (as torch's, which waits for no answer): a later call reads the
+    answers, and the first error among them is raised by the next call, naming the key."""
+    with (
+        server("--max-keys-per-job", "300") as srv,
+        BlockingStore("127.0.0.1", srv.port, "unacked", timeout=10) as st,
+    ):
+        for i in range(290):  # (more than may go unanswered: one then waits for all)
+            st.set(f"k{i}", str(i))
+        assert st.get("k289") == b"289" and st.num_keys() == 290  # read your own writes
+        for i in range(290, 305):
+            st.set(f"k{i}", "x")  # the 301st key is refused by the server
+        assert st.get("k299") == b"x"  # (this call reads the refusals; its answer stands)
+        with pytest.raises(StoreError, match=r"an earlier set of 'k300' failed: .*max-keys-per-job"):
+            st.get("k0")
+        assert st.get("k0") == b"0"  # raised once; the connection goes on

@@ -266,3 +266,30 @@ def test_callers_that_time_out_do_not_stall_the_others() -> None:
         with ThreadPoolExecutor(40) as pool:
             outcomes = list(pool.map(work, range(40)))
         assert outcomes == ["timed out" if i % 4 == 0 else "ok" for i in range(40)]
+
+
+@pytest.mark.timeout(60)
+def test_a_shared_clients_set_does_not_wait_and_its_error_reaches_its_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``set`` over a shared connection returns once handed on (torch's waits for no answer);
+    the client's later calls see the value, and a refused set is raised by a later call."""
+    _promotable(monkeypatch, after=10**6, most=0)  # (it stays on the shared connection)
+    with server("--max-keys-per-job", "100") as srv:
+        client = sync.TCPStore("127.0.0.1", srv.port, None, False, TIMEOUT)
+        assert isinstance(client._store, storemux.SharedStoreClient)
+        room = 100 - client.num_keys()
+        for i in range(room):  # (fills the job)
+            client.set(f"k{i}", str(i))
+        assert client.get(f"k{room - 1}") == str(room - 1).encode()
+        client.set("one too many", "x")
+        outcomes = []
+        for _ in range(3):  # (the first call that starts once the answer came raises it, once)
+            try:
+                outcomes.append(client.get("k0"))
+            except StoreError as exc:
+                outcomes.append(str(exc))
+        refused = [o for o in outcomes if isinstance(o, str)]
+        assert len(refused) == 1 and "an earlier set of 'one too many' failed" in refused[0], outcomes
+        assert "max-keys-per-job" in refused[0] and outcomes[-1] == b"0", outcomes
+        client.close()
