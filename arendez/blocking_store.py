@@ -249,8 +249,8 @@ class BlockingStore:
             self.close()  # the answer may still come: this connection is out of step now
             if waited is not None:  # the server did not even answer that the wait timed out
                 raise StoreTimeoutError(
-                    f"store {op} not satisfied within {waited:g}s, and no answer from the store at "
-                    f"{self.host}:{self.port} {_REPLY_SLACK:g}s past that (unreachable or stalled?)"
+                    f"store {op} timed out: not satisfied within {waited:g}s, and no answer from the store "
+                    f"at {self.host}:{self.port} {_REPLY_SLACK:g}s past that (unreachable or stalled?)"
                 ) from None
             raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
         except (OSError, ProtocolError) as exc:

@@ -206,7 +206,7 @@ def _deadline(timeout: Any) -> float:
 
 
 def _timed_out(what: str, timeout: Any) -> str:
-    return f"{what} not satisfied within {timeout if timeout is not None else MAX_WAIT:g}s"
+    return f"{what} timed out: not satisfied within {timeout if timeout is not None else MAX_WAIT:g}s"
 
 
 def park(server: Server, s: Session, job: Job, rid: Any, h: dict[str, Any], compact: bool) -> None:

@@ -102,7 +102,7 @@ def test_a_wait_the_server_never_answers_names_the_callers_timeout():
         os.killpg(srv.proc.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(
-            StoreTimeoutError, match=r"store wait not satisfied within 0.5s, and no answer"
+            StoreTimeoutError, match=r"store wait timed out: not satisfied within 0.5s, and no answer"
         ) as caught:
             st.wait(["never"], timeout=0.5)
         assert f"127.0.0.1:{srv.port} 1s past that" in str(caught.value)

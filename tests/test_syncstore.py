@@ -258,7 +258,7 @@ def test_queues_and_list_keys_behave_as_torchs(connection: str) -> None:
     assert master.delete_key("a") and master.queue_len("a") == 1
     assert master.queue_pop("a") == b"z"
     master.set_timeout(datetime.timedelta(seconds=0.3))
-    with pytest.raises(StoreTimeoutError, match=r"queue_pop\('w'\) not satisfied within 0.3s"):
+    with pytest.raises(StoreTimeoutError, match=r"queue_pop\('w'\) timed out: not satisfied within 0.3s"):
         master.queue_pop("w")
     master.set_timeout(datetime.timedelta(seconds=10))
     with ThreadPoolExecutor(2) as pool:  # a blocked pop takes a later push; one value, one popper

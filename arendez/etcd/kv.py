@@ -196,7 +196,7 @@ class EtcdKV:
                 await self._until_changed(name, None, _revision(body), deadline)
             except TimeoutError:
                 raise StoreTimeoutError(
-                    f"get of {key!r} not satisfied within {self._budget(timeout):g}s"
+                    f"get of {key!r} timed out: not satisfied within {self._budget(timeout):g}s"
                 ) from None
 
     def _budget(self, timeout: float | None) -> float:
@@ -299,7 +299,7 @@ class EtcdKV:
             except TimeoutError:
                 shown = [n[len(self._root) + 3 :].decode() for n in names[:5]]
                 raise StoreTimeoutError(
-                    f"wait for {shown} not satisfied within {self._budget(timeout):g}s"
+                    f"wait for {shown} timed out: not satisfied within {self._budget(timeout):g}s"
                 ) from None
 
     async def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
