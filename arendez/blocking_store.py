@@ -199,26 +199,36 @@ class BlockingStore:
             self._set_wait(sock, remaining)
         return ready.popleft()
 
+    def _framed(self, request: list[Any]) -> tuple[socket.socket, int, bytes]:
+        """Before a request goes: an earlier set's error raised, the connection (opened if
+        needed), the request's id filled in, and its frame (refused past the size limit)."""
+        if self._set_error is not None:
+            self._raise_set_error()
+        sock = self._sock or self._ensure()
+        self._id = request[1] = rid = self._id + 1
+        data = frame(self._pack(request))
+        if len(data) > MAX_REQUEST:
+            check_request_size(request[0], len(data))
+        return sock, rid, data
+
+    def _wait_within(self, sock: socket.socket, budget: float) -> None:
+        """Let the socket block for at most ``budget``: its timeout only has to be no longer
+        than that (a shorter one wakes a long wait up now and then, which ``_next`` waits on),
+        so it changes rarely."""
+        current = self._wait_set
+        if current > budget or current < 0.5 * min(budget, _CALL_TIMEOUT):
+            self._set_wait(sock, budget)
+
     def _call(self, request: list[Any], budget: float, waited: float | None = None) -> Any:
         """Send the compact ``request`` ``[op, None, *args]`` (its id filled in here); its answer
         within ``budget`` seconds (``waited``: the caller's timeout of a waiting op, which the
         server itself enforces)."""
         started = _monotonic()
-        if self._set_error is not None:
-            self._raise_set_error()
-        sock = self._sock or self._ensure()
-        self._id = request[1] = rid = self._id + 1
+        sock, rid, data = self._framed(request)
         op = request[0]
-        data = frame(self._pack(request))
-        if len(data) > MAX_REQUEST:
-            check_request_size(op, len(data))
         reader = self._reader
         try:
-            # the socket's timeout only has to be no longer than the call's budget: a shorter
-            # one wakes a long wait up now and then (``_next`` waits on), and changes rarely
-            current = self._wait_set
-            if current > budget or current < 0.5 * min(budget, _CALL_TIMEOUT):
-                self._set_wait(sock, budget)
+            self._wait_within(sock, budget)
             try:
                 sock.sendall(data)
             except BlockingIOError:  # SO_SNDTIMEO expired
@@ -280,16 +290,8 @@ class BlockingStore:
         if len(self._unacked) >= _MAX_UNACKED or self._ssl is not None:
             self._call(request, budget)  # (its answer comes after theirs: all are read)
             return
-        if self._set_error is not None:
-            self._raise_set_error()
-        sock = self._sock or self._ensure()
-        self._id = request[1] = rid = self._id + 1
-        data = frame(self._pack(request))
-        if len(data) > MAX_REQUEST:
-            check_request_size("set", len(data))
-        current = self._wait_set
-        if current > budget or current < 0.5 * min(budget, _CALL_TIMEOUT):
-            self._set_wait(sock, budget)
+        sock, rid, data = self._framed(request)
+        self._wait_within(sock, budget)
         try:
             sock.sendall(data)
         except BlockingIOError:  # SO_SNDTIMEO expired

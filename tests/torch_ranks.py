@@ -494,15 +494,24 @@ def strided_and_bf16(rank: int, ws: int, init: str) -> dict[str, Any]:
     _init(rank, ws, init)
     sub = dist.new_group(list(range(ws)), backend="arendez")
     gloo = dist.new_group(list(range(ws)), backend="gloo")
+    groups = [("arendez", None), ("arendez_sub", sub), ("gloo", gloo)]
+    out = _each_case_on_each_group(_strided_and_bf16_cases(rank, ws), groups)
+    dist.destroy_process_group()
+    return out
+
+
+def _each_case_on_each_group(
+    cases: dict[str, Callable[[Any], Any]], groups: list[tuple[str, Any]]
+) -> dict[str, Any]:
+    """``"case/group"``: what each case returned on each group, or the error it raised."""
     out: dict[str, Any] = {}
-    for name, case in _strided_and_bf16_cases(rank, ws).items():
-        for label, group in [("arendez", None), ("arendez_sub", sub), ("gloo", gloo)]:
+    for name, case in cases.items():
+        for label, group in groups:
             try:
                 out[f"{name}/{label}"] = case(group)
             except Exception as exc:
                 out[f"{name}/{label}"] = f"{type(exc).__name__}: {exc}"
             dist.barrier()
-    dist.destroy_process_group()
     return out
 
 
@@ -779,14 +788,7 @@ def torch_features(rank: int, ws: int, init: str) -> dict[str, Any]:
     """Each case on the arendez default group and on a gloo group of the same ranks."""
     _init(rank, ws, init)
     gloo = dist.new_group(list(range(ws)), backend="gloo")
-    out: dict[str, Any] = {}
-    for name, case in _torch_feature_cases(rank, ws).items():
-        for label, group in [("arendez", None), ("gloo", gloo)]:
-            try:
-                out[f"{name}/{label}"] = case(group)
-            except Exception as exc:
-                out[f"{name}/{label}"] = f"{type(exc).__name__}: {exc}"
-            dist.barrier()
+    out = _each_case_on_each_group(_torch_feature_cases(rank, ws), [("arendez", None), ("gloo", gloo)])
     dist.destroy_process_group()
     return out
 
