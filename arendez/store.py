@@ -264,10 +264,10 @@ class Store(MembershipOps, KeyValueOps):
             if not self._closed:
                 planned = self._left or self._server_leaving
                 (log.info if planned else log.warning)(
-                    "lost the store at %s:%s%s; reconnecting",
+                    "lost the store at %s:%s (%s); reconnecting",
                     self.host,
                     self.port,
-                    " (it shut down)" if self._server_leaving else "",
+                    "it shut down" if self._server_leaving else conn.error or "closed",
                 )
 
     async def _wait_connected(self, deadline: float) -> transport.Connection:
