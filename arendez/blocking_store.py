@@ -27,6 +27,7 @@ from .errors import (
     StoreConnectionError,
     StoreError,
     StoreTimeoutError,
+    earlier_set_error,
 )
 from .store_wire import (
     MAX_REQUEST,
@@ -45,6 +46,8 @@ _CALL_TIMEOUT = 30.0
 _monotonic = time.monotonic
 #: ``set``s that may be sent before their answers are read (then one waits for all of them)
 _MAX_UNACKED = 256
+#: ... each of at most this many bytes (a larger one waits, so a refusal of its size is raised)
+MAX_UNACKED_BYTES = 64 << 10
 _REPLY_SLACK = 1.0  # how long past a waiting op's timeout the server's own answer may take
 
 transport.register_remote_errors(*STORE_ERRORS)
@@ -158,8 +161,7 @@ class BlockingStore:
         if key is None:
             return False
         if "error" in reply and self._set_error is None:
-            error = transport.remote_error(reply, StoreError)
-            self._set_error = StoreError(f"an earlier set of {key!r} failed: {error}")
+            self._set_error = earlier_set_error(key, transport.remote_error(reply, StoreError))
         return True
 
     def _raise_set_error(self) -> None:
@@ -282,12 +284,13 @@ class BlockingStore:
     # -- operations ------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``. Returns once the request is sent, as torch's: its answer
-        is read by a later call, and an error in it (a limit, say) is raised by the call after that."""
+        is read by a later call, and an error in it (a limit, say) is raised, as its own class, by
+        the call after that. A value over 64 KiB waits for its answer."""
         if type(value) is not bytes:
             value = to_bytes(value)
         request: list[Any] = ["set", None, key, value]
         budget = self._budget(timeout)
-        if len(self._unacked) >= _MAX_UNACKED or self._ssl is not None:
+        if len(self._unacked) >= _MAX_UNACKED or len(value) > MAX_UNACKED_BYTES or self._ssl is not None:
             self._call(request, budget)  # (its answer comes after theirs: all are read)
             return
         sock, rid, data = self._framed(request)

@@ -18,7 +18,14 @@ from . import frames, wire
 from . import lifecycle as _lifecycle
 from .arrays import ReduceOp, as_array, byte_view
 from .collectives import all_gather, all_gather_into_tensor, all_reduce, barrier, reduce_scatter_tensor
-from .errors import ArendezError, CollectiveTimeoutError, NetworkError, RankFailedError, StoreError
+from .errors import (
+    ArendezError,
+    CollectiveTimeoutError,
+    NetworkError,
+    RankFailedError,
+    StoreError,
+    WaitTimeoutError,
+)
 from .group import ProcessGroup
 from .objects import _pack, _unpack
 from .p2p import recv, send
@@ -100,8 +107,14 @@ class Work:
         self._task = task
 
     async def wait(self, timeout: float | None = None) -> bool:
-        """Wait until done (``TimeoutError`` after ``timeout`` seconds; the call goes on)."""
-        await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        """Wait until done (``WaitTimeoutError``, a ``TimeoutError``, after ``timeout`` seconds;
+        the call goes on, as in ``arendez.sync``)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except TimeoutError:
+            if self._task.done():  # (the call's own timeout, not this wait's)
+                raise
+            raise WaitTimeoutError("the call", timeout or 0.0) from None
         return True
 
     def is_completed(self) -> bool:

@@ -223,3 +223,14 @@ __all__ = [
     "StoreTimeoutError",
     "WaitTimeoutError",
 ]
+
+
+def earlier_set_error(key: str, error: BaseException) -> StoreError:
+    """What a store client's later call raises for a ``set`` it sent without waiting and the
+    server refused: the refusal's own class (``LimitError``, say), its message naming the key."""
+    cls = type(error) if isinstance(error, StoreError) else StoreError
+    message = f"an earlier set of {key!r} failed: {error}"
+    try:
+        return cls(message)
+    except TypeError:  # (a class that takes other arguments)
+        return StoreError(message)

@@ -37,8 +37,8 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from .blocking_store import BlockingStore
-from .errors import StoreError, StoreTimeoutError
+from .blocking_store import MAX_UNACKED_BYTES, BlockingStore
+from .errors import StoreError, StoreTimeoutError, earlier_set_error
 from .loop import shared
 from .settings import env_int
 from .store import Store
@@ -52,8 +52,6 @@ CLIENTS_PER_CONNECTION = 128
 _LOOP_SLACK = 10.0
 #: ``set``s of one client that may wait for their answers at once (then a set waits for all)
 _MAX_UNACKED = 256
-#: ... each of at most this many bytes (a larger one waits, so a refusal of its size is raised)
-_MAX_UNACKED_BYTES = 64 << 10
 _CALL_TIMEOUT = 30.0
 #: Calls a client makes over a shared connection before it opens one of its own (0: never).
 PROMOTE_AFTER = env_int("ARENDEZ_TCPSTORE_PROMOTE_AFTER", 32, minimum=0)
@@ -327,7 +325,7 @@ class SharedStoreClient:
             self._raise_set_error()
         if (
             self._unacked >= _MAX_UNACKED  # (its answer comes after theirs: it waits for all)
-            or len(value) > _MAX_UNACKED_BYTES  # (a value past the size limit: raised now)
+            or len(value) > MAX_UNACKED_BYTES  # (a value past the size limit: raised now)
             or (self._calls + 1 >= PROMOTE_AFTER and self._promotion_due())
         ):
             self._call("set", timeout, False, key, value)
@@ -348,7 +346,7 @@ class SharedStoreClient:
         with self._mutex:
             self._unacked -= 1
             if error is not None and self._set_error is None:
-                self._set_error = StoreError(f"an earlier set of {key!r} failed: {error}")
+                self._set_error = earlier_set_error(key, error)
 
     def _raise_set_error(self) -> None:
         with self._mutex:

@@ -12,7 +12,7 @@ import pytest
 
 import arendez as dist
 from arendez.blocking_store import BlockingStore
-from arendez.errors import AuthenticationError, StoreError, StoreTimeoutError
+from arendez.errors import AuthenticationError, LimitError, StoreError, StoreTimeoutError
 from tests.harness import server, start_server
 
 
@@ -219,6 +219,18 @@ def test_set_does_not_wait_for_its_answer_and_its_error_reaches_the_next_call():
         for i in range(290, 305):
             st.set(f"k{i}", "x")  # the 301st key is refused by the server
         assert st.get("k299") == b"x"  # (this call reads the refusals; its answer stands)
-        with pytest.raises(StoreError, match=r"an earlier set of 'k300' failed: .*max-keys-per-job"):
-            st.get("k0")
+        with pytest.raises(LimitError, match=r"an earlier set of 'k300' failed: .*max-keys-per-job"):
+            st.get("k0")  # (the refusal's own class: code catching LimitError sees it)
         assert st.get("k0") == b"0"  # raised once; the connection goes on
+
+
+@pytest.mark.timeout(30)
+def test_a_set_of_a_large_value_waits_so_its_refusal_is_raised_by_that_set():
+    with (
+        server("--max-bytes-per-job", str(100 << 10)) as srv,
+        BlockingStore("127.0.0.1", srv.port, "large", timeout=10) as st,
+    ):
+        st.set("fits", b"x" * (64 << 10))  # (up to 64 KiB: returns once sent)
+        with pytest.raises(LimitError, match=r"max-bytes-per-job"):
+            st.set("too large", b"x" * (128 << 10))
+        assert st.get("fits") == b"x" * (64 << 10) and st.num_keys() == 1

@@ -286,6 +286,25 @@ async def test_async_isend_irecv_batch_and_objects() -> None:
     assert b == ([1.0] * 3, [10.0] * 3, 7.0, 0, [{"a": [1, "b"]}])
 
 
+async def test_async_work_wait_timeout_is_a_wait_timeout_and_the_call_goes_on() -> None:
+    async def rank(r: int) -> Any:
+        out = np.zeros(2, np.float32)
+        if r == 0:
+            work = arendez.irecv(out, 1)
+            assert work is not None
+            with pytest.raises(arendez.WaitTimeoutError, match=r"did not finish within 0\.2s"):
+                await work.wait(timeout=0.2)  # (rank 1 sends only after the barrier below)
+            assert not work.is_completed()
+            await arendez.barrier()
+            assert await work.wait(timeout=10)
+        else:
+            await arendez.barrier()
+            await arendez.send(np.full(2, 5.0, np.float32), 0)
+        return out.tolist()
+
+    assert (await run_ranks(2, rank))[0] == [5.0, 5.0]
+
+
 async def test_async_object_p2p_refuses_what_msgpack_cannot_carry() -> None:
     async def rank(r: int) -> None:
         if r == 0:

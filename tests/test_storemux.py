@@ -18,7 +18,7 @@ import pytest
 
 import arendez.storemux as storemux
 import arendez.sync as sync
-from arendez.errors import StoreConnectionError, StoreError, StoreTimeoutError
+from arendez.errors import LimitError, StoreConnectionError, StoreError, StoreTimeoutError
 from arendez.storemux import CLIENTS_PER_CONNECTION
 from tests.harness import PY, ROOT, _env, server, start_server
 
@@ -287,7 +287,7 @@ def test_a_shared_clients_set_does_not_wait_and_its_error_reaches_its_next_call(
         for _ in range(3):  # (the first call that starts once the answer came raises it, once)
             try:
                 outcomes.append(client.get("k0"))
-            except StoreError as exc:
+            except LimitError as exc:  # (the refusal's own class)
                 outcomes.append(str(exc))
         refused = [o for o in outcomes if isinstance(o, str)]
         assert len(refused) == 1 and "an earlier set of 'one too many' failed" in refused[0], outcomes
