@@ -2,8 +2,9 @@
 
 A message satisfies the oldest posted receive of its group and tag from its sender (or from any
 rank); one that finds none is stashed for the next such receive. The transport asks ``sink``
-where a payload should go before the frame completes: the receive it chose is remembered per
-peer, in order, so back-to-back frames in one read reach their own receives.
+where a payload should go before the frame completes (for every message, an empty one too):
+the receive it chose is remembered per peer, in order, so back-to-back frames in one read reach
+their own receives.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class P2PMatcher:
     def deliver(self, peer: int, gid: int, tag: int, payload: memoryview | None) -> None:
         """A message from ``peer`` is complete."""
         claims = self._receiving.get(peer)
-        posted = claims.popleft() if payload is not None and claims else None
+        posted = claims.popleft() if claims else None
         if posted is None:  # the recv may have been posted while the payload streamed in
             posted = self._claim(peer, gid, tag, 0 if payload is None else payload.nbytes)
         if posted is None:

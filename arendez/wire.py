@@ -91,7 +91,8 @@ class Stream(Protocol):
 
 
 #: ``sink(header, nbytes)`` picks the buffer a payload goes into, or a ``Stream`` that consumes
-#: it; ``None`` lets the decoder allocate a buffer.
+#: it; ``None`` lets the decoder allocate a buffer. It is called for every frame, in order,
+#: before the frame is complete (for a frame without payload with ``nbytes`` 0, its answer unused).
 Sink = Callable[[Any, int], "memoryview | Stream | None"]
 
 
@@ -265,7 +266,8 @@ class Decoder:
                 raise ProtocolError(f"undecodable frame header: {exc}") from None
             header = self._parse_header(header)
             start = body + hlen
-            if plen == 0:
+            if plen == 0:  # the sink sees every frame in order (a 0-byte p2p message claims its recv)
+                self._sink(header, 0)
                 frames.append((header, None))
                 continue
             dest = self._sink(header, plen)

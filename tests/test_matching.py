@@ -1,4 +1,4 @@
-"""Frame matching in one process: the decoder, the sink and the router, without sockets."""
+"""Frame matching: the decoder, the sink and the router (in one process, and between ranks)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
+import arendez
 from arendez import frames, wire
 from arendez.arrays import byte_view
+from arendez.testing import run_ranks
 from arendez.world import World
 
 
@@ -33,6 +35,50 @@ async def test_back_to_back_p2p_frames_in_one_read_reach_their_own_recvs():
     assert await asyncio.wait_for(a, 1) == 0 and await asyncio.wait_for(b, 1) == 0
     assert first.tolist() == [1, 1, 1] and second.tolist() == [2] * 5
     assert world.stats.copied_bytes == 0  # both landed in place
+
+
+@pytest.mark.timeout(10)
+async def test_an_empty_p2p_message_followed_by_another_in_one_read_claims_its_own_recv():
+    """QA: MoE-style all_to_all with 0-element splits on a subgroup failed with 'recv of 0 bytes
+    got a send of 8': the next frame's sink claimed the empty message's recv before it was routed."""
+    world = World(rank=1, world_size=2, timeout=5)
+    empty, full = np.zeros(0, np.float32), np.zeros(4, np.float32)
+    a = world.p2p.post(0, 0, 0, byte_view(empty), world.dead)
+    b = world.p2p.post(0, 0, 0, byte_view(full), world.dead)
+    decoder = wire.Decoder(lambda h, n: world.sink(0, h, n))
+    decoder.set_parser(frames.decode)
+    data = _p2p(0, 0, np.zeros(0, np.float32)) + _p2p(0, 0, np.arange(4, dtype=np.float32))
+    buf = decoder.get_buffer()
+    buf[: len(data)] = data
+    for header, payload in decoder.feed(len(data)):
+        world.route(0, header, payload)
+    assert await asyncio.wait_for(a, 1) == 0 and await asyncio.wait_for(b, 1) == 0
+    assert full.tolist() == [0.0, 1.0, 2.0, 3.0] and world.stats.copied_bytes == 0
+
+
+@pytest.mark.parametrize("over", ["inproc", "server"])
+@pytest.mark.timeout(30)
+async def test_empty_and_full_p2p_messages_back_to_back_match_in_order(over: str, request) -> None:
+    async def rank(r: int) -> list[list[float]]:
+        got = []
+        for _ in range(20):
+            if r == 0:
+                works = [arendez.isend(np.zeros(0, np.float32), 1), arendez.isend(np.ones(4, np.float32), 1)]
+            else:
+                outs = [np.zeros(0, np.float32), np.zeros(4, np.float32)]
+                works = [arendez.irecv(outs[0], 0), arendez.irecv(outs[1], 0)]
+            for w in works:
+                assert w is not None
+                await w.wait()
+            if r == 1:
+                got.append(outs[1].tolist())
+        return got
+
+    url = None
+    if over == "server":
+        url = f"arendez://127.0.0.1:{request.getfixturevalue('arendez_server').port}/emptyp2p"
+    results = await run_ranks(2, rank, init_method=url) if url else await run_ranks(2, rank)
+    assert results[1] == [[1.0] * 4] * 20
 
 
 def _feed(world: World, peer: int, frame: bytes) -> None:

@@ -46,18 +46,19 @@ class InprocLink:
         frame = frames.decode(header)
         receiver = other._owner
         data: memoryview | None = None
-        if payload is not None:
-            raw = memoryview(payload).cast("B")
-            if raw.nbytes:
-                dest = receiver.sink(self._owner.rank, frame, raw.nbytes)
-                if dest is not None and not isinstance(dest, memoryview):  # a stream: folded now
-                    dest.write(raw)
-                    data = dest.view
-                else:
-                    if dest is None:
-                        dest = memoryview(cast(Any, np.empty(raw.nbytes, np.uint8)))
-                    data = dest.cast("B")
-                    data[:] = raw
+        raw = memoryview(payload).cast("B") if payload is not None else None
+        if raw is None or not raw.nbytes:  # (the sink sees every frame in order, as over TCP)
+            receiver.sink(self._owner.rank, frame, 0)
+        else:
+            dest = receiver.sink(self._owner.rank, frame, raw.nbytes)
+            if dest is not None and not isinstance(dest, memoryview):  # a stream: folded now
+                dest.write(raw)
+                data = dest.view
+            else:
+                if dest is None:
+                    dest = memoryview(cast(Any, np.empty(raw.nbytes, np.uint8)))
+                data = dest.cast("B")
+                data[:] = raw
         asyncio.get_running_loop().call_soon(other._arrive, frame, data)
 
     def _arrive(self, frame: frames.Frame, payload: memoryview | None) -> None:
