@@ -108,3 +108,32 @@ def test_destroy_does_not_wait_its_timeout_for_a_stopped_server(tmp_path):
     for res in results:
         assert res.returncode == 0, res.stderr[-3000:]
         assert res.value < 10.0, f"destroy took {res.value:.1f}s"
+
+
+@pytest.mark.timeout(90)
+def test_destroy_after_a_hung_peer_was_declared_failed_does_not_flush_to_it(tmp_path):
+    """QA: a rank that had bytes queued to a peer stopped with SIGSTOP waited its whole group
+    timeout in destroy, flushing to a peer that never reads, long after the server had declared
+    it failed (here over the Unix socket between ranks of one host, whose small buffers fill at
+    once; over TCP the same happens once the peer's receive buffer is full). Connections to dead
+    peers are dropped at once."""
+    srv = start_server()
+    procs = []
+    try:
+        url = f"{srv.url}/hung-peer"
+        job = lifecycle_jobs.destroy_after_a_hung_peer_failed
+        env = {"ARENDEZ_SHM": "0"}  # (over the Unix sockets between ranks of one host)
+        procs = [spawn_rank(job, r, 3, url, str(tmp_path), env=env) for r in range(3)]
+        wait_for_files(tmp_path, "ready-*", 3)
+        procs[2].send_signal(signal.SIGSTOP)
+        results = collect(procs[:2], 60)
+    finally:
+        for proc in procs[2:]:
+            proc.kill()
+            proc.wait()
+        srv.stop()
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        error, took = res.value
+        assert "rank 2 failed" in error, error
+        assert took < 10.0, f"rank {res.rank}: destroy took {took:.1f}s (the group timeout is 30 s)"

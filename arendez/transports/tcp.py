@@ -398,19 +398,23 @@ class Mesh:
         self.conns.clear()
 
     async def close(self, timeout: float, gone: Collection[int] = ()) -> None:
-        """Close the listener and every connection (flushing first) within ``timeout``; peers
-        not in ``gone`` (known dead) get to read to the end first (``LINGER_SECONDS``)."""
+        """Close the listener and every connection within ``timeout``: the living peers' after
+        flushing what they are owed and letting them read to the end (``LINGER_SECONDS``); those
+        of peers in ``gone`` (known dead) at once, since a hung peer never reads what is queued
+        (flushing to it would take the whole timeout)."""
         self._stop()
-        conns = [(peer not in gone, conn) for peer, conn in self.conns.items()]
+        alive = []
+        for peer, conn in self.conns.items():
+            if peer in gone:
+                conn.abort()
+            else:
+                alive.append(conn)
         self.conns.clear()
         if not self._round.done():
             self._round.cancel()
         deadline = asyncio.get_running_loop().time() + timeout
         linger = min(LINGER_SECONDS, timeout)  # (peers read all we sent, then both ends close)
-        await asyncio.gather(
-            *(c.wait_closed(timeout, linger=linger if alive else 0.0) for alive, c in conns),
-            return_exceptions=True,
-        )
+        await asyncio.gather(*(c.wait_closed(timeout, linger=linger) for c in alive), return_exceptions=True)
         for listener in (self._listener, self._local_listener):
             if listener is not None:
                 with contextlib.suppress(TimeoutError):

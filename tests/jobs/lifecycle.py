@@ -213,3 +213,25 @@ async def destroy_with_server_stopped(rank: int, ws: int, url: str, marks: str) 
     started = time.monotonic()
     await dist.destroy_process_group(timeout=30)
     return time.monotonic() - started
+
+
+async def destroy_after_a_hung_peer_failed(rank: int, ws: int, url: str, marks: str) -> list[Any]:
+    """8 MB all_reduces until a peer (stopped by the test) is declared failed; then
+    ``destroy_process_group()`` with the group's own timeout (30 s). Returns the error and how
+    long the destroy took."""
+    from pathlib import Path
+
+    await join(url, ws, rank)
+    x = np.ones(2_000_000, np.float32)
+    error = ""
+    for step in range(100_000):  # (until the stopped peer is declared failed: a few seconds)
+        try:
+            await dist.all_reduce(x)
+        except dist.RankFailedError as exc:
+            error = str(exc)
+            break
+        if step == 5:
+            Path(marks, f"ready-{rank}").write_text("1")
+    started = time.monotonic()
+    await dist.destroy_process_group()
+    return [error, time.monotonic() - started]
