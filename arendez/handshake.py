@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from .errors import AuthenticationError, ProtocolError
-from .transport import Connection, remote_error
+from .transport import Connection, describe_peer, remote_error
 
 PROTOCOL_VERSION = 1
 
@@ -23,12 +23,7 @@ def _proof(token: str, nonce: bytes, role: bytes) -> bytes:
     return hmac.new(token.encode(), role + nonce, hashlib.sha256).digest()
 
 
-def endpoint(peer: Any) -> str:
-    """``host:port`` for an address tuple (``[v6]:port``), else the peer as text."""
-    if isinstance(peer, tuple | list) and len(peer) >= 2:
-        host = str(peer[0])
-        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
-    return str(peer)
+endpoint = describe_peer  # (the name its callers know)
 
 
 def answer_challenge(

@@ -136,6 +136,11 @@ class Connection(asyncio.BufferedProtocol):
             self._made.set_result(None)
 
     @property
+    def where(self) -> str:
+        """The other end, for messages (``host:port``, or ``local socket NAME``)."""
+        return describe_peer(self.peer)
+
+    @property
     def remote_host(self) -> str:
         """The IP address of the other end; ``LOCAL_HOST`` over a Unix socket, ``"?"`` before
         the connection is made."""
@@ -282,13 +287,13 @@ class Connection(asyncio.BufferedProtocol):
     def send(self, header: Any, payload: memoryview | bytes | None = None) -> None:
         """Queue one frame for sending (the payload is referenced, not copied)."""
         if self._transport is None or self._transport.is_closing():
-            raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
+            raise ConnectionResetError(f"connection to {self.where} is closed") from self.error
         self._transport.writelines(wire.encode(header, payload))
 
     def send_encoded(self, buffers: list[bytes | memoryview]) -> None:
         """Queue frames already made by ``wire.encode`` (one encoding sent to many, or batched)."""
         if self._transport is None or self._transport.is_closing():
-            raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
+            raise ConnectionResetError(f"connection to {self.where} is closed") from self.error
         self._transport.writelines(buffers)
 
     def send_last(self, header: Any, timeout: float) -> bool:
@@ -315,13 +320,13 @@ class Connection(asyncio.BufferedProtocol):
     async def drain(self) -> None:
         """Wait until every queued byte is in the kernel (or the connection is gone)."""
         if self._transport is None:
-            raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
+            raise ConnectionResetError(f"connection to {self.where} is closed") from self.error
         fut = self.drain_future()
         if fut is None:
             return
         await fut
         if self._transport is None:
-            raise ConnectionResetError(f"connection to {self.peer} is closed") from self.error
+            raise ConnectionResetError(f"connection to {self.where} is closed") from self.error
 
     def drain_future(self) -> asyncio.Future[None] | None:
         """A future that resolves once the send queue is empty; ``None`` if it already is."""
@@ -338,7 +343,7 @@ class Connection(asyncio.BufferedProtocol):
         async with asyncio.timeout(timeout):
             while not self._queue:
                 if self._transport is None:
-                    raise ConnectionResetError(f"connection to {self.peer} closed") from self.error
+                    raise ConnectionResetError(f"connection to {self.where} closed") from self.error
                 self._queue_waiter = asyncio.get_running_loop().create_future()
                 await self._queue_waiter
             return self._queue.popleft()
@@ -390,6 +395,18 @@ class Connection(asyncio.BufferedProtocol):
                 await asyncio.shield(self.closed)
         except TimeoutError:
             self.abort()
+
+
+def describe_peer(peer: Any) -> str:
+    """``host:port`` for an address tuple (``[v6]:port``), ``local socket NAME`` for an abstract
+    Unix socket's address (bytes starting with NUL), else the peer as text."""
+    if isinstance(peer, tuple | list) and len(peer) >= 2:
+        host = str(peer[0])
+        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+    if isinstance(peer, bytes | bytearray):
+        name = bytes(peer).lstrip(b"\0").decode(errors="replace")
+        return f"local socket {name}" if name else "a local socket"
+    return str(peer) if peer != "" else "a local socket"
 
 
 def _detached(exc: E | None) -> E | None:

@@ -33,6 +33,16 @@ def test_ranks_of_one_host_connect_over_unix_sockets_unless_turned_off(
         assert res["advertised_local"] is expect_local
 
 
+def test_messages_name_a_local_peer_readably() -> None:
+    """QA: a RankFailedError said 'connection to b'\\x00arendez-26270-b244…' is closed'."""
+    from arendez.transport import describe_peer
+
+    assert describe_peer(b"\0arendez-26270-b244966b") == "local socket arendez-26270-b244966b"
+    assert describe_peer("") == "a local socket"  # (an unnamed client end)
+    assert describe_peer(("10.0.0.2", 29400)) == "10.0.0.2:29400"
+    assert describe_peer(("fe80::1", 29400, 0, 0)) == "[fe80::1]:29400"
+
+
 def test_advertised_addresses_parse_back() -> None:
     assert local.parse(local.advertise("10.0.0.1:4567", "arendez-1-ab")) == ("10.0.0.1:4567", "arendez-1-ab")
     assert local.parse(local.advertise("[::1]:80", None)) == ("[::1]:80", None)
