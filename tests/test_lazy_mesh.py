@@ -16,6 +16,7 @@ import pytest
 
 import arendez as dist
 from arendez import frames, testing
+from arendez.errors import RendezvousError
 from arendez.lifecycle import neighbour_offsets
 from arendez.transports.tcp import Mesh
 from tests.harness import run_ranks
@@ -68,6 +69,23 @@ async def test_simultaneous_dials_leave_one_connection_the_lower_ranks():
         assert [m.opened for m in meshes] == [1, 1] and not lost
         assert meshes[0].conns[1].peer[1] == ports[1]  # rank 0 dialed it: rank 0's dial won
         assert meshes[1].conns[0].peer[1] != ports[0]
+    finally:
+        for mesh in meshes:
+            await mesh.close(2)
+
+
+@pytest.mark.timeout(10)
+async def test_preconnect_with_no_time_left_blames_the_time_not_the_addresses():
+    """QA: 'peer connections not made in 0s … check the advertised addresses' when a slow
+    rendezvous had used all of init's timeout; the addresses were fine."""
+    meshes = [Mesh(token="t"), Mesh(token="t")]
+    ports = [await m.listen("127.0.0.1") for m in meshes]
+    addresses = {r: f"127.0.0.1:{p}" for r, p in enumerate(ports)}
+    try:
+        meshes[0].start(0, 2, b"n" * 16, addresses, lambda *_: None, lambda *_: None, lambda *_: None)
+        with pytest.raises(RendezvousError, match=r"not made in 0s.*timeout left only 0s") as info:
+            await meshes[0].preconnect([1], 0.0)
+        assert "ARENDEZ_ADVERTISE_ADDR" not in str(info.value)
     finally:
         for mesh in meshes:
             await mesh.close(2)

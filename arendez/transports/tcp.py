@@ -58,6 +58,10 @@ LINGER_SECONDS = 1.0
 transport.register_remote_errors(LimitError)
 
 
+#: Below this, a ``preconnect`` that times out blames the time left, not the addresses.
+SHORT_PRECONNECT_SECONDS = 1.0
+
+
 class Mesh:
     """Connections to the other ranks that this one talks to, keyed by rank."""
 
@@ -253,9 +257,15 @@ class Mesh:
                     await self._connected.wait()
         except TimeoutError:
             missing = [p for p in wanted if p not in self.conns]
+            if timeout < SHORT_PRECONNECT_SECONDS:  # the rendezvous took (nearly) all of init's time
+                hint = (
+                    f" (init_process_group's timeout left only {timeout:g}s for them after the "
+                    "rendezvous: a slow rendezvous, an overloaded machine? raise the timeout)"
+                )
+            else:
+                hint = " (check that the advertised addresses are reachable, or set ARENDEZ_ADVERTISE_ADDR)"
             raise RendezvousError(
-                self._describe(missing, f"peer connections not made in {timeout:g}s:")
-                + " (check that the advertised addresses are reachable, or set ARENDEZ_ADVERTISE_ADDR)"
+                self._describe(missing, f"peer connections not made in {timeout:g}s:") + hint
             ) from None
 
     def forget(self, peer: int, reason: str) -> None:
