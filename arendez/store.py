@@ -158,6 +158,13 @@ class Store(MembershipOps, KeyValueOps):
         self._woken = 0  # replies delivered since the cork was (re)scheduled
         self._held = False  # the cork already waited once for callers woken after it
         self._packer = msgpack.Packer(use_bin_type=True)
+        #: Once connected, a call made while the connection is down waits for one attempt to
+        #: reconnect (made at once) and fails with ``StoreConnectionError`` if it fails (torch's
+        #: ``TCPStore`` semantics, for ``storemux``), instead of retrying until its deadline.
+        self.fail_while_away = False
+        self._was_connected = False
+        self._kick = asyncio.Event()  # cuts the reconnect back-off short
+        self._attempt: asyncio.Future[None] | None = None  # resolved when the next attempt ends
 
     # -- connection management -------------------------------------------------------------
     async def connect(self, timeout: float | None = None) -> Store:
@@ -232,7 +239,8 @@ class Store(MembershipOps, KeyValueOps):
                     return
                 log.warning("store %s:%s: %s", self.host, self.port, exc)
                 self._last_error = exc
-                await asyncio.sleep(delay)
+                self._attempt_ended()
+                await self._back_off(delay)
                 delay = min(delay * 2, 1.0)
                 continue
             except Exception as exc:  # unreachable, or a broken peer: try again
@@ -248,13 +256,15 @@ class Store(MembershipOps, KeyValueOps):
                         self._last_error_text,
                         left,
                     )
-                await asyncio.sleep(delay)
+                self._attempt_ended()
+                await self._back_off(delay)
                 delay = min(delay * 2, 1.0)
                 continue
             delay = 0.05
-            ever = True
+            ever = self._was_connected = True
             self._conn = conn
             self._connected.set()
+            self._attempt_ended()
             await asyncio.shield(conn.closed)
             self._connected.clear()
             self._conn = None
@@ -270,6 +280,34 @@ class Store(MembershipOps, KeyValueOps):
                     "it shut down" if self._server_leaving else conn.error or "closed",
                 )
 
+    def _attempt_ended(self) -> None:
+        """A (re)connect attempt ended: wake the calls waiting for its outcome."""
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None and not attempt.done():
+            attempt.set_result(None)
+
+    async def _back_off(self, delay: float) -> None:
+        """Wait ``delay`` before the next attempt, or less if a call asks for one now."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self._kick.wait()
+        self._kick.clear()
+
+    async def _one_attempt(self, deadline: float) -> transport.Connection:
+        """``fail_while_away``: the connection this call may use once an attempt, made now,
+        reconnects; ``StoreConnectionError`` if it fails."""
+        attempt = self._attempt
+        if attempt is None:
+            attempt = self._attempt = asyncio.get_running_loop().create_future()
+        self._kick.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await asyncio.shield(attempt)
+        conn = self._conn
+        if conn is not None and conn.is_open:
+            return conn
+        raise self._away()
+
     async def _wait_connected(self, deadline: float) -> transport.Connection:
         loop = asyncio.get_running_loop()
         while True:
@@ -280,6 +318,8 @@ class Store(MembershipOps, KeyValueOps):
             conn = self._conn
             if conn is not None and conn.is_open:
                 return conn
+            if conn is None and self.fail_while_away and self._was_connected:
+                return await self._one_attempt(deadline)
             if loop.time() >= deadline:
                 raise self._unreachable()
             try:
@@ -291,6 +331,13 @@ class Store(MembershipOps, KeyValueOps):
                         await self._connected.wait()
             except TimeoutError:
                 raise self._unreachable() from None
+
+    def _away(self) -> StoreConnectionError:
+        why = f": {self._last_error_text}" if self._last_error is not None else ""
+        return StoreConnectionError(
+            f"lost the connection to the store at {self.host}:{self.port}{why} (a later call "
+            "reconnects if the store is back)"
+        )
 
     def _unreachable(self) -> StoreError:
         why = f" (last error: {self._last_error_text})" if self._last_error is not None else ""

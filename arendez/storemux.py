@@ -21,7 +21,8 @@ the process stops trying.
 
 A call's outcome is the blocking client's: the server's error, ``StoreTimeoutError`` when no
 answer comes in time, ``StoreConnectionError`` when the connection drops with the request in
-flight (the loop thread reconnects; the next call waits for that until its own deadline).
+flight, and soon for a call made while it is down: that call has the loop thread try to
+reconnect at once, and fails if the attempt does (a call after the server is back succeeds).
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ class _Pool:
             conn = self.current.get(key)
             if conn is not None and conn.take_seat():
                 return conn
-            conn = _Connection(Store(host, port, job, timeout=timeout))
+            store = Store(host, port, job, timeout=timeout)
+            store.fail_while_away = True  # (as torch's TCPStore: a call fails while the server is away)
+            conn = _Connection(store)
             conn.take_seat()
             self.current[key] = conn
         try:  # (outside the lock: clients of other connections go on meanwhile)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import textwrap
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -293,3 +294,40 @@ def test_a_shared_clients_set_does_not_wait_and_its_error_reaches_its_next_call(
         assert len(refused) == 1 and "an earlier set of 'one too many' failed" in refused[0], outcomes
         assert "max-keys-per-job" in refused[0] and outcomes[-1] == b"0", outcomes
         client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_shared_client_fails_at_once_while_the_server_is_away_and_works_once_it_is_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """QA: after the server died, each call of a shared client (the 17th+ TCPStore of a
+    process) waited its whole timeout; torch's TCPStore and the own-connection client fail at
+    once. A call made while the connection is down fails now; one after the server is back
+    (the loop thread reconnects in the background) succeeds."""
+    _promotable(monkeypatch, after=10**6, most=0)  # (it stays on the shared connection)
+    srv = start_server()
+    port = srv.port
+    client = sync.TCPStore("127.0.0.1", port, None, False, TIMEOUT)
+    try:
+        assert isinstance(client._store, storemux.SharedStoreClient)
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        srv.stop()
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(StoreConnectionError, match="lost the connection to the store"):
+                client.get("k")
+            assert time.monotonic() - started < 5.0  # (not the store's 20 s timeout)
+        srv = start_server(port=port)  # the same address again
+        for _ in range(100):  # (the reconnection runs in the background: at most 10 s)
+            try:
+                client.set("back", "yes")
+                assert client.get("back") == b"yes"
+                break
+            except StoreConnectionError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the shared client did not reconnect to the restarted server")
+    finally:
+        client.close()
+        srv.stop()
