@@ -49,6 +49,9 @@ _MAX_UNACKED = 256
 #: ... each of at most this many bytes (a larger one waits, so a refusal of its size is raised)
 MAX_UNACKED_BYTES = 64 << 10
 _REPLY_SLACK = 1.0  # how long past a waiting op's timeout the server's own answer may take
+#: Ops that only wait for keys: one that reads the refusal of an earlier ``set`` raises it at
+#: once (its key may never come; the late answer of the abandoned request is skipped).
+WAITING_READS = frozenset({"get", "wait", "multi_get"})
 
 transport.register_remote_errors(*STORE_ERRORS)
 
@@ -245,6 +248,8 @@ class BlockingStore:
             while True:
                 reply = self._next(sock, started, budget)
                 if self._unacked and self._answered(reply):
+                    if self._set_error is not None and op in WAITING_READS:
+                        self._raise_set_error()
                     continue
                 if type(reply) is list:
                     if len(reply) == 2 and reply[0] == rid:

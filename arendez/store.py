@@ -77,7 +77,7 @@ class _Callback:
     __slots__ = ("_budget", "_done", "_finished", "_op", "_store", "rid")
 
     def __init__(
-        self, store: Store, op: str, budget: float, done: Callable[[Any, BaseException | None], None]
+        self, store: Store, op: str, budget: float, done: Callable[[Any, BaseException | None], object]
     ) -> None:
         self._store, self._op, self._budget, self._done = store, op, budget, done
         self._finished = False
@@ -503,7 +503,7 @@ class Store(MembershipOps, KeyValueOps):
         timeout: float | None,
         wait: bool,
         args: tuple[Any, ...],
-        done: Callable[[Any, BaseException | None], None],
+        done: Callable[[Any, BaseException | None], object],
     ) -> None:
         """On the loop thread: send the key-value operation ``op`` now and call ``done(value,
         None)`` or ``done(None, error)`` with its outcome, with no task or future per call (the

@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from .blocking_store import MAX_UNACKED_BYTES, BlockingStore
+from .blocking_store import MAX_UNACKED_BYTES, WAITING_READS, BlockingStore
 from .errors import StoreError, StoreTimeoutError, earlier_set_error
 from .loop import shared
 from .settings import env_int
@@ -190,7 +190,7 @@ _wakeups = _Wakeups()
 class _Reply:
     """The answer one caller waits for: a pre-acquired lock released when its turn comes."""
 
-    __slots__ = ("abandoned", "error", "lock", "value")
+    __slots__ = ("abandoned", "answered", "error", "lock", "value")
 
     def __init__(self) -> None:
         self.lock = _thread.allocate_lock()
@@ -198,10 +198,16 @@ class _Reply:
         self.value: Any = None
         self.error: BaseException | None = None
         self.abandoned = False
+        self.answered = False  # (on the loop thread: a second answer is ignored)
 
-    def finish(self, value: Any, error: BaseException | None) -> None:
+    def finish(self, value: Any, error: BaseException | None) -> bool:
+        """On the loop thread: the answer (the first one; False if it came too late)."""
+        if self.answered:
+            return False
+        self.answered = True
         self.value, self.error = value, error
         _wakeups.finished(self)
+        return True
 
 
 def _release(conn: _Connection, generation: int) -> None:
@@ -225,6 +231,9 @@ class SharedStoreClient:
         self._mutex = _thread.allocate_lock()
         self._unacked = 0
         self._set_error: StoreError | None = None
+        #: the answer a call that only waits for keys (``WAITING_READS``) is waiting for: a
+        #: refused ``set`` is raised through it at once (its key may never come)
+        self._reading: _Reply | None = None
 
     def connect(self, timeout: float | None = None) -> SharedStoreClient:
         """Attach to a shared connection (opening one, retrying until the store's timeout, if
@@ -295,6 +304,8 @@ class SharedStoreClient:
         store = self._ensure().store
         budget = self.timeout if timeout is None else float(timeout)
         reply = _Reply()
+        if self._unacked and op in WAITING_READS:
+            self._reading = reply
         loop = shared.loop()
         loop.call_soon_threadsafe(store.ask_soon, op, budget, wait, args, reply.finish)
         limit = (budget if wait else min(budget, _CALL_TIMEOUT)) + _LOOP_SLACK
@@ -304,6 +315,8 @@ class SharedStoreClient:
             if _wakeups.withdraw(reply):
                 _wakeups.pass_on()
             raise
+        finally:
+            self._reading = None
         if not woken and not _wakeups.withdraw(reply):
             raise StoreTimeoutError(
                 f"store {op} got no answer within {limit:g}s (is the arendez loop thread stuck?)"
@@ -349,7 +362,10 @@ class SharedStoreClient:
         with self._mutex:
             self._unacked -= 1
             if error is not None and self._set_error is None:
-                self._set_error = earlier_set_error(key, error)
+                refused = earlier_set_error(key, error)
+                reading = self._reading
+                if reading is None or not reading.finish(None, refused):
+                    self._set_error = refused
 
     def _raise_set_error(self) -> None:
         with self._mutex:

@@ -218,7 +218,7 @@ def test_set_does_not_wait_for_its_answer_and_its_error_reaches_the_next_call():
         assert st.get("k289") == b"289" and st.num_keys() == 290  # read your own writes
         for i in range(290, 305):
             st.set(f"k{i}", "x")  # the 301st key is refused by the server
-        assert st.get("k299") == b"x"  # (this call reads the refusals; its answer stands)
+        assert st.check(["k299"])  # (this call reads the refusals; its answer stands)
         with pytest.raises(LimitError, match=r"an earlier set of 'k300' failed: .*max-keys-per-job"):
             st.get("k0")  # (the refusal's own class: code catching LimitError sees it)
         assert st.get("k0") == b"0"  # raised once; the connection goes on
@@ -234,3 +234,22 @@ def test_a_set_of_a_large_value_waits_so_its_refusal_is_raised_by_that_set():
         with pytest.raises(LimitError, match=r"max-bytes-per-job"):
             st.set("too large", b"x" * (128 << 10))
         assert st.get("fits") == b"x" * (64 << 10) and st.num_keys() == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_for_the_key_of_a_refused_set_raises_the_refusal_at_once():
+    """QA: ``get`` of a key whose ``set`` the server refused waited the whole timeout and
+    raised a StoreTimeoutError that named no limit; a call that only waits for keys raises the
+    refusal as soon as it reads it."""
+    with (
+        server("--max-keys-per-job", "2") as srv,
+        BlockingStore("127.0.0.1", srv.port, "refused", timeout=20) as st,
+    ):
+        st.set("a", b"1")
+        st.set("b", b"2")
+        st.set("c", b"3")  # (the third key: refused)
+        started = time.monotonic()
+        with pytest.raises(LimitError, match=r"an earlier set of 'c' failed: .*max-keys-per-job"):
+            st.get("c")
+        assert time.monotonic() - started < 5.0  # (not the 20 s timeout)
+        assert st.get("b") == b"2" and st.num_keys() == 2  # (the abandoned get's answer is skipped)

@@ -331,3 +331,25 @@ def test_a_shared_client_fails_at_once_while_the_server_is_away_and_works_once_i
     finally:
         client.close()
         srv.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_shared_clients_wait_for_the_key_of_a_refused_set_raises_the_refusal_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """QA: 200 threads whose sets hit the key limit got 20 s StoreTimeoutErrors from their next
+    ``get`` of those keys and not one LimitError."""
+    _promotable(monkeypatch, after=10**6, most=0)  # (it stays on the shared connection)
+    with server("--max-keys-per-job", "3") as srv:
+        client = sync.TCPStore("127.0.0.1", srv.port, None, False, TIMEOUT)
+        assert isinstance(client._store, storemux.SharedStoreClient)
+        room = 3 - client.num_keys()
+        for i in range(room):
+            client.set(f"k{i}", str(i))
+        client.set("refused", "x")
+        started = time.monotonic()
+        with pytest.raises(LimitError, match=r"an earlier set of 'refused' failed: .*max-keys-per-job"):
+            client.get("refused")
+        assert time.monotonic() - started < 5.0  # (not the store's 20 s timeout)
+        assert client.get("k0") == b"0"  # (the abandoned get's late answer is ignored)
+        client.close()
