@@ -12,7 +12,8 @@ import pytest
 import arendez as dist
 from arendez import testing
 from arendez.registry import fresh_context
-from tests.harness import run_ranks
+from arendez.store import Store
+from tests.harness import run_ranks, start_server
 from tests.jobs import store as store_jobs
 
 
@@ -261,3 +262,36 @@ async def test_a_multi_get_sees_a_key_deleted_after_it_looked_as_missing(arendez
     finally:
         await a.close()
         await b.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_slow_leave_of_the_last_rank_of_a_process_is_a_leave_not_a_failure(monkeypatch):
+    """The process's lease is released after the leave, not before: with 5,000 ranks on 2
+    cores, the last rank of a process released it, its leave (from a starved event loop) came
+    after the lease had run out, and ranks that were leaving in good order were declared failed,
+    failing the collectives of hundreds of others."""
+    srv = start_server("--lease", "1")
+    # (two keepers: one per address the stores name, so the leaving rank is its keeper's last user)
+    leaving = await Store("127.0.0.1", srv.port, "slowleave", timeout=10).connect()
+    staying = await Store("localhost", srv.port, "slowleave", timeout=10).connect()
+    events: list[dict] = []
+    staying.on_event = events.append
+    try:
+        first, _ = await asyncio.gather(leaving.join(2, -1, "a:1"), staying.join(2, -1, "b:1"))
+        await asyncio.sleep(1.5)  # (the lease is renewed: longer than it)
+        ask = leaving._call
+
+        async def starved(op: str, *args: Any, **kwargs: Any) -> Any:
+            if op == "leave":
+                await asyncio.sleep(2.5)  # (an event loop that did not run for longer than the lease)
+            return await ask(op, *args, **kwargs)
+
+        monkeypatch.setattr(leaving, "_call", starved)
+        await leaving.leave(timeout=10)
+        await asyncio.sleep(2.0)  # (a failure would have been declared by now)
+        news = [(e["event"], e["rank"]) for e in events]
+        assert news == [("rank_left", first.rank)], news
+    finally:
+        await leaving.close()
+        await staying.close()
+        srv.stop()
