@@ -33,6 +33,19 @@ async def send(
     g.check_usable("send")
     dst = root_rank(g, dst, group_dst, "dst", "send")
     x = as_array(tensor, writable=False)
+    await _send(g, x, dst, tag, _fp(x))
+
+
+@on_group()
+async def send_as(tensor: Any, dst: int, group: Any, tag: int, fingerprint: str) -> None:
+    """``send`` of a message that says what it is part of (``fingerprint``: a collective built
+    on messages, its dtype and op); ``recv_as`` with another fingerprint refuses it."""
+    g: ProcessGroup = group
+    g.check_usable("send")
+    await _send(g, as_array(tensor, writable=False), dst, tag, fingerprint)
+
+
+async def _send(g: ProcessGroup, x: Any, dst: int, tag: int, fingerprint: str) -> None:
     g.group_rank(index(dst, "dst"), "dst")
     if dst == g.world.rank:
         raise InvalidArgumentError("cannot send to this rank itself")
@@ -41,7 +54,7 @@ async def send(
         raise InvalidArgumentError(
             f"send carries at most {wire.MAX_SEGMENT} bytes; split the tensor (got {raw.nbytes})"
         )
-    await g.world.send_p2p(dst, g.gid, _tag(tag), _fp(x), raw, g.timeout)
+    await g.world.send_p2p(dst, g.gid, _tag(tag), fingerprint, raw, g.timeout)
 
 
 @on_group(missing=-1)
@@ -53,8 +66,21 @@ async def recv(
     g: ProcessGroup = group
     g.check_usable("recv")
     src = named_rank(g, src, group_src, "src")
-    out = as_array(tensor)
+    return await _recv(g, as_array(tensor), src, tag, None)
+
+
+@on_group(missing=-1)
+async def recv_as(tensor: Any, src: int, group: Any, tag: int, fingerprint: str) -> int:
+    """``recv`` of a message sent by ``send_as`` with the same ``fingerprint``: another one is a
+    ``CollectiveMismatchError`` naming both (gloo checks this only under
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; a mismatch is otherwise silent)."""
+    g: ProcessGroup = group
+    g.check_usable("recv")
+    return await _recv(g, as_array(tensor), src, tag, fingerprint)
+
+
+async def _recv(g: ProcessGroup, out: Any, src: int | None, tag: int, expect: str | None) -> int:
     if src is not None:
         g.group_rank(index(src, "src"), "src")
     others = [r for r in g.ranks if r != g.world.rank] if src is None else [src]
-    return await g.world.recv_p2p(src, g.gid, _tag(tag), byte_view(out), g.timeout, others)
+    return await g.world.recv_p2p(src, g.gid, _tag(tag), byte_view(out), g.timeout, others, expect)

@@ -26,6 +26,8 @@ class Posted:
     tag: int
     out: memoryview
     fut: asyncio.Future[int]
+    #: the fingerprint a message must carry (a collective built on messages), or None: any
+    expect: str | None = None
     error: BaseException | None = None
 
 
@@ -38,38 +40,35 @@ class P2PMatcher:
         # per peer, what the sink chose for each message whose payload is still arriving (the
         # decoder may consult the sink for the next frame before the current one is routed)
         self._receiving: dict[int, collections.deque[Posted | None]] = {}
-        self._stash: collections.deque[tuple[int, int, int, memoryview | None]] = collections.deque()
+        self._stash: collections.deque[tuple[int, int, int, memoryview | None, str]] = collections.deque()
 
-    def _claim(self, peer: int, gid: int, tag: int, nbytes: int) -> Posted | None:
+    def _claim(self, peer: int, gid: int, tag: int, nbytes: int, fp: str) -> Posted | None:
         """Take the oldest posted recv that a message from ``peer`` satisfies."""
         for i, posted in enumerate(self._posted):
             if posted.fut.done():
                 continue
             if posted.gid == gid and posted.tag == tag and posted.src in (None, peer):
                 del self._posted[i]
-                if posted.out.nbytes != nbytes:
-                    posted.error = CollectiveMismatchError(
-                        f"recv of {posted.out.nbytes} bytes from rank {peer} got a send of {nbytes}"
-                    )
+                posted.error = _mismatch(posted.out.nbytes, posted.expect, peer, nbytes, fp)
                 return posted
         return None
 
-    def sink(self, peer: int, gid: int, tag: int, nbytes: int) -> memoryview | None:
+    def sink(self, peer: int, gid: int, tag: int, nbytes: int, fp: str = "") -> memoryview | None:
         """Where a message's ``nbytes`` payload should land (None: a fresh buffer)."""
-        posted = self._claim(peer, gid, tag, nbytes)
+        posted = self._claim(peer, gid, tag, nbytes, fp)
         self._receiving.setdefault(peer, collections.deque()).append(posted)
         if posted is not None and posted.error is None:
             return posted.out
         return None
 
-    def deliver(self, peer: int, gid: int, tag: int, payload: memoryview | None) -> None:
+    def deliver(self, peer: int, gid: int, tag: int, payload: memoryview | None, fp: str = "") -> None:
         """A message from ``peer`` is complete."""
         claims = self._receiving.get(peer)
         posted = claims.popleft() if claims else None
         if posted is None:  # the recv may have been posted while the payload streamed in
-            posted = self._claim(peer, gid, tag, 0 if payload is None else payload.nbytes)
+            posted = self._claim(peer, gid, tag, 0 if payload is None else payload.nbytes, fp)
         if posted is None:
-            self._stash.append((peer, gid, tag, payload))
+            self._stash.append((peer, gid, tag, payload, fp))
             return
         if posted.fut.done():
             return
@@ -82,20 +81,24 @@ class P2PMatcher:
         posted.fut.set_result(peer)
 
     def post(
-        self, src: int | None, gid: int, tag: int, out: memoryview, dead: dict[int, str]
+        self,
+        src: int | None,
+        gid: int,
+        tag: int,
+        out: memoryview,
+        dead: dict[int, str],
+        expect: str | None = None,
     ) -> asyncio.Future[int]:
-        """Post a receive; a stashed message satisfies it at once."""
+        """Post a receive (of a message whose fingerprint is ``expect``, if given); a stashed
+        message satisfies it at once."""
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        for i, (sender, g, t, data) in enumerate(self._stash):
+        for i, (sender, g, t, data, fp) in enumerate(self._stash):
             if g == gid and t == tag and src in (None, sender):
                 del self._stash[i]
                 size = 0 if data is None else data.nbytes
-                if size != out.nbytes:
-                    fut.set_exception(
-                        CollectiveMismatchError(
-                            f"recv of {out.nbytes} bytes from rank {sender} got a send of {size}"
-                        )
-                    )
+                error = _mismatch(out.nbytes, expect, sender, size, fp)
+                if error is not None:
+                    fut.set_exception(error)
                 else:
                     if data is not None:
                         out[:] = data
@@ -105,7 +108,7 @@ class P2PMatcher:
         if src is not None and src in dead:
             fut.set_exception(RankFailedError(src, "recv", dead[src]))
             return fut
-        self._posted.append(Posted(src, gid, tag, out, fut))
+        self._posted.append(Posted(src, gid, tag, out, fut, expect))
         return fut
 
     def cancel(self, fut: asyncio.Future[int]) -> None:
@@ -155,3 +158,19 @@ class P2PMatcher:
         for claimed in self._receiving.pop(peer, ()):
             if claimed is not None:
                 settle(claimed.fut, error())
+
+
+def _mismatch(
+    want: int, expect: str | None, peer: int, nbytes: int, fp: str
+) -> CollectiveMismatchError | None:
+    """Why a recv of ``want`` bytes (of fingerprint ``expect``) cannot take a message of
+    ``nbytes`` (of fingerprint ``fp``) from rank ``peer``, or None."""
+    if expect is not None and fp != expect:
+        theirs, ours = (" ".join(f.split("|")).strip() for f in (fp, expect))
+        return CollectiveMismatchError(
+            f"rank {peer} sent its part of {theirs!r} where this rank runs {ours!r} "
+            "(every member must make the same collectives, with the same dtype and op, in the same order)"
+        )
+    if want != nbytes:
+        return CollectiveMismatchError(f"recv of {want} bytes from rank {peer} got a send of {nbytes}")
+    return None

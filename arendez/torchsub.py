@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 import arendez
-from arendez.errors import CollectiveTimeoutError, InvalidArgumentError
+from arendez.errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidArgumentError
+from arendez.p2p import recv_as, send_as
 from arendez.torchstage import writing
 
 _REDUCE: dict[arendez.ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
@@ -42,14 +43,21 @@ class Direct:
     def __init__(self, ranks: list[int], me: int, tag: int, timeout: float) -> None:
         self.ranks, self.me, self.tag, self.timeout = ranks, me, tag, timeout
         self._lock: asyncio.Lock | None = None
-        self._broken: CollectiveTimeoutError | None = None
+        self._broken: CollectiveTimeoutError | CollectiveMismatchError | None = None
 
     async def _exchange(
-        self, collective: str, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]
+        self,
+        collective: str,
+        sends: dict[int, torch.Tensor],
+        recvs: dict[int, torch.Tensor],
+        op: arendez.ReduceOp | None = None,
     ) -> None:
-        """Send and receive one collective's messages within the subgroup's timeout. After a
-        timeout the subgroup is unusable (messages of the late call may still arrive, and would
-        be taken for the next one's): later calls raise the same error, as gloo's do."""
+        """Send and receive one collective's messages within the subgroup's timeout. Each says
+        which collective, dtype and op it belongs to: a member that runs another one gets
+        ``CollectiveMismatchError`` (as gloo's under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) rather
+        than another call's bytes. After a timeout or a mismatch the subgroup is unusable
+        (messages of that call may still arrive, and would be taken for the next one's): later
+        calls raise the same error, as gloo's do."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:  # subgroup collectives match by order: one at a time
@@ -57,11 +65,13 @@ class Direct:
                 raise self._broken
             if not sends and not recvs:  # (a group of one)
                 return
+            some = next(iter(sends.values() or recvs.values()))
+            fingerprint = f"{collective}|{str(some.dtype).removeprefix('torch.')}|{op.name if op else ''}"
             peers: dict[asyncio.Future[Any], int] = {}  # each message's task -> the peer's group rank
             for p, t in sends.items():
-                peers[asyncio.ensure_future(arendez.send(t, self.ranks[p], None, self.tag))] = p
+                peers[asyncio.ensure_future(send_as(t, self.ranks[p], None, self.tag, fingerprint))] = p
             for p, t in recvs.items():
-                peers[asyncio.ensure_future(arendez.recv(t, self.ranks[p], None, self.tag))] = p
+                peers[asyncio.ensure_future(recv_as(t, self.ranks[p], None, self.tag, fingerprint))] = p
             try:
                 done, pending = await asyncio.wait(peers, timeout=self.timeout)
             except BaseException:  # (cancelled: withdraw every message of this call)
@@ -74,6 +84,11 @@ class Direct:
                 exc = task.exception()
                 if isinstance(exc, arendez.RankFailedError):  # (name the call, not its send or recv)
                     raise exc.during(collective) from exc
+                if isinstance(exc, CollectiveMismatchError):
+                    for other in pending:
+                        other.cancel()
+                    self._broken = CollectiveMismatchError(f"{collective} on subgroup {self.ranks}: {exc}")
+                    raise self._broken
                 if exc is not None:
                     raise exc
             if pending:
@@ -110,16 +125,18 @@ class Direct:
     async def all_reduce(self, t: torch.Tensor, op: arendez.ReduceOp, name: str = "all_reduce") -> None:
         flat = t.reshape(-1)
         parts = [flat if p == self.me else torch.empty_like(flat) for p in range(len(self.ranks))]
-        await self._exchange(name, {p: flat for p in self._others()}, {p: parts[p] for p in self._others()})
+        await self._exchange(
+            name, {p: flat for p in self._others()}, {p: parts[p] for p in self._others()}, op
+        )
         self._combine(parts, t, op)
 
     async def reduce(self, t: torch.Tensor, root: int, op: arendez.ReduceOp) -> None:
         r = self.ranks.index(root)
         if self.me != r:
-            await self._exchange("reduce", {r: t}, {})
+            await self._exchange("reduce", {r: t}, {}, op)
             return
         parts = [t.reshape(-1) if p == r else torch.empty_like(t.reshape(-1)) for p in range(len(self.ranks))]
-        await self._exchange("reduce", {}, {p: parts[p] for p in self._others()})
+        await self._exchange("reduce", {}, {p: parts[p] for p in self._others()}, op)
         self._combine(parts, t, op)
 
     async def reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: arendez.ReduceOp) -> None:
@@ -129,7 +146,7 @@ class Direct:
             for p in range(len(self.ranks))
         ]
         await self._exchange(
-            "reduce_scatter", {p: ins[p] for p in self._others()}, {p: parts[p] for p in self._others()}
+            "reduce_scatter", {p: ins[p] for p in self._others()}, {p: parts[p] for p in self._others()}, op
         )
         self._combine(parts, out, op)
 

@@ -197,10 +197,18 @@ class World:
             raise CollectiveTimeoutError("send", timeout, [dst]) from None
 
     async def recv_p2p(
-        self, src: int | None, gid: int, tag: int, out: memoryview, timeout: float, others: list[int]
+        self,
+        src: int | None,
+        gid: int,
+        tag: int,
+        out: memoryview,
+        timeout: float,
+        others: list[int],
+        expect: str | None = None,
     ) -> int:
-        """Receive one point-to-point message into ``out``; return its sender."""
-        fut = self.p2p.post(src, gid, tag, out, self.dead)
+        """Receive one point-to-point message into ``out`` (one whose fingerprint is ``expect``,
+        if given); return its sender."""
+        fut = self.p2p.post(src, gid, tag, out, self.dead, expect)
         if src is not None:
             self.connection(src)  # connect on first use: its loss is seen while we wait
         try:
@@ -259,7 +267,7 @@ class World:
                 self._pooled[id(buffer)] = buffer
                 return memoryview(cast(Any, buffer))
         elif isinstance(frame, frames.P2P):
-            return self.p2p.sink(peer, frame.gid, frame.tag, nbytes)
+            return self.p2p.sink(peer, frame.gid, frame.tag, nbytes, frame.fp)
         return None
 
     def route(self, peer: int, frame: frames.Frame, payload: memoryview | None) -> None:
@@ -269,7 +277,7 @@ class World:
         if isinstance(frame, frames.Data | frames.ShmData):
             self._on_data(peer, frame, payload)
         elif isinstance(frame, frames.P2P):
-            self.p2p.deliver(peer, frame.gid, frame.tag, payload)
+            self.p2p.deliver(peer, frame.gid, frame.tag, payload, frame.fp)
         elif isinstance(frame, frames.Mismatch):
             self._fail_seq(frame.gid, frame.seq, CollectiveMismatchError(frame.message))
         elif isinstance(frame, frames.Cancel):

@@ -151,6 +151,24 @@ def test_subgroups_of_one_their_point_to_point_a_shared_mistake_and_no_grad_as_g
     assert results[0]["gather"] == "InvalidArgumentError" and results[1]["gather"] == "no error"
 
 
+@pytest.mark.timeout(120)
+def test_subgroup_members_that_disagree_on_dtype_op_or_collective_get_a_mismatch_error() -> None:
+    """As gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL (plain gloo returns garbage or hangs): each
+    subgroup message names its collective, dtype and op, and a member that receives another
+    call's part raises CollectiveMismatchError; that subgroup then refuses further calls."""
+    results = _run("subgroup_mismatches", 3, f"tcp://127.0.0.1:{free_port()}")
+    for rank, got in enumerate(results[:2]):
+        for case in ("dtype", "op"):
+            assert got[case].startswith("CollectiveMismatchError"), (rank, case, got[case])
+            assert got[case + " then"] == "CollectiveMismatchError", (rank, case, got)
+    assert "where this rank runs 'all_reduce float32 SUM'" in results[0]["op"], results[0]["op"]
+    assert "'all_reduce int32 SUM'" in results[0]["dtype"], results[0]["dtype"]
+    # the broadcast's root sends only: it cannot see the mismatch; the other member can
+    assert results[1]["kind"].startswith("CollectiveMismatchError"), results[1]["kind"]
+    assert "'broadcast float32'" in results[1]["kind"], results[1]["kind"]
+    assert results[2] == {}
+
+
 @pytest.mark.timeout(90)
 def test_reinit_after_destroy_with_the_same_store() -> None:
     """Each init through one store gets its own embedded server, never the last round's URL."""

@@ -697,6 +697,45 @@ def subgroup_edges(rank: int, ws: int, init: str) -> dict[str, Any]:
     return out
 
 
+@scenario
+def subgroup_mismatches(rank: int, ws: int, init: str) -> dict[str, str]:
+    """3 ranks, subgroups of ranks 0 and 1 that disagree on a collective's dtype, op or kind
+    (QA: silent garbage, where gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL raises)."""
+    _init(rank, ws, init)
+    out: dict[str, str] = {}
+    mine = torch.float32 if rank == 0 else torch.int32
+    op = dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX
+
+    def kind(g: Any) -> None:
+        if rank == 0:
+            dist.broadcast(torch.ones(4), src=0, group=g)
+        else:
+            dist.all_reduce(torch.ones(4), group=g)
+
+    cases: dict[str, Callable[[Any], None]] = {
+        "dtype": lambda g: dist.all_reduce(torch.ones(4, dtype=mine), group=g),
+        "op": lambda g: dist.all_reduce(torch.ones(4), op=op, group=g),
+        "kind": kind,
+    }
+    for name, case in cases.items():
+        pair = dist.new_group([0, 1])  # (a fresh subgroup each: one that saw a mismatch refuses more)
+        if rank in (0, 1):
+            try:
+                case(pair)
+                out[name] = "no error"
+            except Exception as exc:
+                out[name] = f"{type(exc).__name__}: {exc}"
+            if out[name] != "no error":
+                try:
+                    dist.all_reduce(torch.ones(1), group=pair)
+                    out[name + " then"] = "no error"
+                except Exception as exc:
+                    out[name + " then"] = type(exc).__name__
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
 def _torch_feature_cases(rank: int, ws: int) -> dict[str, Callable[[Any], Any]]:
     """What torch features need of a group beyond the collectives (QA: each failed on arendez
     while gloo ran it); each case returns what the caller sees, compared with a gloo group's."""
