@@ -249,7 +249,7 @@ class BlockingStore:
                 reply = self._next(sock, started, budget)
                 if self._unacked and self._answered(reply):
                     if self._set_error is not None and op in WAITING_READS:
-                        self._raise_set_error()
+                        break  # (raised below, outside this block: it may be a TimeoutError)
                     continue
                 if type(reply) is list:
                     if len(reply) == 2 and reply[0] == rid:
@@ -274,6 +274,8 @@ class BlockingStore:
             self.close()
             where = f"{self.host}:{self.port}"
             raise StoreConnectionError(f"store {op} failed: lost the connection to {where}: {exc}") from None
+        if self._set_error is not None and op in WAITING_READS:
+            self._raise_set_error()
         if "error" in reply:
             raise transport.remote_error(reply, StoreError)
         return reply.get("ok")

@@ -428,7 +428,7 @@ async def _close_world(world: World, deadline: float) -> None:
     if world.server is not None:  # the others still need the store until they have left
         await world.peers_gone(min(deadline, loop.time() + LINGER_SECONDS))
     if world.mesh is not None:
-        await world.mesh.close(left(), gone=set(world.dead))
+        await world.mesh.close(left(), gone=set(world.failed))
     world.shm.close()
     if world.store is not None:
         await world.store.close()

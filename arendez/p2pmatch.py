@@ -65,12 +65,12 @@ class P2PMatcher:
         """A message from ``peer`` is complete."""
         claims = self._receiving.get(peer)
         posted = claims.popleft() if claims else None
-        if posted is None:  # the recv may have been posted while the payload streamed in
+        if posted is None or posted.fut.done():
+            # the recv may have been posted while the payload streamed in, or the one that
+            # claimed it gave up since (timed out, cancelled): the message goes to the next one
             posted = self._claim(peer, gid, tag, 0 if payload is None else payload.nbytes, fp)
         if posted is None:
             self._stash.append((peer, gid, tag, payload, fp))
-            return
-        if posted.fut.done():
             return
         if posted.error is not None:
             posted.fut.set_exception(posted.error)

@@ -226,16 +226,19 @@ class Store(MembershipOps, KeyValueOps):
         warn_at: float | None = loop.time() + _UNREACHABLE_WARN_AFTER  # None: said (or connected)
         while not self._closed:
             self._server_leaving = False  # a notice on the next connection may come inside _open
+            self._kick.clear()  # (calls that asked for an attempt get this one)
             try:
                 conn = await self._open()
             except (AuthenticationError, RendezvousError) as exc:
                 self._fatal = exc
                 self._connected.set()
+                self._attempt_ended()
                 return
             except LimitError as exc:  # refused by a server limit: say which, at once
                 if not ever:
                     self._fatal = exc
                     self._connected.set()
+                    self._attempt_ended()
                     return
                 log.warning("store %s:%s: %s", self.host, self.port, exc)
                 self._last_error = exc
@@ -303,6 +306,10 @@ class Store(MembershipOps, KeyValueOps):
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(deadline):
                 await asyncio.shield(attempt)
+        if self._fatal is not None:
+            raise self._fatal
+        if self._closed:
+            raise StoreError("the store client is closed")
         conn = self._conn
         if conn is not None and conn.is_open:
             return conn
@@ -400,6 +407,7 @@ class Store(MembershipOps, KeyValueOps):
         self._closed = True
         self._stop_lease()
         self._connected.set()
+        self._attempt_ended()  # (a call waiting for a reconnect attempt: there will be none)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -152,16 +152,18 @@ class _Wakeups:
         self._ready: collections.deque[_Reply] = collections.deque()
         self._running = False  # a woken caller has yet to pass the turn on
 
-    def finished(self, reply: _Reply) -> None:
-        """On the loop thread: ``reply``'s caller may run (now, or after the ones before it)."""
+    def finished(self, reply: _Reply) -> bool:
+        """On the loop thread: ``reply``'s caller may run (now, or after the ones before it);
+        False if it left (timed out, interrupted)."""
         with self._mutex:
             if reply.abandoned:  # (its caller timed out and left)
-                return
+                return False
             if self._running:
                 self._ready.append(reply)
-                return
+                return True
             self._running = True
         reply.lock.release()
+        return True
 
     def pass_on(self) -> None:
         """On a woken caller's thread: wake the next caller waiting for its turn, if any."""
@@ -206,8 +208,7 @@ class _Reply:
             return False
         self.answered = True
         self.value, self.error = value, error
-        _wakeups.finished(self)
-        return True
+        return _wakeups.finished(self)
 
 
 def _release(conn: _Connection, generation: int) -> None:
@@ -304,19 +305,24 @@ class SharedStoreClient:
         store = self._ensure().store
         budget = self.timeout if timeout is None else float(timeout)
         reply = _Reply()
-        if self._unacked and op in WAITING_READS:
-            self._reading = reply
+        if op in WAITING_READS:
+            with self._mutex:  # (a refusal that came since the check above is raised now)
+                if self._set_error is not None:
+                    error, self._set_error = self._set_error, None
+                    raise error
+                if self._unacked:
+                    self._reading = reply
         loop = shared.loop()
         loop.call_soon_threadsafe(store.ask_soon, op, budget, wait, args, reply.finish)
         limit = (budget if wait else min(budget, _CALL_TIMEOUT)) + _LOOP_SLACK
         try:
             woken = reply.lock.acquire(timeout=limit)
         except BaseException:  # (interrupted while waiting)
+            self._reading = None
             if _wakeups.withdraw(reply):
                 _wakeups.pass_on()
             raise
-        finally:
-            self._reading = None
+        self._reading = None
         if not woken and not _wakeups.withdraw(reply):
             raise StoreTimeoutError(
                 f"store {op} got no answer within {limit:g}s (is the arendez loop thread stuck?)"

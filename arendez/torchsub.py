@@ -30,6 +30,12 @@ _REDUCE: dict[arendez.ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
 }
 
 
+def _fingerprint(collective: str, t: torch.Tensor, op: str) -> str:
+    """What one subgroup message belongs to: the collective, the dtype it moves (as staged: a
+    bfloat16 tensor moves as its bits, ``int16``) and the reduce op, for ``p2p.recv_as``."""
+    return f"{collective}|{str(t.dtype).removeprefix('torch.')}|{op}"
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
@@ -62,18 +68,21 @@ class Direct:
             self._lock = asyncio.Lock()
         async with self._lock:  # subgroup collectives match by order: one at a time
             if self._broken is not None:
-                raise self._broken
+                raise self._broken.with_traceback(None)
             if not sends and not recvs:  # (a group of one)
                 return
-            some = next(iter(sends.values() or recvs.values()))
-            fingerprint = f"{collective}|{str(some.dtype).removeprefix('torch.')}|{op.name if op else ''}"
+            tail = op.name if op is not None else ""
             peers: dict[asyncio.Future[Any], int] = {}  # each message's task -> the peer's group rank
             for p, t in sends.items():
-                peers[asyncio.ensure_future(send_as(t, self.ranks[p], None, self.tag, fingerprint))] = p
+                sent = send_as(t, self.ranks[p], None, self.tag, _fingerprint(collective, t, tail))
+                peers[asyncio.ensure_future(sent)] = p
             for p, t in recvs.items():
-                peers[asyncio.ensure_future(recv_as(t, self.ranks[p], None, self.tag, fingerprint))] = p
+                got = recv_as(t, self.ranks[p], None, self.tag, _fingerprint(collective, t, tail))
+                peers[asyncio.ensure_future(got)] = p
             try:
-                done, pending = await asyncio.wait(peers, timeout=self.timeout)
+                done, pending = await asyncio.wait(
+                    peers, timeout=self.timeout, return_when=asyncio.FIRST_EXCEPTION
+                )
             except BaseException:  # (cancelled: withdraw every message of this call)
                 for task in peers:
                     task.cancel()
@@ -85,8 +94,6 @@ class Direct:
                 if isinstance(exc, arendez.RankFailedError):  # (name the call, not its send or recv)
                     raise exc.during(collective) from exc
                 if isinstance(exc, CollectiveMismatchError):
-                    for other in pending:
-                        other.cancel()
                     self._broken = CollectiveMismatchError(f"{collective} on subgroup {self.ranks}: {exc}")
                     raise self._broken
                 if exc is not None:

@@ -270,7 +270,7 @@ async def test_a_slow_leave_of_the_last_rank_of_a_process_is_a_leave_not_a_failu
     cores, the last rank of a process released it, its leave (from a starved event loop) came
     after the lease had run out, and ranks that were leaving in good order were declared failed,
     failing the collectives of hundreds of others."""
-    srv = start_server("--lease", "1")
+    srv = start_server("--lease", "2")
     # (two keepers: one per address the stores name, so the leaving rank is its keeper's last user)
     leaving = await Store("127.0.0.1", srv.port, "slowleave", timeout=10).connect()
     staying = await Store("localhost", srv.port, "slowleave", timeout=10).connect()
@@ -278,20 +278,54 @@ async def test_a_slow_leave_of_the_last_rank_of_a_process_is_a_leave_not_a_failu
     staying.on_event = events.append
     try:
         first, _ = await asyncio.gather(leaving.join(2, -1, "a:1"), staying.join(2, -1, "b:1"))
-        await asyncio.sleep(1.5)  # (the lease is renewed: longer than it)
+        await asyncio.sleep(2.5)  # (the lease is renewed: longer than it)
         ask = leaving._call
 
         async def starved(op: str, *args: Any, **kwargs: Any) -> Any:
             if op == "leave":
-                await asyncio.sleep(2.5)  # (an event loop that did not run for longer than the lease)
+                await asyncio.sleep(4.5)  # (an event loop that did not run for longer than the lease)
             return await ask(op, *args, **kwargs)
 
         monkeypatch.setattr(leaving, "_call", starved)
         await leaving.leave(timeout=10)
-        await asyncio.sleep(2.0)  # (a failure would have been declared by now)
+        await asyncio.sleep(3.0)  # (a failure would have been declared by now)
         news = [(e["event"], e["rank"]) for e in events]
         assert news == [("rank_left", first.rank)], news
     finally:
         await leaving.close()
         await staying.close()
         srv.stop()
+
+
+@pytest.mark.timeout(30)
+async def test_close_ends_a_call_waiting_for_a_reconnect_attempt():
+    """(review) A call of a client that fails while the server is away waits for one reconnect
+    attempt; ``close()`` during that attempt ends it at once, saying so."""
+    import socket
+
+    srv = start_server()
+    port = srv.port
+    store = await Store("127.0.0.1", port, "closing", timeout=10).connect()
+    store.fail_while_away = True
+    mute = socket.socket()
+    try:
+        await store.set("k", b"v")
+        srv.stop()
+        mute.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        mute.bind(("127.0.0.1", port))
+        mute.listen(16)  # (connections complete, and no handshake ever comes: the attempt hangs)
+        for _ in range(200):
+            if store._conn is None:
+                break
+            await asyncio.sleep(0.01)
+        call = asyncio.ensure_future(store.get("k", timeout=8))
+        await asyncio.sleep(0.3)
+        assert not call.done()
+        started = time.monotonic()
+        await store.close()
+        with pytest.raises(dist.StoreError, match="closed"):
+            await asyncio.wait_for(call, 3)
+        assert time.monotonic() - started < 3.0
+    finally:
+        mute.close()
+        await store.close()
