@@ -37,6 +37,8 @@ log = logging.getLogger("arendez.lease")
 OPEN_TIMEOUT = 20.0
 #: The heartbeat frame, the same for every keeper.
 HEARTBEAT = b"".join(bytes(b) for b in wire.encode({"op": "heartbeat"}))
+#: The frame that ends the lease in order: the server counts its remaining members as left.
+LEASE_END = b"".join(bytes(b) for b in wire.encode({"op": "lease_end"}))
 
 
 def sidecar_possible(ssl: _ssl.SSLContext | None) -> bool:
@@ -138,10 +140,12 @@ class LeaseKeeper:
             raise
 
     def _beat_here(self, conn: _FrameSocket) -> None:
-        """Send the heartbeats from this thread until stopped (or the connection fails)."""
+        """Send the heartbeats from this thread until stopped (then the lease's end), or until
+        the connection fails."""
         while not self._stopped.wait(self._interval):
             conn.send({"op": "heartbeat"})
             conn.discard_pending()
+        conn.sock.sendall(LEASE_END)
 
     def _beat_from_sidecar(self, conn: _FrameSocket) -> bool:
         """Hand the connection to a sidecar process and wait until stopped (True) or until the
@@ -149,7 +153,7 @@ class LeaseKeeper:
         fd = conn.sock.fileno()
         argv = [sys.executable, "-I", "-S", leaseproc.__file__, str(fd), str(os.getpid())]
         proc = subprocess.Popen(
-            [*argv, repr(self._interval), HEARTBEAT.hex()],
+            [*argv, repr(self._interval), HEARTBEAT.hex(), LEASE_END.hex()],
             stdin=subprocess.PIPE,
             pass_fds=(fd,),
             stdout=subprocess.DEVNULL,
@@ -164,7 +168,13 @@ class LeaseKeeper:
         finally:
             assert proc.stdin is not None
             with contextlib.suppress(OSError):
+                if self._stopped.is_set():  # in order: the sidecar ends the lease
+                    proc.stdin.write(leaseproc.STOP)
+                    proc.stdin.flush()
                 proc.stdin.close()
+            if proc.poll() is None and self._stopped.is_set():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(1.0)  # (it sends the lease's end, then exits)
             if proc.poll() is None:
                 proc.terminate()  # (the pipe may be held open by children forked since)
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -11,15 +11,19 @@ long as its parent lives and is not stopped:
   it would for a frozen process;
 - parent gone (it is no longer our parent, or a zombie): exit, closing the connection.
 
-It exits 0 when its stdin closes or reaches EOF (the keeper stops it), 1 when the server closes
-the connection (the keeper then reconnects). Run by path with ``python -I -S`` and only the
-standard library, so it starts in tens of milliseconds and holds no copy of the application::
+It exits 0 when its stdin reaches EOF, 1 when the server closes the connection (the keeper then
+reconnects). The keeper stops it in order by writing ``STOP`` first: then it sends the lease's
+end frame, and the server counts the members still on the lease as left, not failed (their
+leaves may not have arrived). A parent that dies closes the pipe without it: its lease runs
+out. Run by path with ``python -I -S`` and only the standard library, so it starts in tens of
+milliseconds and holds no copy of the application::
 
-    python -I -S leaseproc.py FD PARENT_PID INTERVAL HEARTBEAT_HEX
+    python -I -S leaseproc.py FD PARENT_PID INTERVAL HEARTBEAT_HEX END_HEX
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -30,6 +34,8 @@ import time
 STOPPED = (b"T", b"t")
 #: Parent states of a process that is gone.
 GONE = (b"Z", b"X", b"x")
+#: What the keeper writes to the sidecar's stdin to stop it in order (the lease ends).
+STOP = b"E"
 
 
 def parent_state(pid: int) -> bytes:
@@ -42,8 +48,9 @@ def parent_state(pid: int) -> bytes:
     return stat[stat.rindex(b")") + 2 :][:1]
 
 
-def run(sock: socket.socket, parent: int, interval: float, beat: bytes) -> int:
-    """Send ``beat`` every ``interval`` s while ``parent`` runs; the exit code (see above)."""
+def run(sock: socket.socket, parent: int, interval: float, beat: bytes, end: bytes = b"") -> int:
+    """Send ``beat`` every ``interval`` s while ``parent`` runs, and ``end`` when stopped in
+    order; the exit code (see above)."""
     stdin = sys.stdin.fileno()
     # poll, not select: the socket keeps its number from the parent, which may be past 1023
     # (a process holding a thousand connections), where select() refuses it
@@ -67,8 +74,11 @@ def run(sock: socket.socket, parent: int, interval: float, beat: bytes) -> int:
             due = now + interval
         wait_ms = max(0.0, due - time.monotonic()) * 1000.0
         readable = {fd for fd, _ in poller.poll(wait_ms)}
-        if stdin in readable:
-            return 0  # (EOF, or the keeper wrote: either way it asks us to stop)
+        if stdin in readable:  # the keeper asks us to stop (STOP), or its process is gone (EOF)
+            if end and os.read(stdin, 1) == STOP and parent_state(parent) not in GONE:
+                with contextlib.suppress(OSError):
+                    sock.sendall(end)
+            return 0
         if sock.fileno() in readable:
             try:
                 data = sock.recv(1 << 16)  # the server's pushed events: the parent has them too
@@ -80,11 +90,12 @@ def run(sock: socket.socket, parent: int, interval: float, beat: bytes) -> int:
 
 def main(argv: list[str]) -> int:
     fd, parent, interval, beat = int(argv[1]), int(argv[2]), float(argv[3]), bytes.fromhex(argv[4])
+    end = bytes.fromhex(argv[5]) if len(argv) > 5 else b""
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     sock.settimeout(max(5.0, 4 * interval))  # (a send the kernel cannot take for that long fails)
     try:
-        return run(sock, parent, interval, beat)
+        return run(sock, parent, interval, beat, end)
     finally:
         sock.close()
 

@@ -139,6 +139,14 @@ def _heartbeat(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
         job.heartbeat(s.round, s.rank, now)
 
 
+def _lease_end(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
+    """The client process ended its lease in order (every rank of it released it after its
+    leave): its members still active here left, even if their leaves never arrived."""
+    if s.lease is not None:
+        server.members.depart(server.state.end_lease(s.lease))
+        s.lease = None
+
+
 def _lease_of(server: Server, h: dict[str, Any]) -> Lease | None:
     key = h.get("lease")
     return None if key is None else server.state.lease(key, time.monotonic())
@@ -318,6 +326,7 @@ HANDLERS: dict[str, Any] = {
     "wait": _wait_now,
     "lease": _lease,
     "heartbeat": _heartbeat,
+    "lease_end": _lease_end,
     "attach": _attach,
     "leave": _leave,
     "status": _status,

@@ -257,6 +257,20 @@ class Job(KeyValueStore):
         if not round_.in_use:
             self.rounds.pop(round_.nonce, None)
 
+    def end_lease(self, lease: Lease) -> list[Departure]:
+        """Every active member of a complete round renewed by ``lease`` left (its process ended
+        the lease in order)."""
+        gone = []
+        for round_ in list(self.rounds.values()):
+            if not round_.complete:
+                continue
+            for member in round_.members.values():
+                if member.state is MemberState.ACTIVE and member.lease is lease:
+                    round_.end(member, MemberState.LEFT)
+                    gone.append(Departure(self.name, round_.nonce, member.rank, False, "left the job"))
+            self._forget_if_done(round_)
+        return gone
+
     def expire(self, now: float, lease: float, arm_grace: float = 0.0) -> list[Departure]:
         """Declare failed every active member of a complete round silent for over ``lease`` s."""
         gone = []
@@ -309,4 +323,11 @@ class ServerState:
         gone: list[Departure] = []
         for job in self.jobs.values():
             gone.extend(job.expire(now, lease, arm_grace))
+        return gone
+
+    def end_lease(self, lease: Lease) -> list[Departure]:
+        """A client process ended ``lease`` in order: its members still active left."""
+        gone: list[Departure] = []
+        for job in self.jobs.values():
+            gone.extend(job.end_lease(lease))
         return gone

@@ -329,3 +329,39 @@ async def test_close_ends_a_call_waiting_for_a_reconnect_attempt():
     finally:
         mute.close()
         await store.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_process_that_ends_its_lease_in_order_has_its_unleft_ranks_leave(monkeypatch):
+    """5,000-rank swarm: a rank's leave could fail to take effect on the server (given up under
+    a starved loop); once every rank of the process had released the lease, its end let the
+    server declare those ranks failed 2.5 s later, failing the collectives of hundreds of
+    others. A lease ended in order (the keeper stops its sidecar) now makes them leave."""
+    srv = start_server("--lease", "2")
+    leaving = await Store("127.0.0.1", srv.port, "leaseend", timeout=10).connect()
+    staying = await Store("localhost", srv.port, "leaseend", timeout=10).connect()
+    events: list[dict] = []
+    staying.on_event = events.append
+    try:
+        first, _ = await asyncio.gather(leaving.join(2, -1, "a:1"), staying.join(2, -1, "b:1"))
+        await asyncio.sleep(2.5)  # (the lease is renewed: longer than it)
+        ask = leaving._call
+
+        async def lost(op: str, *args: Any, **kwargs: Any) -> Any:
+            if op == "leave":  # (a leave that never takes effect on the server)
+                raise dist.StoreError("gave up")
+            return await ask(op, *args, **kwargs)
+
+        monkeypatch.setattr(leaving, "_call", lost)
+        await leaving.leave(timeout=10)  # (then its process's lease keeper stops, in order)
+        for _ in range(60):  # (the news within a second or two; a failure would come later)
+            if events:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(3.0)
+        news = [(e["event"], e["rank"]) for e in events]
+        assert news == [("rank_left", first.rank)], news
+    finally:
+        await leaving.close()
+        await staying.close()
+        srv.stop()
