@@ -306,25 +306,27 @@ class Store(MembershipOps, KeyValueOps):
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(deadline):
                 await asyncio.shield(attempt)
+        conn = self._open_connection()
+        if conn is not None:
+            return conn
+        raise self._away()
+
+    def _open_connection(self) -> transport.Connection | None:
+        """The connection if it is up, else None; the fatal error, or closed, raised."""
         if self._fatal is not None:
             raise self._fatal
         if self._closed:
             raise StoreError("the store client is closed")
         conn = self._conn
-        if conn is not None and conn.is_open:
-            return conn
-        raise self._away()
+        return conn if conn is not None and conn.is_open else None
 
     async def _wait_connected(self, deadline: float) -> transport.Connection:
         loop = asyncio.get_running_loop()
         while True:
-            if self._fatal is not None:
-                raise self._fatal
-            if self._closed:
-                raise StoreError("the store client is closed")
+            found = self._open_connection()
+            if found is not None:
+                return found
             conn = self._conn
-            if conn is not None and conn.is_open:
-                return conn
             if conn is None and self.fail_while_away and self._was_connected:
                 return await self._one_attempt(deadline)
             if loop.time() >= deadline:

@@ -18,20 +18,25 @@ def _p2p(gid: int, tag: int, data: np.ndarray) -> bytes:
     return b"".join(bytes(b) for b in wire.encode(frames.encode(frames.P2P(gid, tag, "fp")), byte_view(data)))
 
 
+def _in_one_read(world: World, peer: int, data: bytes) -> None:
+    """Hand ``data`` (whole frames) to a decoder in one read and route what completes: the sink
+    sees each later frame before the earlier ones are routed."""
+    decoder = wire.Decoder(lambda h, n: world.sink(peer, h, n))
+    decoder.set_parser(frames.decode)
+    buf = decoder.get_buffer()
+    assert len(buf) >= len(data)  # (all of it in one read)
+    buf[: len(data)] = data
+    for header, payload in decoder.feed(len(data)):
+        world.route(peer, header, payload)
+
+
 @pytest.mark.timeout(10)
 async def test_back_to_back_p2p_frames_in_one_read_reach_their_own_recvs():
     world = World(rank=1, world_size=2, timeout=5)
     first, second = np.zeros(3, np.int32), np.zeros(5, np.int32)
     a = world.p2p.post(0, 0, 0, byte_view(first), world.dead)
     b = world.p2p.post(0, 0, 0, byte_view(second), world.dead)
-    decoder = wire.Decoder(lambda h, n: world.sink(0, h, n))
-    decoder.set_parser(frames.decode)
-    data = _p2p(0, 0, np.full(3, 1, np.int32)) + _p2p(0, 0, np.full(5, 2, np.int32))
-    buf = decoder.get_buffer()
-    assert len(buf) >= len(data)  # both frames in one read: the sink sees frame 2 before frame 1 is routed
-    buf[: len(data)] = data
-    for header, payload in decoder.feed(len(data)):
-        world.route(0, header, payload)
+    _in_one_read(world, 0, _p2p(0, 0, np.full(3, 1, np.int32)) + _p2p(0, 0, np.full(5, 2, np.int32)))
     assert await asyncio.wait_for(a, 1) == 0 and await asyncio.wait_for(b, 1) == 0
     assert first.tolist() == [1, 1, 1] and second.tolist() == [2] * 5
     assert world.stats.copied_bytes == 0  # both landed in place
@@ -45,13 +50,7 @@ async def test_an_empty_p2p_message_followed_by_another_in_one_read_claims_its_o
     empty, full = np.zeros(0, np.float32), np.zeros(4, np.float32)
     a = world.p2p.post(0, 0, 0, byte_view(empty), world.dead)
     b = world.p2p.post(0, 0, 0, byte_view(full), world.dead)
-    decoder = wire.Decoder(lambda h, n: world.sink(0, h, n))
-    decoder.set_parser(frames.decode)
-    data = _p2p(0, 0, np.zeros(0, np.float32)) + _p2p(0, 0, np.arange(4, dtype=np.float32))
-    buf = decoder.get_buffer()
-    buf[: len(data)] = data
-    for header, payload in decoder.feed(len(data)):
-        world.route(0, header, payload)
+    _in_one_read(world, 0, _p2p(0, 0, np.zeros(0, np.float32)) + _p2p(0, 0, np.arange(4, dtype=np.float32)))
     assert await asyncio.wait_for(a, 1) == 0 and await asyncio.wait_for(b, 1) == 0
     assert full.tolist() == [0.0, 1.0, 2.0, 3.0] and world.stats.copied_bytes == 0
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -264,21 +266,33 @@ async def test_a_multi_get_sees_a_key_deleted_after_it_looked_as_missing(arendez
         await b.close()
 
 
+@contextlib.asynccontextmanager
+async def _a_rank_beside_a_rank_of_another_process(job: str) -> AsyncIterator[tuple[Store, int, list[dict]]]:
+    """Two ranks joined through a server with a 2 s lease, each its lease keeper's only user
+    (the stores name the server by two addresses: two keepers, as two processes would have);
+    yields the first store, its rank, and the events the other one hears."""
+    srv = start_server("--lease", "2")
+    leaving = await Store("127.0.0.1", srv.port, job, timeout=10).connect()
+    staying = await Store("localhost", srv.port, job, timeout=10).connect()
+    events: list[dict] = []
+    staying.on_event = events.append
+    try:
+        first, _ = await asyncio.gather(leaving.join(2, -1, "a:1"), staying.join(2, -1, "b:1"))
+        await asyncio.sleep(2.5)  # (the lease is renewed: longer than it)
+        yield leaving, first.rank, events
+    finally:
+        await leaving.close()
+        await staying.close()
+        srv.stop()
+
+
 @pytest.mark.timeout(30)
 async def test_a_slow_leave_of_the_last_rank_of_a_process_is_a_leave_not_a_failure(monkeypatch):
     """The process's lease is released after the leave, not before: with 5,000 ranks on 2
     cores, the last rank of a process released it, its leave (from a starved event loop) came
     after the lease had run out, and ranks that were leaving in good order were declared failed,
     failing the collectives of hundreds of others."""
-    srv = start_server("--lease", "2")
-    # (two keepers: one per address the stores name, so the leaving rank is its keeper's last user)
-    leaving = await Store("127.0.0.1", srv.port, "slowleave", timeout=10).connect()
-    staying = await Store("localhost", srv.port, "slowleave", timeout=10).connect()
-    events: list[dict] = []
-    staying.on_event = events.append
-    try:
-        first, _ = await asyncio.gather(leaving.join(2, -1, "a:1"), staying.join(2, -1, "b:1"))
-        await asyncio.sleep(2.5)  # (the lease is renewed: longer than it)
+    async with _a_rank_beside_a_rank_of_another_process("slowleave") as (leaving, rank, events):
         ask = leaving._call
 
         async def starved(op: str, *args: Any, **kwargs: Any) -> Any:
@@ -290,11 +304,7 @@ async def test_a_slow_leave_of_the_last_rank_of_a_process_is_a_leave_not_a_failu
         await leaving.leave(timeout=10)
         await asyncio.sleep(3.0)  # (a failure would have been declared by now)
         news = [(e["event"], e["rank"]) for e in events]
-        assert news == [("rank_left", first.rank)], news
-    finally:
-        await leaving.close()
-        await staying.close()
-        srv.stop()
+        assert news == [("rank_left", rank)], news
 
 
 @pytest.mark.timeout(30)
@@ -337,14 +347,7 @@ async def test_a_process_that_ends_its_lease_in_order_has_its_unleft_ranks_leave
     a starved loop); once every rank of the process had released the lease, its end let the
     server declare those ranks failed 2.5 s later, failing the collectives of hundreds of
     others. A lease ended in order (the keeper stops its sidecar) now makes them leave."""
-    srv = start_server("--lease", "2")
-    leaving = await Store("127.0.0.1", srv.port, "leaseend", timeout=10).connect()
-    staying = await Store("localhost", srv.port, "leaseend", timeout=10).connect()
-    events: list[dict] = []
-    staying.on_event = events.append
-    try:
-        first, _ = await asyncio.gather(leaving.join(2, -1, "a:1"), staying.join(2, -1, "b:1"))
-        await asyncio.sleep(2.5)  # (the lease is renewed: longer than it)
+    async with _a_rank_beside_a_rank_of_another_process("leaseend") as (leaving, rank, events):
         ask = leaving._call
 
         async def lost(op: str, *args: Any, **kwargs: Any) -> Any:
@@ -354,14 +357,6 @@ async def test_a_process_that_ends_its_lease_in_order_has_its_unleft_ranks_leave
 
         monkeypatch.setattr(leaving, "_call", lost)
         await leaving.leave(timeout=10)  # (then its process's lease keeper stops, in order)
-        for _ in range(60):  # (the news within a second or two; a failure would come later)
-            if events:
-                break
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(3.0)  # (a failure would have been declared by now)
         news = [(e["event"], e["rank"]) for e in events]
-        assert news == [("rank_left", first.rank)], news
-    finally:
-        await leaving.close()
-        await staying.close()
-        srv.stop()
+        assert news == [("rank_left", rank)], news
