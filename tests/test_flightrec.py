@@ -310,6 +310,24 @@ def test_analyzer_reports_mismatched_collectives_and_unreadable_files(tmp_path):
     assert "rank 0 runs all_reduce" in report and "rank 1 runs broadcast" in report
 
 
+def test_analyzer_of_a_large_job_names_ranges_and_does_not_blame_ranks_that_left():
+    # 5,000 ranks: rank 7 waits on rank 9; ranks 100-3999 left in good order, 4000-4002 failed
+    left = {str(r): "it left the job (the server says)" for r in range(100, 4000)}
+    failed = {str(r): "declared failed by the server (no heartbeat for 2.5s)" for r in (4000, 4001, 4002)}
+    entry = {"group": 0, "seq": 1, "op": "barrier", "state": "timed out", "peers_pending": [9]}
+    entry["duration_ms"] = 5.0
+    groups = {"0": {"ranks": list(range(5000)), "last_completed_seq": 0, "next_seq": 2}}
+    dump = {"rank": 7, "world_size": 5000, "job": "j", "groups": groups, "entries": [entry]}
+    dump["dead_ranks"] = {**left, **failed}
+    lines = analyze.analyze([dump])
+    assert lines[1] == "no dump from ranks 0-6,8-4999 (4999 ranks)", lines
+    assert "ranks 100-3999 (3900 ranks) are gone: it left the job (the server says)" in lines, lines
+    assert "ranks 4000-4002 are gone: declared failed by the server (no heartbeat for 2.5s)" in lines, lines
+    waits = next(line for line in lines if line.startswith("group 0 seq 1 barrier"))
+    assert waits.startswith("group 0 seq 1 barrier: rank 7 waiting on ranks 9,4000-4002 ("), waits
+    assert analyze.ranks_text(range(0, 200, 2)).endswith(",... (100 ranks)")
+
+
 @pytest.mark.timeout(20)
 def test_the_blocking_facade_reads_and_dumps_on_its_loop_thread(tmp_path):
     import arendez.sync as sdist

@@ -20,10 +20,31 @@ from typing import Any
 Dump = dict[str, Any]
 
 
+#: Runs of consecutive ranks a list names before it ends in "... (N ranks)".
+MAX_RUNS = 24
+#: Per-rank notes a line gives before it ends in "and N more".
+MAX_NOTES = 16
+
+
 def ranks_text(ranks: Iterable[int]) -> str:
-    """``rank 2`` or ``ranks 0,1,3``."""
+    """``rank 2`` or ``ranks 0,1,3`` or ``ranks 0-2049,2051-4999 (4999 ranks)``: runs of
+    consecutive ranks as ranges, at most ``MAX_RUNS`` of them."""
     rs = sorted(set(ranks))
-    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ",".join(map(str, rs))
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    runs: list[list[int]] = []
+    for r in rs:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    shown = [str(a) if a == b else f"{a},{b}" if b == a + 1 else f"{a}-{b}" for a, b in runs[:MAX_RUNS]]
+    text = "ranks " + ",".join(shown)
+    if len(runs) > MAX_RUNS:
+        text += ",..."
+    if len(runs) > MAX_RUNS or (len(rs) >= 10 and len(rs) > len(runs)):  # (ranges hide the count)
+        text += f" ({len(rs)} ranks)"
+    return text
 
 
 def load(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[Dump], list[str]]:
@@ -95,8 +116,11 @@ def analyze(dumps: list[Dump]) -> list[str]:
     for d in by_rank.values():
         for r, why in d.get("dead_ranks", {}).items():
             dead.setdefault(int(r), why)
+    by_reason: dict[str, list[int]] = {}
     for r, why in sorted(dead.items()):
-        lines.append(f"rank {r} is gone: {why}")
+        by_reason.setdefault(why, []).append(r)
+    for why, rs in sorted(by_reason.items(), key=lambda item: item[1][0]):
+        lines.append(f"{ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} gone: {why}")
     gids = sorted({g for d in by_rank.values() for g in d.get("groups", {})}, key=int)
     for gid in gids:
         lines.extend(_group(gid, by_rank, dead))
@@ -123,7 +147,9 @@ def _group(gid: str, by_rank: dict[int, Dump], dead: dict[int, str]) -> list[str
         for e in entries:
             named.update(e.get("peers_pending", []), e.get("missing", []), e.get("unresponsive", []))
         behind = {r for r, d in have.items() if r not in at and not _reached(d, gid, seq)}
-        silent = {r for r in members if r not in have and (r in named or r in dead)}
+        # (a rank that left in good order is no culprit unless a stuck rank names it)
+        failed = {r for r, why in dead.items() if not why.startswith("it left")}
+        silent = {r for r in members if r not in have and (r in named or r in failed)}
         culprits = behind | silent
         if culprits:
             notes = []
@@ -136,6 +162,8 @@ def _group(gid: str, by_rank: dict[int, Dump], dead: dict[int, str]) -> list[str
                     notes.append(f"rank {r} last completed seq {last[r]}{more}")
                 else:
                     notes.append(f"no dump from rank {r}")
+            if len(notes) > MAX_NOTES:
+                notes[MAX_NOTES:] = [f"and {len(notes) - MAX_NOTES} more"]
             waits = f"waiting on {ranks_text(culprits)} ({'; '.join(notes)})"
         elif named:
             waits = f"waiting on {ranks_text(named)} (in this collective too: slow peer or network)"
