@@ -141,10 +141,10 @@ class RankFailedError(NetworkError):
         self._named.add(rank)
         self.also.append((rank, reason))
         later = "; ".join(f"rank {r}: {why}" for r, why in self.also[: self.TOLD])
-        if len(self.also) > self.TOLD:
-            rest = [r for r, _ in self.also[self.TOLD :]]
-            shown = ", ".join(map(str, rest[:16])) + (", ..." if len(rest) > 16 else "")
-            later += f"; and {len(rest)} more rank(s): {shown} (all in .ranks)"
+        more = len(self.also) - self.TOLD
+        if more > 0:  # (O(1) per rank added: a failure at scale adds thousands)
+            shown = ", ".join(str(r) for r, _ in self.also[self.TOLD : self.TOLD + 16])
+            later += f"; and {more} more rank(s): {shown}{', ...' if more > 16 else ''} (all in .ranks)"
         self.args = (f"rank {self.rank} failed during {self.collective}: {self.reason}; then {later}",)
 
 

@@ -133,6 +133,11 @@ class P2PMatcher:
                 if claimed is not None and claimed.gid == gid:
                     settle(claimed.fut, exc)
 
+    def waits_on(self, peer: int) -> bool:
+        """Whether a receive is posted (from ``peer`` or any rank) or ``peer``'s message is
+        arriving: only then can the loss of ``peer`` fail one."""
+        return bool(self._posted) or bool(self._receiving.get(peer))
+
     def peer_lost(
         self,
         peer: int,

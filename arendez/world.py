@@ -405,8 +405,10 @@ class World:
             peer,
             reason,
         )
+        # (each news of a departure reaches every rank of the process: at 5,000 ranks, work
+        # in the size of the world here made a job's tail quadratic)
         for group in list(self.groups.values()):
-            if peer in group.ranks:
+            if group.active and peer in group.members:
                 for op in list(group.active.values()):
                     # A rank that left said goodbye after its last frame: only what we still
                     # expect from it is lost. A rank that died may hold up anyone: fail all.
@@ -419,6 +421,8 @@ class World:
         # a receive from any rank fails with a failure in its group (as MPI's ULFM has it), or
         # once no other member is left to send; a peer that left in good order sent its last
         # name the failures seen before this one first (the messenger's death may be their effect)
+        if not self.p2p.waits_on(peer):
+            return
         earlier = [(r, why) for r, why in self.failed.items() if r != peer]
         self.p2p.peer_lost(
             peer,
@@ -427,7 +431,7 @@ class World:
             {
                 gid
                 for gid, group in self.groups.items()
-                if peer in group.ranks
+                if peer in group.members
                 and (not left or all(r == self.rank or r in self.dead for r in group.ranks))
             },
         )
