@@ -274,7 +274,7 @@ def _no_device(device: Any) -> None:
         raise ArendezError(f"device={device!r}: arendez moves CPU data only (objects are msgpack bytes)")
 
 
-@on_group()
+@on_group(sequenced=False)
 async def send_object_list(
     object_list: list[Any],
     dst: int | None = None,
@@ -292,7 +292,7 @@ async def send_object_list(
     await send(np.frombuffer(b"".join(packed), np.uint8), target, g)
 
 
-@on_group(missing=-1)
+@on_group(missing=-1, sequenced=False)
 async def recv_object_list(
     object_list: list[Any],
     src: int | None = None,

@@ -264,6 +264,20 @@ class ProcessGroup:
         self.poisoned[seq] = exc
         return True
 
+    def abandon(self, name: str) -> None:
+        """A call of ``name`` whose task was cancelled before it started: it still takes the
+        next sequence number, which fails on every member as a cancelled collective does."""
+        if self.destroyed or self.closing:
+            return
+        seq = self.next_seq
+        self.next_seq += 1
+        self.world.mail.drop(self.early_keys.pop(seq, []))  # (what peers sent for it: unused)
+        self.early_fps.pop(seq, None)
+        self.poisoned.pop(seq, None)
+        for peer in self.ranks:
+            if peer != self.world.rank:
+                self.world.send_control(peer, frames.Cancel(self.gid, seq, name))
+
     def cancelled(self, op: Op) -> None:
         """This rank's task running ``op`` was cancelled: end it here and tell every member,
         whose copy of it fails with ``CollectiveCancelledError`` (at once, or when they start it).

@@ -23,7 +23,7 @@ def _fp(x: Any) -> str:
     return f"send|{x.dtype.str}|{x.size}"
 
 
-@on_group()
+@on_group(sequenced=False)
 async def send(
     tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None
 ) -> None:
@@ -36,7 +36,7 @@ async def send(
     await _send(g, x, dst, tag, _fp(x))
 
 
-@on_group()
+@on_group(sequenced=False)
 async def send_as(tensor: Any, dst: int, group: Any, tag: int, fingerprint: str) -> None:
     """``send`` of a message that says what it is part of (``fingerprint``: a collective built
     on messages, its dtype and op); ``recv_as`` with another fingerprint refuses it."""
@@ -57,7 +57,7 @@ async def _send(g: ProcessGroup, x: Any, dst: int, tag: int, fingerprint: str) -
     await g.world.send_p2p(dst, g.gid, _tag(tag), fingerprint, raw, g.timeout)
 
 
-@on_group(missing=-1)
+@on_group(missing=-1, sequenced=False)
 async def recv(
     tensor: Any, src: int | None = None, group: Any = None, tag: int = 0, group_src: int | None = None
 ) -> int:
@@ -69,7 +69,7 @@ async def recv(
     return await _recv(g, as_array(tensor), src, tag, None)
 
 
-@on_group(missing=-1)
+@on_group(missing=-1, sequenced=False)
 async def recv_as(tensor: Any, src: int, group: Any, tag: int, fingerprint: str) -> int:
     """``recv`` of a message sent by ``send_as`` with the same ``fingerprint``: another one is a
     ``CollectiveMismatchError`` naming both (gloo checks this only under

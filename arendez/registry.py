@@ -147,31 +147,84 @@ def resolve(group: Any) -> ProcessGroup | None:
     return group
 
 
+class Call(Coroutine[Any, Any, R]):
+    """An API call's coroutine, which a task cancelled before its first step still counts.
+
+    A task cancelled before it ran (``asyncio.wait_for(call, 0)``, ``create_task`` then
+    ``cancel()``, a ``TaskGroup`` whose body failed first) never runs the call's body, so the
+    collective would never take its sequence number while the other ranks' copies of it wait:
+    the ranks would then pair each later collective with the wrong one. ``abandon`` takes the
+    number here and cancels it on every member instead, as a cancel after the start does.
+    Awaited directly (``await all_reduce(x)``) it hands over the inner coroutine: no cost.
+    """
+
+    __slots__ = ("_abandon", "_coro", "_started")
+
+    def __init__(self, coro: Coroutine[Any, Any, R], abandon: Callable[[], None]) -> None:
+        self._coro = coro
+        self._abandon = abandon
+        self._started = False
+
+    def send(self, value: Any) -> Any:
+        self._started = True
+        return self._coro.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if not self._started:
+            self._started = True
+            self._abandon()
+        if val is None and tb is None:
+            return self._coro.throw(typ)
+        return self._coro.throw(typ, val, tb)  # pragma: no cover (the deprecated signature)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Any:
+        self._started = True
+        return self._coro.__await__()
+
+
 def on_group(
-    missing: Any = None,
+    missing: Any = None, *, sequenced: bool = True
 ) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
     """Decorate an API coroutine whose ``group`` parameter it receives resolved.
 
     The wrapped function sees a ``ProcessGroup`` as ``group``; on a rank outside the group the
-    call returns ``missing`` at once.
+    call returns ``missing`` at once. A ``sequenced`` call (a collective, not a point-to-point
+    message) cancelled before it started still takes its sequence number (``Call``).
     """
 
     def wrap(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         at = list(inspect.signature(fn).parameters).index("group")
 
-        @functools.wraps(fn)
-        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        def given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return args[at] if len(args) > at else kwargs.get("group")
+
+        async def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            g = resolve(given(args, kwargs))
+            if g is None:
+                return missing  # type: ignore[no-any-return]
             if len(args) > at:
-                g = resolve(args[at])
-                if g is None:
-                    return missing  # type: ignore[no-any-return]
                 args = (*args[:at], g, *args[at + 1 :])  # type: ignore[assignment]
             else:
-                g = resolve(kwargs.get("group"))
-                if g is None:
-                    return missing  # type: ignore[no-any-return]
                 kwargs["group"] = g
             return await fn(*args, **kwargs)
+
+        if not sequenced:
+            return functools.wraps(fn)(run)
+
+        @functools.wraps(fn)
+        def call(*args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
+            def abandon() -> None:
+                try:
+                    g = resolve(given(args, kwargs))
+                except (NotInitializedError, TypeError):
+                    return  # (the call would have raised this: nothing to cancel)
+                if g is not None:
+                    g.abandon(fn.__name__)
+
+            return Call(run(*args, **kwargs), abandon)
 
         return call
 

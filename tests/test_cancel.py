@@ -117,6 +117,16 @@ def test_issue_scenario_inproc(inproc_join: None) -> None:
     assert r1["seconds"] < 3.0
 
 
+@pytest.mark.parametrize("mode", ["wait_for", "cancel", "task_group"])
+def test_a_collective_cancelled_before_it_started_still_takes_its_place_inproc(
+    inproc_join: None, mode: str
+) -> None:
+    r0, r1 = _inproc(jobs.cancel_before_start, mode)
+    assert r0["first"] == {"wait_for": "TimeoutError", "cancel": "CancelledError"}.get(mode, "ExceptionGroup")
+    assert r1["first"] == "CollectiveCancelledError: rank 0 cancelled all_reduce (seq 0)", r1
+    assert r0["sums"] == r1["sums"] == [21.0, 41.0]  # (paired with the wrong step: 31, then a mismatch)
+
+
 def test_cancel_one_of_eight_concurrent_inproc(inproc_join: None) -> None:
     r0, r1 = _inproc(jobs.cancel_one_of_eight)
     expected = ["ok"] * 8
@@ -161,6 +171,14 @@ def test_cancel_at_random_points(
             ("cancelled", "peer cancelled"),
             ("cancelled", "completed"),  # the peer had done its part before the cancel
         }, results
+
+
+def test_a_collective_cancelled_before_it_started_still_takes_its_place_over_tcp(arendez_server: Any) -> None:
+    url = f"{arendez_server.url}/cancel-early"
+    r0, r1 = run_processes(jobs.cancel_before_start, 2, url, "wait_for", env=TCP)
+    assert r0["first"] == "TimeoutError", r0
+    assert r1["first"].startswith("CollectiveCancelledError: rank 0"), r1
+    assert r0["sums"] == r1["sums"] == [21.0, 41.0]
 
 
 def test_cancel_one_of_eight_concurrent_over_tcp(arendez_server: Any) -> None:

@@ -49,6 +49,43 @@ async def issue_scenario(rank: int, ws: int, url: str) -> dict[str, Any]:
     return out
 
 
+async def cancel_before_start(rank: int, ws: int, url: str, mode: str) -> dict[str, Any]:
+    """Rank 0's all_reduce is cancelled before its task takes a step (``wait_for(.., 0)``, a
+    task cancelled at once, a ``TaskGroup`` whose body fails first); rank 1 runs its copy. The
+    next two all_reduces must pair up (their sums are checked)."""
+    await join(url, ws, rank)
+    x = np.ones(4, np.float32)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            if mode == "wait_for":
+                await asyncio.wait_for(dist.all_reduce(x), 0)
+            elif mode == "cancel":
+                task = asyncio.ensure_future(dist.all_reduce(x))
+                task.cancel()
+                await task
+            else:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(dist.all_reduce(x))
+                    raise RuntimeError("the body fails before the task ran")
+            out["first"] = "completed"
+        except (TimeoutError, asyncio.CancelledError, ExceptionGroup, RuntimeError) as exc:
+            out["first"] = type(exc).__name__
+    else:
+        try:
+            await dist.all_reduce(x)
+            out["first"] = "completed"
+        except dist.CollectiveCancelledError as exc:
+            out["first"] = f"{type(exc).__name__}: {exc}"
+    out["sums"] = []
+    for step in (1, 2):
+        x[:] = 10 * step + rank
+        await dist.all_reduce(x)
+        out["sums"].append(float(x[0]))
+    await dist.destroy_process_group()
+    return out
+
+
 async def cancel_at_random(
     rank: int, ws: int, url: str, nbytes: int, rounds: int, seed: int, collective: str = "all_reduce"
 ) -> list[str]:
