@@ -83,6 +83,7 @@ class World:
         self.progress = Progress(self.send_control)
         self.pool = BufferPool()
         self._pooled: dict[int, Array] = {}  # pool buffers early payloads are arriving in
+        self._draining: dict[int, list[asyncio.Future[None]]] = {}  # p2p sends waiting, by peer
         # MISMATCH / CANCEL for groups not made yet, by gid and seq
         self._early_poison: dict[int, dict[int, ArendezError]] = {}
         self._early_mail: dict[int, dict[int, list[Key]]] = {}  # DATA for them, by seq
@@ -189,8 +190,20 @@ class World:
             raise RankFailedError(dst, "send", self.why_gone(dst))
         try:
             conn.send(frames.encode(frames.P2P(gid, tag, fp)), raw if raw.nbytes else None)
-            async with asyncio.timeout(timeout):
-                await conn.drain()
+            drained = conn.drain_future()
+            if drained is None:
+                return
+            # (a stopped peer never reads: its failure, declared by the server, ends the wait)
+            waiting = self._draining.setdefault(dst, [])
+            waiting.append(drained)
+            try:
+                async with asyncio.timeout(timeout):
+                    await drained
+            finally:
+                with contextlib.suppress(ValueError):
+                    waiting.remove(drained)
+            if not conn.is_open:
+                raise ConnectionResetError(f"connection to rank {dst} is closed") from conn.error
         except ConnectionError as exc:
             raise RankFailedError(dst, "send", f"connection lost ({exc})") from None
         except TimeoutError:
@@ -387,6 +400,9 @@ class World:
         if peer in self.dead or peer == self.rank:
             return
         self.dead[peer] = reason
+        for drained in self._draining.pop(peer, ()):
+            if not drained.done():
+                drained.set_exception(RankFailedError(peer, "send", reason))
         if self.mesh is not None:
             self.mesh.forget(peer, reason)
         if len(self.dead) >= self.world_size - 1:

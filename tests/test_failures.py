@@ -137,6 +137,23 @@ def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
     assert "declared failed by the server" in out["message"], out
 
 
+@pytest.mark.timeout(60)
+def test_a_send_to_a_stopped_rank_fails_when_the_server_declares_it(arendez_server, tmp_path):
+    """The stopped receiver never reads: the sender's 4 MiB send would wait for its timeout
+    (40 s here) but ends with the server's declaration."""
+    url = f"{arendez_server.url}/stop-send-{tmp_path.name}"
+    procs = [
+        spawn_rank(failures_jobs.send_until_failure, r, 2, url, str(tmp_path), 4 << 20, 40.0)
+        for r in range(2)
+    ]
+    wait_for_files(tmp_path, "ready-*", 2)
+    stopped_at, (sender,), _ = _stop_then_resume(procs)
+    out = sender.value
+    assert out["error"] == "RankFailedError" and out["rank_named"] == 1, out
+    assert "failed during send: declared failed by the server" in out["message"], out
+    assert out["at"] - stopped_at < 10.0, f"raised {out['at'] - stopped_at:.2f}s after the stop"
+
+
 @pytest.mark.timeout(90)
 def test_stopped_rank_0_hosting_the_server_is_declared_failed(tmp_path):
     """tcp://: rank 0 hosts the store, in a child process of its own, so stopping rank 0 leaves

@@ -116,6 +116,31 @@ async def reduce_until_failure(
     return outcome
 
 
+async def send_until_failure(
+    rank: int, ws: int, url: str, ready_dir: str, size: int, seconds: float
+) -> dict[str, Any]:
+    """Rank 0 sends ``size`` bytes to rank 1 in a loop, rank 1 receives them, until one fails."""
+    from pathlib import Path
+
+    await join(url, ws, rank, timeout=float(seconds))
+    x = np.zeros(size, np.uint8)
+    rounds = 0
+    try:
+        while True:
+            if rank == 0:
+                await dist.send(x, 1)
+            else:
+                await dist.recv(x, 0)
+            rounds += 1
+            if rounds == 3:
+                Path(ready_dir, f"ready-{rank}").write_text("1")
+    except dist.ArendezError as exc:
+        outcome = {"error": type(exc).__name__, "message": str(exc), "at": time.time()}
+        outcome["rank_named"] = getattr(exc, "rank", None)
+    await dist.destroy_process_group(timeout=2)
+    return outcome
+
+
 async def straggler(rank: int, ws: int, url: str, timeout: float) -> str:
     """Every rank but the last calls all_reduce; the last never does."""
     await dist.init_process_group(init_method=url, world_size=ws, rank=rank, timeout=timeout)
