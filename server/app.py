@@ -85,6 +85,9 @@ class ServerConfig:
     max_connections: int = 32768
     max_connections_per_host: int = 32768
     max_pending_per_connection: int = 4096
+    #: Reply bytes all clients together may leave unread before the one behind is dropped
+    #: (each client alone: ``connection.MAX_UNREAD_REPLIES``).
+    max_unread_bytes: int = 256 << 20
     #: Raise this process's open-file limit to its hard limit (the standalone server does).
     raise_fd_limit: bool = False
     limits: StateLimits = field(default_factory=StateLimits)
@@ -98,6 +101,8 @@ class Server:
         self.config = cfg = config or ServerConfig()
         self.state = ServerState(cfg.limits)
         self.admission = Admission(cfg.max_connections, cfg.max_connections_per_host, cfg.hooks)
+        #: Connections whose replies wait to be read (``Session.check_unread``).
+        self.backlogged: set[ServerConnection] = set()
         self.members = Members(self.state, cfg.hooks)
         self.waits = KeyWaits()
         self._server: asyncio.Server | None = None

@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"blocking get/wait/join per connection (default {d.max_pending_per_connection})",
     )
     p.add_argument(
+        "--max-unread-bytes",
+        type=arg(validate.at_least, 1, "--max-unread-bytes"),
+        default=d.max_unread_bytes,
+        help=f"reply bytes all clients together may leave unread (default {d.max_unread_bytes})",
+    )
+    p.add_argument(
         "--max-jobs",
         type=arg(validate.at_least, 1, "--max-jobs"),
         default=lim.max_jobs,
@@ -190,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         max_connections=args.max_connections,
         max_connections_per_host=args.max_connections_per_host,
         max_pending_per_connection=args.max_pending_per_connection,
+        max_unread_bytes=args.max_unread_bytes,
         raise_fd_limit=True,
         limits=limits,
         hooks=metrics_hooks() if args.http_port is not None else ServerHooks(),

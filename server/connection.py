@@ -18,8 +18,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("arendez.server")
 
-#: Reply bytes a client may leave unread before the server drops it.
+#: Reply bytes a client may leave unread before the server drops it (all clients together:
+#: ``ServerConfig.max_unread_bytes``).
 MAX_UNREAD_REPLIES = 16 << 20
+#: Unread reply bytes of one client from which the total of all is checked too.
+CHECK_TOTAL_FROM = 1 << 20
 #: Reply bytes gathered from one read that are written at once (and the reader checked).
 FLUSH_AT = 64 << 10
 #: Seconds a dropped client's connection stays open to read (and ignore) what it sent.
@@ -87,22 +90,46 @@ class Session:
                 self.flush()
             return
         conn.send_encoded(buffers)
-        if conn.buffered() > MAX_UNREAD_REPLIES and not self.dropped:  # the client does not read
-            self.drop(ProtocolError("client does not read its replies"))
+        self.check_unread()
+
+    def check_unread(self) -> None:
+        """Drop a client that leaves too many replies unread: over ``MAX_UNREAD_REPLIES`` of
+        its own, or while all clients' unread replies pass the server's ``max_unread_bytes``."""
+        unread = self.conn.buffered()
+        if unread <= CHECK_TOTAL_FROM or self.dropped:
+            return
+        if unread > MAX_UNREAD_REPLIES:
+            limit = MAX_UNREAD_REPLIES
+            self.drop(ProtocolError(f"client left {unread} bytes of replies unread (limit {limit})"))
+            return
+        budget = self.server.config.max_unread_bytes
+        total = sum(c.buffered() for c in self.server.backlogged)
+        if total > budget:
+            self.drop(
+                ProtocolError(
+                    f"client left {unread} bytes of replies unread while all clients left {total} "
+                    f"(the server's limit, --max-unread-bytes: {budget})"
+                )
+            )
 
     def drop(self, exc: ArendezError) -> None:
         """Stop answering; close soon, once what the client already sent has been read
-        (closing on unread bytes would reset the connection and lose the replies it has)."""
+        (closing on unread bytes would reset the connection and lose the replies it has),
+        freeing the replies it left unread."""
         self.dropped = True
-        asyncio.get_running_loop().call_later(DROP_DELAY, self.conn.fail, exc)
+        log.warning("dropping a client of job %r at %s: %s", self.job, self.conn.where, exc)
+        asyncio.get_running_loop().call_later(DROP_DELAY, self._abort, exc)
+
+    def _abort(self, exc: ArendezError) -> None:
+        self.conn.fail(exc)
+        self.conn.abort()  # (a close would keep the unread replies until the client reads them)
 
     def flush(self) -> None:
         """Write the replies gathered while corked (one write for a batch of requests)."""
         out, self._out, self._out_bytes = self._out, [], 0
         if out and not self.dropped and self.conn.is_open:
             self.conn.send_encoded(out)
-            if self.conn.buffered() > MAX_UNREAD_REPLIES:
-                self.drop(ProtocolError("client does not read its replies"))
+            self.check_unread()
 
 
 class ServerConnection(transport.Connection):
@@ -126,6 +153,18 @@ class ServerConnection(transport.Connection):
     def connection_made(self, transport_: asyncio.BaseTransport) -> None:
         super().connection_made(transport_)
         self.server._made(self)
+
+    def pause_writing(self) -> None:  # (replies wait in our buffer: counted toward the total)
+        super().pause_writing()
+        self.server.backlogged.add(self)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.server.backlogged.discard(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.backlogged.discard(self)
+        super().connection_lost(exc)
 
     def start_session(self, session: Session, max_header: int) -> None:
         """Read requests of up to ``max_header`` bytes from now on (what came after the hello too)."""

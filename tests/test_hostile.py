@@ -9,7 +9,7 @@ import struct
 import pytest
 
 import arendez as dist
-from tests.harness import collect, raw_frame, read_until_closed, rss_kib, spawn_rank
+from tests.harness import collect, raw_frame, read_until_closed, rss_kib, server, spawn_rank
 from tests.jobs import store as store_jobs
 
 
@@ -65,6 +65,33 @@ async def test_wrong_version_or_silent_client_does_not_block_others(arendez_serv
         await store.close()
     finally:
         idle.close()
+
+
+@pytest.mark.timeout(60)
+async def test_clients_that_never_read_their_replies_are_held_to_the_servers_total():
+    """Each client leaves 4 MiB unread (under the 16 MiB of one client); 24 of them would make
+    the server hold 96 MiB: with --max-unread-bytes 24 MiB it drops those past the total, frees
+    what they left (not kept until they read) and serves the others."""
+    with server("--max-unread-bytes", str(24 << 20)) as srv:
+        store = await dist.Store("127.0.0.1", srv.port, "flood", timeout=10).connect()
+        await store.set("big", b"x" * (1 << 20))
+        before = rss_kib(srv.proc.pid)
+        socks = []
+        try:
+            for _ in range(24):
+                sock = _handshake(srv.port, job="flood")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.sendall(b"".join(raw_frame({"op": "get", "id": i, "key": "big"}) for i in range(4)))
+                socks.append(sock)
+            await asyncio.sleep(2)  # (dropped clients are cut 0.2 s after their last reply)
+            held = rss_kib(srv.proc.pid) - before
+            assert held < 60 * 1024, f"the server holds {held} KiB more"
+            assert await store.get("big") == b"x" * (1 << 20)  # everyone else is fine
+        finally:
+            for sock in socks:
+                sock.close()
+            await store.close()
+        assert "(the server's limit, --max-unread-bytes: 25165824)" in srv.stderr_text()
 
 
 @pytest.mark.timeout(60)
