@@ -421,12 +421,16 @@ async def _close_world(world: World, deadline: float) -> None:
         uninstall()
     world.groups.clear()
     world.closed = True
-    if world.store is not None:  # before the goodbye: a rank that said it has left the store
+    hosting = world.server is not None
+    if world.store is not None and not hosting:  # before the goodbye: it means "done with the store"
         await world.store.leave(left())
     await farewell.forget(world)
     world.say_goodbye()
-    if world.server is not None:  # the others still need the store until they have left
+    if hosting:  # the others still need the store until they have left
+        # (a member still, it hears the server declare a stopped peer failed: no full linger)
         await world.peers_gone(min(deadline, loop.time() + LINGER_SECONDS))
+        if world.store is not None:
+            await world.store.leave(left())
     if world.mesh is not None:
         await world.mesh.close(left(), gone=set(world.failed))
     world.shm.close()

@@ -15,6 +15,7 @@ import pytest
 
 import arendez as dist
 import arendez.testing
+from arendez.lifecycle import LINGER_SECONDS
 from tests.harness import collect, free_port, run_ranks, server, spawn_rank, wait_for_files
 from tests.jobs import failures as failures_jobs
 from tests.jobs import lifecycle as lifecycle_jobs
@@ -240,6 +241,26 @@ def test_timeout_names_the_rank_that_never_arrived(arendez_server):
         assert "never arrived: [2]" in message, message
         took = float(message.rsplit("took ", 1)[1])
         assert 1.4 <= took <= 3.0
+
+
+@pytest.mark.timeout(60)
+def test_the_rank_hosting_the_store_destroys_once_a_stopped_peer_is_declared_failed(tmp_path):
+    """tcp://: rank 0 hosts the store and waits for its peers to leave before closing it; a
+    stopped peer never will, but the server declares it failed in 2.5 s: rank 0's destroy ends
+    then, not after its 10 s linger (it had left the store, and so heard no declaration)."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = [spawn_rank(failures_jobs.destroy_on_go, r, 3, url, str(tmp_path)) for r in range(3)]
+    try:
+        wait_for_files(tmp_path, "ready-*", 3)
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        (tmp_path / "go").touch()
+        host, other = collect(procs[:2], 30)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert other.value < 5.0, f"rank 1's destroy took {other.value:.2f}s"
+    assert host.value < 6.0, f"the host's destroy took {host.value:.2f}s (its linger is {LINGER_SECONDS}s)"
 
 
 @pytest.mark.timeout(60)

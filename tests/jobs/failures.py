@@ -141,6 +141,20 @@ async def send_until_failure(
     return outcome
 
 
+async def destroy_on_go(rank: int, ws: int, url: str, out_dir: str) -> float:
+    """all_reduce, mark ``ready-<rank>``, wait for ``go`` (the test may stop a rank meanwhile),
+    destroy (timeout 30 s): how long the destroy took."""
+    from pathlib import Path
+
+    await join(url, ws, rank)
+    await dist.all_reduce(np.ones(4, np.float32))
+    Path(out_dir, f"ready-{rank}").touch()
+    await until(lambda _world: Path(out_dir, "go").exists(), "the test said go", 30)
+    began = time.monotonic()
+    await dist.destroy_process_group(timeout=30)
+    return time.monotonic() - began
+
+
 async def straggler(rank: int, ws: int, url: str, timeout: float) -> str:
     """Every rank but the last calls all_reduce; the last never does."""
     await dist.init_process_group(init_method=url, world_size=ws, rank=rank, timeout=timeout)
