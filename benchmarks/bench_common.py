@@ -6,6 +6,8 @@ import argparse
 import os
 import re
 import resource
+import subprocess
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -26,6 +28,22 @@ POLICY_QUICK = {"budget": 0.25, "min_iters": 5, "max_iters": 200, "warmup": (5, 
 
 
 # ============================================================================ shared helpers
+def rerun_in_netns(script: str, *, torch: bool = False) -> int | None:
+    """Re-run ``script`` (with this process's arguments but ``--netns``) inside a private
+    network namespace with loopback up, and return its exit status; None when already inside
+    one. Loopback only there: TCPStore reverse-resolves its peers and stalls on the resolver
+    otherwise, and a host that tracks connections (nf_conntrack) drops packets once its table
+    is full; a fresh namespace tracks none."""
+    if os.environ.get("ARENDEZ_BENCH_NETNS"):
+        return None
+    argv = [a for a in sys.argv[1:] if a != "--netns"]
+    command = f'ip link set lo up && exec "{sys.executable}" "{script}" "$@"'
+    env = dict(os.environ, ARENDEZ_BENCH_NETNS="1")
+    if torch:
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    return subprocess.call(["unshare", "-rn", "sh", "-c", command, "sh", *argv], env=env)
+
+
 def fmt_size(n: int) -> str:
     for unit, scale in (("MiB", MiB), ("KiB", KiB)):
         if n >= scale and n % scale == 0:

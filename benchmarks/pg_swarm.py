@@ -25,12 +25,13 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import bench_common
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -158,11 +159,8 @@ def main() -> int:
         port, job, world, count, timeout = args.worker
         print(json.dumps(_ranks(int(port), job, int(world), int(count), float(timeout))), flush=True)
         return 0
-    if args.netns and not os.environ.get("ARENDEZ_BENCH_NETNS"):
-        argv = [a for a in sys.argv[1:] if a != "--netns"]
-        script = f'ip link set lo up && exec "{PY}" "{__file__}" "$@"'
-        env = dict(os.environ, ARENDEZ_BENCH_NETNS="1")
-        return subprocess.call(["unshare", "-rn", "sh", "-c", script, "sh", *argv], env=env)
+    if args.netns and (status := bench_common.rerun_in_netns(__file__)) is not None:
+        return status
     print("| ranks | processes | wall s | slowest init s | finished | errors | left | declared failed |")
     print("|---|---|---|---|---|---|---|---|")
     for n in args.ranks:

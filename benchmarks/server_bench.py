@@ -39,6 +39,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import bench_common
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
@@ -378,11 +380,8 @@ def main() -> int:
         conv = [int(rest[0]), rest[1], *[float(x) if "." in x else int(x) for x in rest[2:]]]
         print(json.dumps(WORKERS[kind](*conv)), flush=True)
         return 0
-    if args.netns and not os.environ.get("ARENDEZ_BENCH_NETNS"):
-        argv = [a for a in sys.argv[1:] if a != "--netns"]
-        script = f'ip link set lo up && exec "{PY}" "{__file__}" "$@"'
-        env = dict(os.environ, ARENDEZ_BENCH_NETNS="1", TORCH_CPP_LOG_LEVEL="ERROR")
-        return subprocess.call(["unshare", "-rn", "sh", "-c", script, "sh", *argv], env=env)
+    if args.netns and (status := bench_common.rerun_in_netns(__file__, torch=True)) is not None:
+        return status
     servers = Servers()
     rows: dict[str, Any] = {"ops": [], "rendezvous": []}
     try:

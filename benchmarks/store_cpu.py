@@ -32,6 +32,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import bench_common
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 KINDS = ("tcpstore", "blocking", "raw", "encoded")
@@ -204,11 +206,8 @@ def main() -> int:
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--repeat", type=int, default=2, help="rounds over the kinds, alternating")
     args = p.parse_args()
-    if args.netns and not os.environ.get("ARENDEZ_BENCH_NETNS"):
-        argv = [a for a in sys.argv[1:] if a != "--netns"]
-        script = f'ip link set lo up && exec "{PY}" "{__file__}" "$@"'
-        env = dict(os.environ, ARENDEZ_BENCH_NETNS="1", TORCH_CPP_LOG_LEVEL="ERROR")
-        return subprocess.call(["unshare", "-rn", "sh", "-c", script, "sh", *argv], env=env)
+    if args.netns and (status := bench_common.rerun_in_netns(__file__, torch=True)) is not None:
+        return status
     header = ["kind", "clients", "round", "ops/s", "server user µs/op", "server sys"]
     header += ["clients user µs/op", "clients sys"]
     print("| " + " | ".join(header) + " |")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import socket
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import threading
 import time
 from datetime import timedelta
 from typing import Any
+
+import bench_common
 
 PY = sys.executable
 MODULES = {"torch": "torch.distributed", "arendez": "arendez.sync"}
@@ -150,11 +151,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="each rank's store timeout (s)")
     p.add_argument("--json", default="", help="write the results here as JSON")
     args = p.parse_args()
-    if args.netns and not os.environ.get("ARENDEZ_BENCH_NETNS"):
-        argv = [a for a in sys.argv[1:] if a != "--netns"]
-        script = f'ip link set lo up && exec "{PY}" "{__file__}" "$@"'
-        env = dict(os.environ, ARENDEZ_BENCH_NETNS="1", TORCH_CPP_LOG_LEVEL="ERROR")
-        return subprocess.call(["unshare", "-rn", "sh", "-c", script, "sh", *argv], env=env)
+    if args.netns and (status := bench_common.rerun_in_netns(__file__, torch=True)) is not None:
+        return status
     rows = []
     for world in args.worlds:
         for run in range(1, args.repeat + 1):
