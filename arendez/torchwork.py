@@ -107,6 +107,11 @@ class Work(_TorchWork):  # type: ignore[misc]
         self.wait()
         return int(self._done._result) if self._done is not None else -1
 
+    def source_rank(self) -> int:
+        """The public name of ``_source_rank`` (``dist.recv`` calls the private one; without
+        this, torch's C++ ``sourceRank`` answered and refused)."""
+        return self._source_rank()
+
 
 def start(value: Any, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:
     """A ``Work`` over ``fn(*args)``, started on the loop thread; ``value`` (the output tensors)

@@ -141,7 +141,7 @@ def test_subgroups_of_one_their_point_to_point_a_shared_mistake_and_no_grad_as_g
     results = _run("subgroup_edges", 3, f"tcp://127.0.0.1:{free_port()}")
     assert [r["single"] for r in results] == [[float(r + 1)] * 3 for r in range(3)]
     assert results[1]["p2p"] == [[2.0, 2.0], [1.0, 1.0]]
-    assert results[1]["any"] == [0, [7.0, 7.0], [9.0, 9.0]]
+    assert results[1]["any"] == [0, [7.0, 7.0], [9.0, 9.0], 2]
     for got in results[:2]:
         assert got["mistake"] == "InvalidArgumentError", got
         assert got["after"] == [2.0, 20.0, 200.0], got

@@ -650,13 +650,16 @@ def subgroup_edges(rank: int, ws: int, init: str) -> dict[str, Any]:
         out["p2p"] = [on_pair.tolist(), on_world.tolist()]
     if rank == 2:
         dist.send(torch.full((2,), 9.0), 1)  # a non-member's message on the world
+        dist.send(torch.full((2,), 5.0), 1, tag=3)
     elif rank == 0:
         dist.send(torch.full((2,), 7.0), 1, group=pair)
     if rank == 1:
-        anyone, stranger = torch.zeros(2), torch.zeros(2)
+        anyone, stranger, later = torch.zeros(2), torch.zeros(2), torch.zeros(2)
         src = dist.recv(anyone, None, group=pair)
         dist.recv(stranger, 2)
-        out["any"] = [src, anyone.tolist(), stranger.tolist()]
+        work = dist.irecv(later, tag=3)  # from any source: the Work says whose it was
+        work.wait()
+        out["any"] = [src, anyone.tolist(), stranger.tolist(), work.source_rank()]
     if rank in (0, 1):
         try:  # both members make the same mistake: 11 elements cannot hold 2 x 5
             dist.all_gather_into_tensor(torch.zeros(11), torch.ones(5), group=pair)
