@@ -89,19 +89,20 @@ class CollectiveMismatchError(ArendezError):
 
 
 class CollectiveCancelledError(ArendezError):
-    """Another rank cancelled the collective (its task was cancelled): it ended on every rank.
+    """Another rank cancelled the collective (its task was cancelled), or it outlived that
+    rank's deadline (``why``: "timed out after 3s in"): it ended on every rank.
 
     ``rank`` is the (global) rank that cancelled, ``collective`` its name, ``seq`` the group's
     sequence number of it. The group stays usable: the next collectives match as before.
     """
 
-    def __init__(self, rank: int, collective: str, seq: int = -1) -> None:
-        self._init_args = (rank, collective, seq)
+    def __init__(self, rank: int, collective: str, seq: int = -1, why: str = "cancelled") -> None:
+        self._init_args = (rank, collective, seq, why)
         self.rank = rank
         self.collective = collective
         self.seq = seq
         where = f" (seq {seq})" if seq >= 0 else ""
-        super().__init__(f"rank {rank} cancelled {collective}{where}")
+        super().__init__(f"rank {rank} {why} {collective}{where}")
 
 
 class RankFailedError(NetworkError):

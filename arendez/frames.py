@@ -38,6 +38,7 @@ class Kind(enum.IntEnum):
     SHM_DATA = 10
     ERROR = 11
     CANCEL = 12
+    TIMED_OUT = 13
 
 
 class Frame:
@@ -92,6 +93,19 @@ class Cancel(Frame):
     gid: int
     seq: int
     collective: str
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut(Frame):
+    """Collective ``seq`` of group ``gid`` (named ``collective``) outlived the sender's deadline
+    of ``ms`` milliseconds: it ends on every member as a cancelled one does, so a late member
+    does not complete it with the parts the sender had already sent."""
+
+    KIND: ClassVar[Kind] = Kind.TIMED_OUT
+    gid: int
+    seq: int
+    collective: str
+    ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +258,7 @@ _CLASSES: tuple[type[Frame], ...] = (
     ShmData,
     Mismatch,
     Cancel,
+    TimedOut,
     Bye,
     Query,
     Answer,

@@ -27,6 +27,7 @@ from .errors import (
 )
 from .mailbox import Stats
 from .op import DIAGNOSE_MIN_SECONDS, DIAGNOSE_SECONDS, TIMER_SLACK, Op
+from .progress import DIAL_LIMIT
 
 if TYPE_CHECKING:
     from .world import World
@@ -230,11 +231,27 @@ class ProcessGroup:
                 await asyncio.sleep(op.deadline - loop.time())
             missing = [g for g in asked if g in progress and progress[g] <= op.seq]
             silent = [g for g in asked if g not in progress]
+            if op.error is not None:
+                return
             op.fail(CollectiveTimeoutError(f"{op.name} (seq {op.seq})", limit, missing, silent))
+            # the late members must not complete it with the parts this rank had sent
+            told = frames.TimedOut(self.gid, op.seq, op.name, round(limit * 1000))
+            for peer in peers:
+                self.world.send_control(peer, told, dial=len(self.ranks) < DIAL_LIMIT)
 
         if op.error is None and op.seq in self.active:
             task = asyncio.get_running_loop().create_task(diagnose())
             op.done.add_done_callback(lambda _: task.cancel())
+
+    def times_out_soon(self, seq: int) -> bool:
+        """Whether collective ``seq`` runs here with its own deadline due within a quarter of
+        its timeout (``DIAGNOSE_SECONDS`` at most): it started about when a peer's that timed
+        out, and waited as long."""
+        op = self.active.get(seq)
+        if op is None or op.error is not None:
+            return False
+        window = min(DIAGNOSE_SECONDS, op.limit / 4)
+        return op.deadline - asyncio.get_running_loop().time() <= window
 
     def mismatch(self, seq: int, mine: str, theirs: str, peer: int) -> None:
         """Fail collective ``seq`` here and tell every other member why."""

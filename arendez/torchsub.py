@@ -14,7 +14,13 @@ from typing import Any
 import torch
 
 import arendez
-from arendez.errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidArgumentError
+from arendez.errors import (
+    ArendezError,
+    CollectiveCancelledError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+)
 from arendez.p2p import recv_as, send_as
 from arendez.torchstage import writing
 
@@ -36,6 +42,17 @@ def _fingerprint(collective: str, t: torch.Tensor, op: str) -> str:
     return f"{collective}|{str(t.dtype).removeprefix('torch.')}|{op}"
 
 
+#: The fingerprint of the message a member that timed out sends every other member: a late
+#: member may still complete the call it timed out of (its part had arrived), but its next call
+#: reads this instead of a part, and the subgroup is unusable there too.
+TIMED_OUT = "timed out"
+
+
+def _ignore_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # (retrieved: a peer gone meanwhile is no news here)
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
@@ -49,7 +66,7 @@ class Direct:
     def __init__(self, ranks: list[int], me: int, tag: int, timeout: float) -> None:
         self.ranks, self.me, self.tag, self.timeout = ranks, me, tag, timeout
         self._lock: asyncio.Lock | None = None
-        self._broken: CollectiveTimeoutError | CollectiveMismatchError | None = None
+        self._broken: ArendezError | None = None
 
     async def _exchange(
         self,
@@ -95,6 +112,9 @@ class Direct:
                     raise exc.during(collective) from exc
                 if isinstance(exc, CollectiveMismatchError):
                     self._broken = CollectiveMismatchError(f"{collective} on subgroup {self.ranks}: {exc}")
+                    if f"part of '{TIMED_OUT} " in str(exc):  # (not a mismatch: a call-off)
+                        why = f"timed out of an earlier call on subgroup {self.ranks}, which then refuses"
+                        self._broken = CollectiveCancelledError(self.ranks[peers[task]], collective, -1, why)
                     raise self._broken
                 if exc is not None:
                     raise exc
@@ -102,7 +122,15 @@ class Direct:
                 late = sorted({self.ranks[peers[task]] for task in pending})
                 what = f"{collective} on subgroup {self.ranks}"
                 self._broken = CollectiveTimeoutError(what, self.timeout, late)
+                self._tell_timed_out(collective)
                 raise self._broken
+
+    def _tell_timed_out(self, collective: str) -> None:
+        """Send every other member the ``TIMED_OUT`` message (not waited for: best effort)."""
+        nothing = torch.empty(0, dtype=torch.uint8)
+        for p in self._others():
+            sent = send_as(nothing, self.ranks[p], None, self.tag, f"{TIMED_OUT}|{collective}")
+            asyncio.ensure_future(sent).add_done_callback(_ignore_outcome)
 
     def _others(self) -> Iterator[int]:
         return (p for p in range(len(self.ranks)) if p != self.me)

@@ -295,6 +295,14 @@ class World:
             self._fail_seq(frame.gid, frame.seq, CollectiveMismatchError(frame.message))
         elif isinstance(frame, frames.Cancel):
             self._fail_seq(frame.gid, frame.seq, CollectiveCancelledError(peer, frame.collective, frame.seq))
+        elif isinstance(frame, frames.TimedOut):
+            group = self.groups.get(frame.gid)
+            if group is not None and group.times_out_soon(frame.seq):
+                return  # (it waited as long: its own timeout, due now, names the late ranks)
+            why = f"timed out after {frame.ms / 1000:g}s in"
+            self._fail_seq(
+                frame.gid, frame.seq, CollectiveCancelledError(peer, frame.collective, frame.seq, why)
+            )
         elif isinstance(frame, frames.Bye):
             # the leaver tells us who it saw die: blame the root cause, not the messenger
             # (it names itself when its process ended without destroy_process_group)

@@ -130,6 +130,12 @@ def test_a_subgroups_own_timeout_ends_its_collective() -> None:
     assert "never arrived: [1]" in got["message"]
     assert got["after"] < 7, got  # the subgroup's 2 s, well before rank 1 comes at 8 s
     assert got["again"] == "CollectiveTimeoutError"
+    late = results[1]  # its first call took rank 0's part (a correct sum); its next one refuses
+    assert late["late"] == [2.0] * 4, late
+    assert late["late again"] == (
+        "CollectiveCancelledError: rank 0 timed out of an earlier call on subgroup [0, 1], "
+        "which then refuses all_reduce"
+    ), late
 
 
 @pytest.mark.timeout(120)

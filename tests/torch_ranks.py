@@ -594,6 +594,14 @@ def subgroup_timeout(rank: int, ws: int, init: str) -> dict[str, Any]:
             out["again"] = type(exc).__name__
     else:
         time.sleep(8)
+        late = torch.ones(4)
+        dist.all_reduce(late, group=group)  # (rank 0's part had arrived: it may complete)
+        out["late"] = late.tolist()
+        try:
+            dist.all_reduce(torch.ones(4), group=group)
+        except Exception as exc:
+            out["late again"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()  # (the default group: rank 0 stays until rank 1 is done)
     dist.destroy_process_group()
     return out
 

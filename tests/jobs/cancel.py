@@ -86,6 +86,25 @@ async def cancel_before_start(rank: int, ws: int, url: str, mode: str) -> dict[s
     return out
 
 
+async def late_after_a_timeout(rank: int, ws: int, url: str) -> dict[str, Any]:
+    """Rank 1's all_reduce on a group of timeout 1 s times out; rank 0 calls its copy 2 s late,
+    after rank 1's part had arrived: it must not complete it. The next one pairs up."""
+    await join(url, ws, rank)
+    group = await dist.new_group([0, 1], timeout=1.0)
+    x = np.full(4, rank + 1.0)
+    if rank == 0:
+        await asyncio.sleep(2.0)
+    try:
+        await dist.all_reduce(x, group=group)
+        first = "completed"
+    except (dist.CollectiveTimeoutError, dist.CollectiveCancelledError) as exc:
+        first = f"{type(exc).__name__}: {exc}"
+    y = np.full(4, 10.0 * (rank + 1))
+    await dist.all_reduce(y, group=group)
+    await dist.destroy_process_group()
+    return {"first": first, "x": float(x[0]), "y": float(y[0])}
+
+
 async def cancel_at_random(
     rank: int, ws: int, url: str, nbytes: int, rounds: int, seed: int, collective: str = "all_reduce"
 ) -> list[str]:
