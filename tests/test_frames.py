@@ -13,6 +13,7 @@ EXAMPLES: list[frames.Frame] = [
     frames.ShmData(0, 7, 1, 0, "broadcast|<i8|3|0", 4096, 24),
     frames.Mismatch(0, 5, "collective #5: this rank runs a, rank 1 runs b"),
     frames.Cancel(0, 6, "all_reduce"),
+    frames.TimedOut(0, 7, "all_reduce", 3000),
     frames.Bye({2: "connection lost", 3: "declared failed"}),
     frames.Bye({}),
     frames.Query(0, 11),
