@@ -10,6 +10,7 @@ Every API call that takes ``group=`` resolves it here, once (``on_group``): ``No
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import datetime
@@ -185,6 +186,16 @@ class Call(Coroutine[Any, Any, R]):
         return self._coro.__await__()
 
 
+def _as_coroutine_function(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """``fn`` (a function returning a ``Call``) marked so ``inspect`` and ``asyncio`` call it
+    a coroutine function, as the API's ``async def`` functions were."""
+    mark = getattr(inspect, "markcoroutinefunction", None)  # (Python 3.12+)
+    if mark is not None:
+        return mark(fn)  # type: ignore[no-any-return]
+    fn._is_coroutine = asyncio.coroutines._is_coroutine  # type: ignore[attr-defined]
+    return fn
+
+
 def on_group(
     missing: Any = None, *, sequenced: bool = True
 ) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
@@ -226,7 +237,7 @@ def on_group(
 
             return Call(run(*args, **kwargs), abandon)
 
-        return call
+        return _as_coroutine_function(call)
 
     return wrap
 

@@ -117,6 +117,12 @@ def test_issue_scenario_inproc(inproc_join: None) -> None:
     assert r1["seconds"] < 3.0
 
 
+def test_the_api_calls_are_still_coroutine_functions_to_asyncio() -> None:
+    # (they return a Call, which a cancel before the start still counts, not a bare coroutine)
+    assert asyncio.iscoroutinefunction(dist.all_reduce) and asyncio.iscoroutinefunction(dist.barrier)
+    assert asyncio.iscoroutinefunction(dist.send)
+
+
 @pytest.mark.parametrize("mode", ["wait_for", "cancel", "task_group"])
 def test_a_collective_cancelled_before_it_started_still_takes_its_place_inproc(
     inproc_join: None, mode: str
