@@ -60,7 +60,7 @@ def _ranks(port: int, job: str, world: int, count: int, timeout: float) -> dict[
             await arendez.destroy_process_group()
             done["ok"] += 1
         except Exception as exc:  # (reported by kind, not raised: the others go on)
-            done["errors"].append(f"{type(exc).__name__}: {str(exc)[:160]}")
+            done["errors"].append(f"{type(exc).__name__}: {str(exc)[:600]}")
 
     async def main() -> None:
         running = asyncio.get_running_loop()
