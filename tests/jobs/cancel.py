@@ -87,18 +87,21 @@ async def cancel_before_start(rank: int, ws: int, url: str, mode: str) -> dict[s
 
 
 async def late_after_a_timeout(rank: int, ws: int, url: str) -> dict[str, Any]:
-    """Rank 1's all_reduce on a group of timeout 1 s times out; rank 0 calls its copy 2 s late,
-    after rank 1's part had arrived: it must not complete it. The next one pairs up."""
+    """Rank 1's all_reduce on a group of timeout 2 s times out; rank 0 calls its copy 4 s late,
+    after rank 1's part had arrived: it must not complete it. The next one pairs up (rank 1
+    starts it at 5 s, inside rank 0's 4-6 s: a second of margin either way)."""
     await join(url, ws, rank)
-    group = await dist.new_group([0, 1], timeout=1.0)
+    group = await dist.new_group([0, 1], timeout=2.0)
     x = np.full(4, rank + 1.0)
     if rank == 0:
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(4.0)
     try:
         await dist.all_reduce(x, group=group)
         first = "completed"
     except (dist.CollectiveTimeoutError, dist.CollectiveCancelledError) as exc:
         first = f"{type(exc).__name__}: {exc}"
+    if rank == 1:
+        await asyncio.sleep(3.0)
     y = np.full(4, 10.0 * (rank + 1))
     await dist.all_reduce(y, group=group)
     await dist.destroy_process_group()
