@@ -212,6 +212,7 @@ def on_group(
         def given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return args[at] if len(args) > at else kwargs.get("group")
 
+        @functools.wraps(fn)  # (a call never awaited is then warned of by its own name)
         async def run(*args: P.args, **kwargs: P.kwargs) -> R:
             g = resolve(given(args, kwargs))
             if g is None:
@@ -223,7 +224,7 @@ def on_group(
             return await fn(*args, **kwargs)
 
         if not sequenced:
-            return functools.wraps(fn)(run)
+            return run
 
         @functools.wraps(fn)
         def call(*args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
