@@ -26,7 +26,7 @@ from .errors import (
     RankFailedError,
 )
 from .mailbox import Stats
-from .op import DIAGNOSE_MIN_SECONDS, DIAGNOSE_SECONDS, TIMER_SLACK, Op
+from .op import DIAGNOSE_MIN_SECONDS, DIAGNOSE_SECONDS, TIMER_SLACK, LinkGone, Op
 from .progress import DIAL_LIMIT
 
 if TYPE_CHECKING:
@@ -164,7 +164,8 @@ class ProcessGroup:
             peer = self._first_dead_member()
             if peer < 0:  # none known dead: the rank whose connection failed
                 peer = getattr(exc, "peer", -1)
-            err = RankFailedError(peer, name, f"connection lost ({exc})")
+            why = exc.reason if isinstance(exc, LinkGone) else f"connection lost ({exc})"
+            err = await self.world.blame(peer, name, why)
             op.fail(err)
             raise err from None
         except asyncio.CancelledError:

@@ -188,7 +188,7 @@ async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> Wor
     links = await inproc.join(job, where.world_size, where.rank, timeout)
     world = World(links.rank, where.world_size, timeout)
     world.mesh = links
-    links.attach(world.route, world.sink, world.peer_lost)
+    links.attach(world.route, world.sink, world.link_lost)
     return world
 
 
@@ -293,7 +293,7 @@ async def _tcp_world(
             known,
             world.route,
             world.sink,
-            world.peer_lost,
+            world.link_lost,
             resolve=resolve,
             on_connected=world.on_connected,
             dial_timeout=timeout,

@@ -45,6 +45,15 @@ SHM_ROOM_WAIT = env_int("ARENDEZ_SHM_ROOM_WAIT_MS", 100, minimum=0) / 1000
 __all__ = ["Op"]
 
 
+class LinkGone(ConnectionResetError):
+    """No link to ``peer``, whose loss is not blamed yet (seen just after a stall): ``reason``
+    says what closed it."""
+
+    def __init__(self, peer: int, reason: str) -> None:
+        super().__init__(reason)
+        self.peer, self.reason = peer, reason
+
+
 class Op:
     """One collective in flight: the ``Comm`` its algorithm runs over."""
 
@@ -108,6 +117,8 @@ class Op:
         conn = world.connection(target)
         if conn is None:
             reason = world.why_gone(target)
+            if target not in world.dead and world.doubting():
+                raise LinkGone(target, reason)  # (blamed once the server is heard: World.blame)
             exc = RankFailedError(target, self.name, reason)
             self.fail(exc)
             raise exc

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from . import burstlog, frames, shm, wire
+from . import burstlog, frames, shm, stall, wire
 from .algorithms import Chooser
 from .errors import (
     ArendezError,
@@ -40,6 +40,10 @@ Array = Any
 
 #: Payloads at least this large that arrive before their receive land in pooled buffers.
 POOLED_EARLY_BYTES = 64 * 1024
+#: Seconds a doubted loss (``stall``) waits at most for the store's answer before it is blamed.
+HEAR_SERVER_SECONDS = 1.0
+#: The key the store round trip of ``World.hear_the_server`` checks (never set).
+_PROBE_KEY = "__arendez/probe"
 
 
 def _summariser(what: str) -> Callable[[Sequence[tuple[str, int, int, str]]], str]:
@@ -97,6 +101,13 @@ class World:
         if world_size == 1:
             self._peers_gone.set()
         self.flight = Recorder(self)  # the last collectives, for dumps (arendez.flightrec)
+        self._doubted: dict[int, str] = {}  # lost links seen just after a stall, not blamed yet
+        self._hearing: asyncio.Task[None] | None = None
+        try:
+            self.stall: stall.StallWatch | None = stall.watch_for(asyncio.get_running_loop())
+            self.stall.watch(self)
+        except RuntimeError:  # (built outside a loop: tests)
+            self.stall = None
         self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
         self.flight.groups[0] = self.groups[0].ranks
         self.next_gid = 1
@@ -187,7 +198,7 @@ class World:
         """Send one point-to-point message and wait until its bytes are in the kernel."""
         conn = self.connection(dst)
         if conn is None:
-            raise RankFailedError(dst, "send", self.why_gone(dst))
+            raise await self.blame(dst, "send", self.why_gone(dst))
         try:
             conn.send(frames.encode(frames.P2P(gid, tag, fp)), raw if raw.nbytes else None)
             drained = conn.drain_future()
@@ -205,7 +216,7 @@ class World:
             if not conn.is_open:
                 raise ConnectionResetError(f"connection to rank {dst} is closed") from conn.error
         except ConnectionError as exc:
-            raise RankFailedError(dst, "send", f"connection lost ({exc})") from None
+            raise await self.blame(dst, "send", f"connection lost ({exc})") from None
         except TimeoutError:
             raise CollectiveTimeoutError("send", timeout, [dst]) from None
 
@@ -402,6 +413,57 @@ class World:
 
     def _job(self) -> str:
         return str(getattr(self.store, "job", "") or "local")
+
+    # -- losses seen just after a stall (``arendez.stall``) -----------------------------------
+    def doubting(self) -> bool:
+        """Whether a lost link is doubted now: the loop just stood still (``arendez.stall``)."""
+        return self.stall is not None and self.store is not None and self.stall.just_resumed()
+
+    def link_lost(self, peer: int, reason: str) -> None:
+        """``peer``'s connection closed or failed: ``peer_lost``, or, if the event loop just
+        stood still, once the server's word sent before has been read (which may be that this
+        rank was declared failed while stopped, and the peer only left without it)."""
+        if peer in self.dead or not self.doubting():
+            self.peer_lost(peer, reason)
+            return
+        if not self._doubted:
+            asyncio.get_running_loop().create_task(self._settle_doubts())
+        self._doubted.setdefault(peer, reason)
+
+    async def _settle_doubts(self) -> None:
+        try:
+            await self.hear_the_server()
+        finally:
+            doubted, self._doubted = self._doubted, {}
+            for peer, reason in doubted.items():
+                self.peer_lost(peer, reason)
+
+    async def hear_the_server(self) -> None:
+        """One round trip to the store (at most ``HEAR_SERVER_SECONDS``): whatever the server
+        sent before its answer has been handled once this returns."""
+        if self._hearing is None:
+            self._hearing = asyncio.get_running_loop().create_task(self._round_trip())
+        hearing = self._hearing
+        try:
+            await asyncio.shield(hearing)
+        finally:
+            if hearing.done() and self._hearing is hearing:
+                self._hearing = None
+
+    async def _round_trip(self) -> None:
+        check = getattr(self.store, "check", None)
+        if check is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(check([_PROBE_KEY]), HEAR_SERVER_SECONDS)
+
+    async def blame(self, peer: int, name: str, reason: str) -> RankFailedError:
+        """The error of ``name`` (a collective, a send) whose link to ``peer`` failed: naming
+        ``peer``, or this rank if the server declared it failed while the loop stood still."""
+        if self.expulsion is None and peer not in self.dead and self.doubting():
+            await self.hear_the_server()
+        if self.expulsion is not None:
+            return RankFailedError(self.rank, name, self.expulsion)
+        return RankFailedError(peer, name, reason)
 
     def peer_lost(self, peer: int, reason: str, *, left: bool = False) -> None:
         """``peer`` died, left or was declared failed: fail everything that depends on it."""

@@ -119,12 +119,16 @@ def _stop_then_resume(
 
 
 @pytest.mark.timeout(60)
-def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path):
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast"])
+def test_stopped_rank_is_declared_failed_by_its_lease(arendez_server, tmp_path, collective):
     """SIGSTOP keeps the sockets open: only the server's lease can tell. Resumed, the stopped
-    rank's own error names itself as the one declared failed, not a survivor that left."""
+    rank's own error names itself as the one declared failed, not a survivor that left (whose
+    closed connection it may read before the server's word: broadcast's root, here, sends to
+    both survivors)."""
     url = f"{arendez_server.url}/stop-{tmp_path.name}"
     procs = [
-        spawn_rank(failures_jobs.reduce_until_failure, r, 3, url, str(tmp_path), 1000, 40.0) for r in range(3)
+        spawn_rank(failures_jobs.reduce_until_failure, r, 3, url, str(tmp_path), 1000, 40.0, collective)
+        for r in range(3)
     ]
     wait_for_files(tmp_path, "ready-*", 3)
     stopped_at, results, resumed = _stop_then_resume(procs)

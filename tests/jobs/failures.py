@@ -85,9 +85,10 @@ async def two_die_between_collectives(rank: int, ws: int, url: str) -> str:
 
 
 async def reduce_until_failure(
-    rank: int, ws: int, url: str, ready_dir: str, size: int, seconds: float
+    rank: int, ws: int, url: str, ready_dir: str, size: int, seconds: float, collective: str = "all_reduce"
 ) -> dict[str, Any]:
-    """all_reduce in a loop until a peer fails; report the error and when it was raised."""
+    """``collective`` (all_reduce, or broadcast from the last rank) in a loop until a peer fails;
+    report the error and when it was raised."""
     from pathlib import Path
 
     await join(url, ws, rank, timeout=float(seconds))
@@ -96,7 +97,10 @@ async def reduce_until_failure(
     deadline = time.monotonic() + seconds
     try:
         while time.monotonic() < deadline:
-            await dist.all_reduce(x)
+            if collective == "broadcast":
+                await dist.broadcast(x, ws - 1)
+            else:
+                await dist.all_reduce(x)
             x.fill(1)
             rounds += 1
             if rounds == 3:

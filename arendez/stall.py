@@ -1,0 +1,72 @@
+"""Did this process just stand still? Losses seen right after a stall are doubted.
+
+A rank that was stopped (SIGSTOP, a frozen VM) for longer than its lease was declared failed by
+the server meanwhile, and its peers went on without it and closed their connections. Resumed,
+it finds both in its sockets at once: the server's word ("this rank was declared failed") and
+the closed peer connections (a send fails with a broken pipe, a read sees the close). Whichever
+the event loop handles first would be blamed, and the peers' closes often come first. So a loss
+seen just after the loop stood still is blamed only after a round trip to the store, which
+reads everything the server sent before it (``World.blame``).
+
+The watch is a timer that ticks every ``TICK`` seconds on each event loop that has a world: a
+tick late by over ``STALL`` seconds, or a loss seen while one is overdue that much, means the loop
+stood still. A busy step of user code counts as well: its cost is one store round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import weakref
+from typing import Any
+
+#: Seconds between ticks.
+TICK = 0.25
+#: Seconds a tick may be late before the loop counts as having stood still.
+STALL = 1.0
+#: Seconds after a late tick during which losses are still doubted.
+GRACE = 2.0
+
+
+class StallWatch:
+    """Ticks on one event loop while any of its ``users`` is alive and open."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.users: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.due = math.inf  # when the next tick is due (loop time)
+        self.resumed_until = -math.inf
+        self._handle: asyncio.TimerHandle | None = None
+
+    def watch(self, user: Any) -> None:
+        """Keep ticking while ``user`` lives and its ``closed`` is false."""
+        self.users.add(user)
+        if self._handle is None:
+            self.due = self.loop.time() + TICK
+            self._handle = self.loop.call_at(self.due, self._tick)
+
+    def _tick(self) -> None:
+        now = self.loop.time()
+        if now > self.due + STALL:
+            self.resumed_until = now + GRACE
+        if not any(not getattr(user, "closed", True) for user in self.users):
+            self._handle, self.due = None, math.inf
+            return
+        self.due = now + TICK
+        self._handle = self.loop.call_at(self.due, self._tick)
+
+    def just_resumed(self) -> bool:
+        """Whether the loop stood still just now (a tick overdue, or late only moments ago)."""
+        now = self.loop.time()
+        return now > self.due + STALL or now < self.resumed_until
+
+
+_watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, StallWatch] = weakref.WeakKeyDictionary()
+
+
+def watch_for(loop: asyncio.AbstractEventLoop) -> StallWatch:
+    """The stall watch of ``loop`` (one per loop)."""
+    found = _watches.get(loop)
+    if found is None:
+        found = _watches[loop] = StallWatch(loop)
+    return found
