@@ -23,7 +23,8 @@ from .errors import *  # noqa: F403 - the same error names as the async API
 from .handshake import endpoint
 from .loop import CANCEL_GRACE_SECONDS, Completion, shared
 from .registry import seconds
-from .syncstore import FileStore, HashStore, PrefixStore, Store, TCPStore, meeting_point
+from .syncstore import FileStore, HashStore, PrefixStore, Store, meeting_point
+from .tcpstore import TCPStore
 
 Backend = compat.Backend
 GroupMember = api.GroupMember

@@ -14,7 +14,8 @@ import pytest
 
 import arendez.sync as sync
 from arendez.errors import LimitError, QueueEmptyError, StoreConnectTimeoutError, StoreTimeoutError
-from arendez.syncstore import HashStore, PrefixStore, TCPStore
+from arendez.syncstore import HashStore, PrefixStore
+from arendez.tcpstore import TCPStore
 from tests.harness import free_port, server, start_server
 
 SHORT = datetime.timedelta(seconds=20)
