@@ -1,4 +1,8 @@
-"""Did this process just stand still? Losses seen right after a stall are doubted.
+"""A process's event loop that stood still or is overloaded: what it must not blame on peers.
+
+Two cases. A loss seen just after the loop stood still waits for the server's word
+(``StallWatch``, below). A timeout meant for a silent peer waits longer while this loop itself
+is overloaded (``patient_timeout``).
 
 A rank that was stopped (SIGSTOP, a frozen VM) for longer than its lease was declared failed by
 the server meanwhile, and its peers went on without it and closed their connections. Resumed,
@@ -16,8 +20,10 @@ stood still. A busy step of user code counts as well: its cost is one store roun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import weakref
+from collections.abc import AsyncIterator
 from typing import Any
 
 #: Seconds between ticks.
@@ -70,3 +76,43 @@ def watch_for(loop: asyncio.AbstractEventLoop) -> StallWatch:
     if found is None:
         found = _watches[loop] = StallWatch(loop)
     return found
+
+
+#: How many times its length a ``patient_timeout`` may last while the loop is overloaded.
+PATIENCE = 6
+#: A loop counts as overloaded when one pass through its ready queue takes this fraction of
+#: the timeout's length or more.
+OVERLOADED = 0.05
+
+
+@contextlib.asynccontextmanager
+async def patient_timeout(seconds: float) -> AsyncIterator[None]:
+    """``asyncio.timeout(seconds)`` that waits longer (``seconds`` at a time, up to ``PATIENCE``
+    times in all) while this event loop is overloaded. A timeout meant for a silent peer
+    (a handshake) must not fire because thousands of ranks in this process keep the loop from
+    reading the peer's answer: the peer would dial again, and the retries load the loops more,
+    until no handshake ends in time (seen with 10,000 ranks over 20 processes on 2 cores)."""
+    loop = asyncio.get_running_loop()
+    cap = loop.time() + seconds * PATIENCE
+    async with asyncio.timeout(None) as timer:
+        handle: asyncio.Handle | None = None
+
+        def due() -> None:
+            nonlocal handle
+            began = loop.time()
+
+            def probe() -> None:  # (runs after everything already in the ready queue)
+                nonlocal handle
+                now = loop.time()
+                if now - began >= seconds * OVERLOADED and now < cap:
+                    handle = loop.call_at(min(cap, now + seconds), due)
+                else:
+                    timer.reschedule(now)
+
+            handle = loop.call_soon(probe)
+
+        handle = loop.call_at(loop.time() + seconds, due)
+        try:
+            yield
+        finally:
+            handle.cancel()

@@ -77,3 +77,44 @@ async def test_without_a_stall_a_lost_link_is_blamed_at_once() -> None:
     err = await world.blame(0, "broadcast", "connection lost (closed)")
     assert err.rank == 0 and server.checks == 0 and world.expulsion is None
     world.closed = True
+
+
+async def _hog(until: asyncio.Event, step: float) -> None:
+    """A task that keeps the loop busy: ``step`` seconds of work between yields."""
+    while not until.is_set():
+        time.sleep(step)
+        await asyncio.sleep(0)
+
+
+async def test_a_patient_timeout_fires_on_time_on_an_idle_loop() -> None:
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    try:
+        async with stall.patient_timeout(0.3):
+            await asyncio.sleep(5)
+    except TimeoutError:
+        pass
+    assert 0.3 <= loop.time() - began < 0.3 * stall.PATIENCE
+
+
+async def test_a_patient_timeout_waits_while_the_loop_is_overloaded_then_gives_up() -> None:
+    """A handshake's answer handled late because the loop is busy is not the peer's silence:
+    what ends in 3 of the timeout's lengths ends; what never ends is cut by PATIENCE lengths."""
+    stop = asyncio.Event()
+    hogs = [asyncio.create_task(_hog(stop, 0.03)) for _ in range(4)]  # (each pass: ~0.12 s)
+    loop = asyncio.get_running_loop()
+    try:
+        answer = loop.create_future()
+        loop.call_later(0.9, answer.set_result, "hello")
+        async with stall.patient_timeout(0.3):
+            assert await answer == "hello"  # (asyncio.timeout(0.3) would have cut it)
+        began = loop.time()
+        try:
+            async with stall.patient_timeout(0.3):
+                await asyncio.sleep(30)
+        except TimeoutError:
+            pass
+        assert loop.time() - began < 0.3 * stall.PATIENCE + 1.0
+    finally:
+        stop.set()
+        await asyncio.gather(*hogs)

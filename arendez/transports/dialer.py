@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import ssl as _ssl
 from dataclasses import dataclass
 
-from .. import handshake, transport
+from .. import handshake, stall, transport
 from ..errors import LimitError, ProtocolError
 from . import local
 
 log = logging.getLogger("arendez.tcp")
+
+#: The longest pause between dials of a busy peer (they double from 20 ms, with jitter: many
+#: ranks whose dials were cut by one overloaded peer must not all dial it again at once).
+RETRY_CAP_SECONDS = 2.0
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -50,15 +55,17 @@ class Dialer:
                 if use_local:
                     assert name is not None
                     try:
-                        conn = await local.connect(name, timeout=self.handshake_timeout)
+                        async with stall.patient_timeout(self.handshake_timeout):
+                            conn = await local.connect(name, timeout=self.handshake_timeout * stall.PATIENCE)
                     except (OSError, TimeoutError) as exc:  # not in our namespace (another host)
                         log.debug("no local socket to rank %d (%s); dialing %s", peer, exc, tcp_address)
                         use_local = False
                         continue
                 else:
-                    conn = await transport.open_connection(
-                        host, port, ssl=self.client_ssl, timeout=self.handshake_timeout
-                    )
+                    async with stall.patient_timeout(self.handshake_timeout):
+                        conn = await transport.open_connection(
+                            host, port, ssl=self.client_ssl, timeout=self.handshake_timeout * stall.PATIENCE
+                        )
                 return await self._shake(peer, address, conn)
             except ConnectionRefusedError:
                 raise
@@ -67,8 +74,8 @@ class Dialer:
                     str(exc) if isinstance(exc, LimitError) else f"{type(exc).__name__}: {exc}"
                 )
                 log.debug("dial to rank %d at %s: %s; retrying", peer, address, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, RETRY_CAP_SECONDS)
 
     async def _shake(
         self, peer: int, address: str, conn: transport.Connection

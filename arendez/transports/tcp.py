@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import Any
 
-from .. import frames, handshake, transport, wire
+from .. import frames, handshake, stall, transport, wire
 from ..errors import AuthenticationError, LimitError, ProtocolError, RendezvousError
 from . import local
 from .admission import _HELLO_LIMITS, HELLO_FRAMES
@@ -151,7 +151,7 @@ class Mesh:
     async def _admit(self, conn: transport.Connection) -> None:
         host = ""
         try:
-            async with asyncio.timeout(self._handshake_timeout):
+            async with stall.patient_timeout(self._handshake_timeout):  # (not our own overload)
                 await asyncio.shield(conn._made)
                 host = conn.remote_host
                 refused = self.limits.refusal(self._pending, host)
@@ -161,7 +161,9 @@ class Mesh:
                     conn.fail(refused, tell_peer=True)
                     return
                 self._pending[host] += 1
-                hello = await handshake.server_handshake(conn, self._token, self._handshake_timeout)
+                hello = await handshake.server_handshake(
+                    conn, self._token, self._handshake_timeout * stall.PATIENCE
+                )
                 nonce = await asyncio.shield(self._round)
                 peer = hello.get("rank")
                 if hello.get("round") != nonce:
