@@ -6,8 +6,9 @@ while the server is away waits for the reconnection until its own deadline and t
 ``StoreError``; a call whose request was in flight when the connection dropped fails at once
 (its outcome is unknown). Concurrent calls are pipelined: the requests of the callers woken by
 one batch of replies go out together in one write, in the same loop pass (no extra turn).
-Members of a job keep their lease alive from the process's one lease thread (``lease.py``, so
-a busy event loop is not a dead rank) and re-attach after a reconnect.
+Members of a job keep their lease alive over the process's one lease connection, whose
+heartbeats a sidecar process sends (``lease.py``, ``leaseproc.py``: a busy event loop is not a
+dead rank), and re-attach after a reconnect.
 """
 
 from __future__ import annotations
