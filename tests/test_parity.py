@@ -17,7 +17,7 @@ import pytest
 
 import arendez
 import arendez.sync as sync
-from arendez import queries
+from arendez import queries, synccall
 from arendez.errors import ArendezError, CollectiveTimeoutError, StoreTimeoutError
 from arendez.testing import run_ranks
 from tests.harness import PY, collect, free_port, popen
@@ -166,7 +166,7 @@ def test_torch_signatures_bind_as_torchs() -> None:
 
 def test_the_torch_signatures_arendez_sync_binds_by_are_torchs() -> None:
     dist = pytest.importorskip("torch.distributed")
-    for name, params in sync._TORCH_PARAMS.items():
+    for name, params in synccall._TORCH_PARAMS.items():
         assert tuple(inspect.signature(getattr(dist, name)).parameters) == params, name
 
 
