@@ -87,7 +87,7 @@ class BlockingStore:
         #: ``set``s sent whose answers were not read yet (request id -> key), and the first error
         #: one of them got, raised by the next call (torch's ``set`` waits for no answer either)
         self._unacked: dict[int, str] = {}
-        self._set_error: StoreError | None = None
+        self._set_errors: list[StoreError] = []  # refused sets not raised yet, first first
         self._wait_set = -1.0  # the socket's current timeout for one call
 
     # -- connection ------------------------------------------------------------------------
@@ -154,8 +154,13 @@ class BlockingStore:
         if sock is not None:
             sock.close()
 
+    @property
+    def _set_error(self) -> StoreError | None:
+        return self._set_errors[0] if self._set_errors else None
+
     def _answered(self, reply: Any) -> bool:
-        """Take ``reply`` if it answers an unacknowledged ``set`` (keeping the first error)."""
+        """Take ``reply`` if it answers an unacknowledged ``set`` (keeping its error, to raise
+        from a later call: each refused set is raised once, in order)."""
         if type(reply) is list:
             return len(reply) == 2 and self._unacked.pop(reply[0], None) is not None
         if not isinstance(reply, dict):
@@ -163,14 +168,13 @@ class BlockingStore:
         key = self._unacked.pop(reply.get("id"), None)  # type: ignore[arg-type]
         if key is None:
             return False
-        if "error" in reply and self._set_error is None:
-            self._set_error = earlier_set_error(key, transport.remote_error(reply, StoreError))
+        if "error" in reply:
+            self._set_errors.append(earlier_set_error(key, transport.remote_error(reply, StoreError)))
         return True
 
     def _raise_set_error(self) -> None:
-        error, self._set_error = self._set_error, None
-        if error is not None:
-            raise error
+        if self._set_errors:
+            raise self._set_errors.pop(0)
 
     def __enter__(self) -> BlockingStore:
         return self.connect()

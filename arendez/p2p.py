@@ -82,5 +82,7 @@ async def recv_as(tensor: Any, src: int, group: Any, tag: int, fingerprint: str)
 async def _recv(g: ProcessGroup, out: Any, src: int | None, tag: int, expect: str | None) -> int:
     if src is not None:
         g.group_rank(index(src, "src"), "src")
+        if src == g.world.rank:  # (it would wait its whole timeout: no rank sends to itself)
+            raise InvalidArgumentError(f"recv: src={src} is this rank; a rank cannot receive from itself")
     others = [r for r in g.ranks if r != g.world.rank] if src is None else [src]
     return await g.world.recv_p2p(src, g.gid, _tag(tag), byte_view(out), g.timeout, others, expect)

@@ -238,6 +238,10 @@ class World:
         try:
             async with asyncio.timeout(timeout):
                 return await fut
+        except RankFailedError as exc:
+            if self.expulsion is not None and exc.rank != self.rank:  # (the peer left without us)
+                raise RankFailedError(self.rank, "recv", self.expulsion) from None
+            raise
         except TimeoutError:
             raise CollectiveTimeoutError("recv", timeout, others) from None
         finally:

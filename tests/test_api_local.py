@@ -141,3 +141,21 @@ async def test_object_collectives_refuse_what_msgpack_cannot_carry_by_name() -> 
         await dist.all_gather_object(objs, object())
     await dist.all_gather_object(objs, ("a", 1))  # a tuple comes back as a list (msgpack has no tuple)
     assert objs == [["a", 1]]
+
+
+async def test_a_receive_from_this_rank_itself_is_refused_at_once() -> None:
+    """No rank sends to itself: gloo raises at once, and so must arendez (not wait the timeout)."""
+    import numpy as np
+
+    import arendez as dist
+    from arendez.testing import run_ranks
+
+    async def rank(r: int) -> str:
+        try:
+            await dist.recv(np.zeros(2), src=r)
+        except dist.InvalidArgumentError as exc:
+            return str(exc)
+        return "received"
+
+    got = await run_ranks(2, rank, timeout=5)
+    assert all("cannot receive from itself" in g for g in got), got
