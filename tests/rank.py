@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import signal
 import sys
 from typing import Any
 
@@ -30,6 +31,9 @@ async def _main(join: bool, target: str, rank: int, ws: int, url: str, args: lis
 
 
 if __name__ == "__main__":
+    # (a rank started under a background job, as `nohup .ci/run &`, inherits SIGINT ignored, and
+    # asyncio then installs no Ctrl-C handler: the tests that press Ctrl-C want a terminal's)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = sys.argv[1:]
     join = argv[0] == "--join"
     target, rank, ws, url, args = argv[1:6] if join else argv[:5]
