@@ -103,6 +103,7 @@ class World:
         self.flight = Recorder(self)  # the last collectives, for dumps (arendez.flightrec)
         self._doubted: dict[int, str] = {}  # lost links seen just after a stall, not blamed yet
         self._hearing: asyncio.Task[None] | None = None
+        self._settling: asyncio.Task[None] | None = None
         try:
             self.stall: stall.StallWatch | None = stall.watch_for(asyncio.get_running_loop())
             self.stall.watch(self)
@@ -430,8 +431,8 @@ class World:
         if peer in self.dead or not self.doubting():
             self.peer_lost(peer, reason)
             return
-        if not self._doubted:
-            asyncio.get_running_loop().create_task(self._settle_doubts())
+        if not self._doubted:  # (held: a task nothing refers to may be collected unfinished)
+            self._settling = asyncio.get_running_loop().create_task(self._settle_doubts())
         self._doubted.setdefault(peer, reason)
 
     async def _settle_doubts(self) -> None:
