@@ -91,7 +91,8 @@ async def patient_timeout(seconds: float) -> AsyncIterator[None]:
     times in all) while this event loop is overloaded. A timeout meant for a silent peer
     (a handshake) must not fire because thousands of ranks in this process keep the loop from
     reading the peer's answer: the peer would dial again, and the retries load the loops more,
-    until no handshake ends in time (seen with 10,000 ranks over 20 processes on 2 cores)."""
+    until few handshakes end in time (seen with 2,000 ranks over 4 processes on 2 cores and the
+    limit at 1.2 s: 70,630 of 96,666 handshakes cut)."""
     loop = asyncio.get_running_loop()
     cap = loop.time() + seconds * PATIENCE
     async with asyncio.timeout(None) as timer:

@@ -15,7 +15,16 @@ from collections.abc import Iterable
 from .errors import ArendezError, QueueEmptyError, StoreError, StoreTimeoutError
 from .registry import seconds
 
-__all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "key_list", "meeting_point"]
+__all__ = [
+    "FileStore",
+    "HashStore",
+    "PrefixStore",
+    "Store",
+    "add_amount",
+    "as_bytes",
+    "key_list",
+    "meeting_point",
+]
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 #: Rounds of compare_set an ``append`` tries before it gives up (each lost one means another
@@ -23,11 +32,12 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 _APPEND_TRIES = 10_000
 
 
-def _bytes(value: str | bytes) -> bytes:
+def as_bytes(value: str | bytes) -> bytes:
+    """A store value as bytes (a ``str`` in UTF-8)."""
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-def _amount(amount: int) -> int:
+def add_amount(amount: int) -> int:
     """``add``'s amount: an integer (a float would be truncated without a word), as torch's."""
     if not isinstance(amount, numbers.Integral):
         raise TypeError(f"store add amount must be an integer, got {type(amount).__name__} {amount!r:.40}")
@@ -77,7 +87,7 @@ class Store:
     def append(self, key: str, value: str | bytes) -> None:
         """Append ``value`` to the bytes at ``key`` (created if missing), atomically (here a
         ``compare_set`` loop, so concurrent appends all land; the stores do it in one step)."""
-        extra = _bytes(value)
+        extra = as_bytes(value)
         current = self.get(key) if self.check([key]) else b""
         for _ in range(_APPEND_TRIES):
             desired = current + extra
@@ -149,7 +159,7 @@ class HashStore(Store):
 
     def set(self, key: str, value: str | bytes) -> None:
         with self._changed:
-            self._data[key] = _bytes(value)
+            self._data[key] = as_bytes(value)
             self._changed.notify_all()
 
     def _present(self, key: str) -> bool:
@@ -173,7 +183,7 @@ class HashStore(Store):
             return self._data[key]
 
     def add(self, key: str, amount: int) -> int:
-        amount = _amount(amount)
+        amount = add_amount(amount)
         with self._changed:
             total = int(self._data.get(key, b"0")) + amount
             self._data[key] = str(total).encode()
@@ -183,14 +193,14 @@ class HashStore(Store):
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         with self._changed:
             current = self._data.get(key)
-            if (current is None and not _bytes(expected_value)) or current == _bytes(expected_value):
-                self._data[key] = current = _bytes(desired_value)
+            if (current is None and not as_bytes(expected_value)) or current == as_bytes(expected_value):
+                self._data[key] = current = as_bytes(desired_value)
                 self._changed.notify_all()
-            return current if current is not None else _bytes(expected_value)
+            return current if current is not None else as_bytes(expected_value)
 
     def append(self, key: str, value: str | bytes) -> None:
         with self._changed:
-            self._data[key] = self._data.get(key, b"") + _bytes(value)
+            self._data[key] = self._data.get(key, b"") + as_bytes(value)
             self._changed.notify_all()
 
     def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
@@ -215,7 +225,7 @@ class HashStore(Store):
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         with self._changed:
-            self._queues.setdefault(key, collections.deque()).append(_bytes(value))
+            self._queues.setdefault(key, collections.deque()).append(as_bytes(value))
             self._changed.notify_all()
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:

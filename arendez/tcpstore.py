@@ -28,7 +28,7 @@ from .registry import seconds
 from .settings import env_int
 from .store_wire import MAX_KEYS, key_batches
 from .storemux import SharedStoreClient
-from .syncstore import DEFAULT_TIMEOUT, Store, _amount, _bytes, key_list
+from .syncstore import DEFAULT_TIMEOUT, Store, add_amount, as_bytes, key_list
 
 __all__ = ["TCPStore"]
 
@@ -173,7 +173,7 @@ class TCPStore(Store):
             return self._store.get(key, self._limit())
 
     def add(self, key: str, amount: int) -> int:
-        amount = _amount(amount)
+        amount = add_amount(amount)
         with self._lock:
             return self._store.add(key, amount)
 
@@ -192,7 +192,7 @@ class TCPStore(Store):
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """Set each of ``keys`` to the value at the same position of ``values`` (one request, or
         several in turn if they do not fit one)."""
-        keys, data = key_list(keys), [_bytes(v) for v in values]
+        keys, data = key_list(keys), [as_bytes(v) for v in values]
         if len(keys) != len(data):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(data)} values")
         with self._lock:
