@@ -154,10 +154,6 @@ class BlockingStore:
         if sock is not None:
             sock.close()
 
-    @property
-    def _set_error(self) -> StoreError | None:
-        return self._set_errors[0] if self._set_errors else None
-
     def _answered(self, reply: Any) -> bool:
         """Take ``reply`` if it answers an unacknowledged ``set`` (keeping its error, to raise
         from a later call: each refused set is raised once, in order)."""
@@ -211,7 +207,7 @@ class BlockingStore:
     def _framed(self, request: list[Any]) -> tuple[socket.socket, int, bytes]:
         """Before a request goes: an earlier set's error raised, the connection (opened if
         needed), the request's id filled in, and its frame (refused past the size limit)."""
-        if self._set_error is not None:
+        if self._set_errors:
             self._raise_set_error()
         sock = self._sock or self._ensure()
         self._id = request[1] = rid = self._id + 1
@@ -252,7 +248,7 @@ class BlockingStore:
             while True:
                 reply = self._next(sock, started, budget)
                 if self._unacked and self._answered(reply):
-                    if self._set_error is not None and op in WAITING_READS:
+                    if self._set_errors and op in WAITING_READS:
                         break  # (raised below, outside this block: it may be a TimeoutError)
                     continue
                 if type(reply) is list:
@@ -278,7 +274,7 @@ class BlockingStore:
             self.close()
             where = f"{self.host}:{self.port}"
             raise StoreConnectionError(f"store {op} failed: lost the connection to {where}: {exc}") from None
-        if self._set_error is not None and op in WAITING_READS:
+        if self._set_errors and op in WAITING_READS:
             self._raise_set_error()
         if "error" in reply:
             raise transport.remote_error(reply, StoreError)
