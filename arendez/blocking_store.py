@@ -84,8 +84,8 @@ class BlockingStore:
         self._packer = msgpack.Packer(use_bin_type=True)
         self._pack = self._packer.pack
         self._id = 0
-        #: ``set``s sent whose answers were not read yet (request id -> key), and the first error
-        #: one of them got, raised by the next call (torch's ``set`` waits for no answer either)
+        #: ``set``s sent whose answers were not read yet (request id -> key), and the errors they
+        #: got, each raised by a later call (torch's ``set`` waits for no answer either)
         self._unacked: dict[int, str] = {}
         self._set_errors: list[StoreError] = []  # refused sets not raised yet, first first
         self._wait_set = -1.0  # the socket's current timeout for one call
