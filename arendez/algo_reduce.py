@@ -26,10 +26,10 @@ from .algo_comm import (
     wait_all,
 )
 from .algo_move import _post_all_gather, _ring_all_gather_lane
-from .arrays import ReduceOp, ufunc_for
+from .arrays import Combine, ReduceOp, average, ufunc_for
 
 
-def recv_reduce(comm: Comm, peer: int, tag: int, src: Array, out: Array, ufunc: np.ufunc) -> Awaitable[None]:
+def recv_reduce(comm: Comm, peer: int, tag: int, src: Array, out: Array, ufunc: Combine) -> Awaitable[None]:
     """Receive ``out.nbytes`` from ``peer`` and set ``out = ufunc(src, message)`` (``out`` may be
     ``src``; neither may be read or written until this is done).
 
@@ -44,7 +44,7 @@ def recv_reduce(comm: Comm, peer: int, tag: int, src: Array, out: Array, ufunc: 
 
 
 async def _reduce_landed(
-    comm: Comm, receiving: Awaitable[memoryview], landing: Array, src: Array, out: Array, ufunc: np.ufunc
+    comm: Comm, receiving: Awaitable[memoryview], landing: Array, src: Array, out: Array, ufunc: Combine
 ) -> None:
     got = await receiving
     ufunc(src, _view(got, out.dtype).reshape(out.shape), out=out)
@@ -53,7 +53,7 @@ async def _reduce_landed(
 
 
 def _combine_in_rank_order(
-    comm: Comm, mine: Array, received: dict[int, Array], ufunc: np.ufunc, out: Array
+    comm: Comm, mine: Array, received: dict[int, Array], ufunc: Combine, out: Array
 ) -> None:
     """``out = c0 op c1 op ... op c(n-1)``, the same on every rank (contribution ``rank`` is
     ``mine``)."""
@@ -93,10 +93,10 @@ async def all_reduce(comm: Comm, x: Array, op: ReduceOp, algorithm: str | None =
         else:
             await _ring_all_reduce(comm, x, ufunc, lane_bytes)
     if op is ReduceOp.AVG and comm.size > 1:
-        np.divide(x, comm.size, out=x)
+        average(x, comm.size, out=x)
 
 
-async def _direct_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
+async def _direct_all_reduce(comm: Comm, x: Array, ufunc: Combine) -> None:
     peers = others(comm)
     recvs = [comm.recv_any(p, 0) for p in peers]
     await wait_all([comm.send(p, 0, x) for p in peers])
@@ -110,7 +110,7 @@ async def _direct_all_reduce(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
 _FOLD_IN, _FOLD_OUT = 1 << 20, (1 << 20) + 1
 
 
-async def _recursive_doubling(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
+async def _recursive_doubling(comm: Comm, x: Array, ufunc: Combine) -> None:
     """Recursive doubling over the largest power of two ``p`` of ranks; a rank ``r >= p`` first
     hands its data to ``r - p`` and gets the result back from it (every rank ends bitwise
     equal, and each talks to O(log n) peers)."""
@@ -139,7 +139,7 @@ async def _recursive_doubling(comm: Comm, x: Array, ufunc: np.ufunc) -> None:
 
 
 async def _ring_reduce_scatter_lane(
-    comm: Comm, blocks: list[Array], ufunc: np.ufunc, out: Array | None, tag: int
+    comm: Comm, blocks: list[Array], ufunc: Combine, out: Array | None, tag: int
 ) -> None:
     """Ring reduce-scatter of one lane: afterwards block ``rank`` is reduced.
 
@@ -175,7 +175,7 @@ async def _ring_reduce_scatter_lane(
 
 
 async def _ring_all_reduce(
-    comm: Comm, x: Array, ufunc: np.ufunc, lane_bytes: int = algo_comm.LANE_BYTES
+    comm: Comm, x: Array, ufunc: Combine, lane_bytes: int = algo_comm.LANE_BYTES
 ) -> None:
     n = comm.size
     lanes = [np.array_split(x[part], n) for part in _lanes(x.size, x.itemsize, n, lane_bytes=lane_bytes)]
@@ -189,7 +189,7 @@ async def _ring_all_reduce(
     await _run_lanes(len(lanes), lane)
 
 
-async def _halving_doubling_lane(comm: Comm, seg: Array, ufunc: np.ufunc, tag: int) -> None:
+async def _halving_doubling_lane(comm: Comm, seg: Array, ufunc: Combine, tag: int) -> None:
     """Rabenseifner's all-reduce of one lane (power-of-two group): reduce-scatter by recursive
     halving, then all-gather by recursive doubling. Same bytes as the ring in 2 log2(n) steps
     instead of 2(n-1)."""
@@ -222,7 +222,7 @@ async def _halving_doubling_lane(comm: Comm, seg: Array, ufunc: np.ufunc, tag: i
 
 
 async def _halving_doubling_all_reduce(
-    comm: Comm, x: Array, ufunc: np.ufunc, lane_bytes: int = algo_comm.LANE_BYTES
+    comm: Comm, x: Array, ufunc: Combine, lane_bytes: int = algo_comm.LANE_BYTES
 ) -> None:
     lanes = _lanes(x.size, x.itemsize, comm.size, lane_bytes=lane_bytes)
     tags = 4 * comm.size.bit_length()
@@ -251,10 +251,10 @@ async def reduce(comm: Comm, x: Array, dst: int, op: ReduceOp, algorithm: str | 
         else:
             await wait_all([comm.send(dst, 0, x)])
     if op is ReduceOp.AVG and comm.rank == dst and n > 1:
-        np.divide(x, n, out=x)
+        average(x, n, out=x)
 
 
-async def _ring_reduce(comm: Comm, x: Array, dst: int, ufunc: np.ufunc) -> None:
+async def _ring_reduce(comm: Comm, x: Array, dst: int, ufunc: Combine) -> None:
     n, r = comm.size, comm.rank
     lanes = _lanes(x.size, x.itemsize, n)
 
@@ -299,4 +299,4 @@ async def reduce_scatter(
             _combine_in_rank_order(comm, inputs[r], received, ufunc, out)
             _release(comm, got)
     if op is ReduceOp.AVG and n > 1:
-        np.divide(out, n, out=out)
+        average(out, n, out=out)

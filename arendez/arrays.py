@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -46,21 +47,68 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
 }
 
 
-_CHECKED: dict[tuple[ReduceOp, np.dtype[Any]], np.ufunc] = {}
+class Combine(Protocol):
+    """``out = a (op) b``, element by element: a reduction's step (a numpy ufunc, or one quieted)."""
+
+    def __call__(self, a: Any, b: Any, /, *, out: Any) -> Any: ...
 
 
-def ufunc_for(op: ReduceOp, dtype: np.dtype[Any]) -> np.ufunc:
-    """The numpy ufunc that combines two contributions, after checking it fits ``dtype``."""
+_CHECKED: dict[tuple[ReduceOp, np.dtype[Any]], Combine] = {}
+
+
+def ufunc_for(op: ReduceOp, dtype: np.dtype[Any]) -> Combine:
+    """The numpy ufunc that combines two contributions, after checking it fits ``dtype``. For
+    floating point it runs without numpy's warnings: a sum that overflows is ``inf`` silently,
+    as gloo's and MPI's, not a ``RuntimeWarning`` printed from the library's code."""
     found = _CHECKED.get((op, dtype))
     if found is not None:
         return found
-    ufunc = _check_ufunc(op, dtype)
+    ufunc: Combine = _check_ufunc(op, dtype)
+    if dtype.kind in "fc" and op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT):
+        ufunc = _quietly(ufunc)
     if len(_CHECKED) < 1024:
         _CHECKED[(op, dtype)] = ufunc
     return ufunc
 
 
-def _check_ufunc(op: ReduceOp, dtype: np.dtype[Any]) -> np.ufunc:
+def _quiet_state() -> tuple[Any, Any] | None:
+    """numpy's (2.x) context variable of floating-point error handling, and its state with every
+    warning off; ``None`` where numpy keeps it elsewhere (``np.errstate`` then, a few us slower)."""
+    try:
+        from numpy._core import _ufunc_config as config
+
+        var, make = getattr(config, "_extobj_contextvar"), getattr(config, "_make_extobj")  # noqa: B009
+        return var, make(all="ignore")
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+_QUIET = _quiet_state()
+
+
+def _quietly(ufunc: Combine) -> Combine:
+    if _QUIET is None:
+
+        def combine_in_errstate(a: Any, b: Any, /, *, out: Any) -> Any:
+            with np.errstate(all="ignore"):
+                return ufunc(a, b, out=out)
+
+        return combine_in_errstate
+    var, quiet = _QUIET
+    set_state: Callable[[Any], Any] = var.set
+    reset_state: Callable[[Any], None] = var.reset
+
+    def combine(a: Any, b: Any, /, *, out: Any) -> Any:
+        token = set_state(quiet)  # (the caller's own state comes back below, whatever happens)
+        try:
+            return ufunc(a, b, out=out)
+        finally:
+            reset_state(token)
+
+    return combine
+
+
+def _check_ufunc(op: ReduceOp, dtype: np.dtype[Any]) -> Combine:
     if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dtype.kind not in "iub":
         raise InvalidArgumentError(f"ReduceOp.{op.name} needs an integer or bool array, got {dtype}")
     if op is ReduceOp.AVG and dtype.kind not in "fc":
@@ -161,3 +209,7 @@ def byte_view(array: np.ndarray[Any, Any]) -> memoryview:
     if not array.size:
         return memoryview(bytearray(0))
     return memoryview(cast(Any, array.view(np.uint8)))
+
+
+#: ``ReduceOp.AVG``'s last step, ``out = sum / n``, as quiet as the sum before it.
+average = _quietly(np.divide)

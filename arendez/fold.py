@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from .arrays import Combine
+
 Array = np.ndarray[Any, Any]
 
 
@@ -42,7 +44,7 @@ class Fold:
         "view",
     )
 
-    def __init__(self, src: Array, out: Array, ufunc: np.ufunc, view: memoryview) -> None:
+    def __init__(self, src: Array, out: Array, ufunc: Combine, view: memoryview) -> None:
         if src.shape != out.shape or src.dtype != out.dtype:
             raise ValueError(f"fold: src {src.dtype}{src.shape} and out {out.dtype}{out.shape} differ")
         if not out.flags.c_contiguous:  # (a flat view of it would be a copy)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from . import frames, wire
-from .arrays import byte_view
+from .arrays import Combine, byte_view
 from .errors import (
     RankFailedError,
 )
@@ -293,7 +293,7 @@ class Op:
             self.group.mismatch(self.seq, f"{self.fp} ({want} bytes)", f"{got} bytes", key[0])
             self._check()
 
-    def recv_reduce(self, peer: int, tag: int, src: Array, out: Array, ufunc: np.ufunc) -> Awaitable[None]:
+    def recv_reduce(self, peer: int, tag: int, src: Array, out: Array, ufunc: Combine) -> Awaitable[None]:
         """Receive a message of ``out.nbytes`` and set ``out = ufunc(src, message)`` (``out`` may
         be ``src``). Over a socket the payload is reduced piece by piece as it arrives
         (``fold.Fold``); a message that came early or through shared memory is reduced whole."""

@@ -39,6 +39,28 @@ async def all_reduce_matrix(
     return checked
 
 
+async def overflowing_reductions(rank: int, ws: int, url: str, sizes: list[int]) -> list[str]:
+    """Float sums and products that overflow (to inf; nan for a complex average), with numpy's
+    warnings raised as errors: what each gave, and the rank's numpy error state after (its
+    own, untouched)."""
+    import warnings
+
+    await join(url, ws, rank)
+    seen = []
+    np.seterr(over="raise")  # the rank's own setting: the library must neither trip nor change it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for dtype, big in (("float16", 6e4), ("float32", 3e38), ("complex64", 3e38)):
+            for size in sizes:
+                for op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.AVG):
+                    x = np.full(size, big, dtype)
+                    await dist.all_reduce(x, op=op)
+                    seen.append(f"{dtype} {size} {op.name} {not np.isfinite(x).any()}")
+    seen.append(f"over={np.geterr()['over']}")
+    await dist.destroy_process_group()
+    return seen
+
+
 async def steady_all_reduce(rank: int, ws: int, url: str, rounds: int, size: int) -> float:
     """``rounds`` all_reduces, each checked; returns the last sum."""
     await join(url, ws, rank)
