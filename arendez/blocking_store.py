@@ -19,8 +19,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import msgpack
-
 from . import handshake, transport, validate
 from .errors import (
     ProtocolError,
@@ -30,15 +28,18 @@ from .errors import (
     earlier_set_error,
 )
 from .store_wire import (
+    MAX_KEY,
     MAX_REQUEST,
     STORE_ERRORS,
     STORE_PROTOCOL,
     HeaderReader,
     check_request_size,
     frame,
+    store_key,
     to_bytes,
 )
 from .transports import local
+from .wire import small_packer
 
 _REPLY_LIMIT = 64 << 20  # replies carry values in their header (server bound: 1 MiB by default)
 _TIMEVAL = struct.Struct("@ll")
@@ -48,6 +49,9 @@ _monotonic = time.monotonic
 _MAX_UNACKED = 256
 #: ... each of at most this many bytes (a larger one waits, so a refusal of its size is raised)
 MAX_UNACKED_BYTES = 64 << 10
+#: A set whose key is longer waits for its answer: the server may refuse it (``MAX_KEY`` bytes by
+#: default), and that refusal then names the limit at once, not on a later call.
+LONG_KEY = MAX_KEY // 4
 _REPLY_SLACK = 1.0  # how long past a waiting op's timeout the server's own answer may take
 #: Ops that only wait for keys: one that reads the refusal of an earlier ``set`` raises it at
 #: once (its key may never come; the late answer of the abandoned request is skipped).
@@ -81,7 +85,7 @@ class BlockingStore:
         self._sock: socket.socket | None = None
         self._reader = HeaderReader(_REPLY_LIMIT)
         self._ready: collections.deque[Any] = collections.deque()  # frames read, not yet used
-        self._packer = msgpack.Packer(use_bin_type=True)
+        self._packer = small_packer()
         self._pack = self._packer.pack
         self._id = 0
         #: ``set``s sent whose answers were not read yet (request id -> key), and the errors they
@@ -292,12 +296,19 @@ class BlockingStore:
     def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
         """Store ``value`` under ``key``. Returns once the request is sent, as torch's: its answer
         is read by a later call, and an error in it (a limit, say) is raised, as its own class, by
-        the call after that. A value over 64 KiB waits for its answer."""
+        the call after that. A value over 64 KiB, or a key over 1 KiB, waits for its answer."""
+        if type(key) is not str:
+            key = store_key(key)
         if type(value) is not bytes:
             value = to_bytes(value)
         request: list[Any] = ["set", None, key, value]
         budget = self._budget(timeout)
-        if len(self._unacked) >= _MAX_UNACKED or len(value) > MAX_UNACKED_BYTES or self._ssl is not None:
+        if (
+            len(self._unacked) >= _MAX_UNACKED
+            or len(value) > MAX_UNACKED_BYTES
+            or len(key) > LONG_KEY
+            or self._ssl is not None
+        ):
             self._call(request, budget)  # (its answer comes after theirs: all are read)
             return
         sock, rid, data = self._framed(request)

@@ -230,7 +230,7 @@ def earlier_set_error(key: str, error: BaseException) -> StoreError:
     """What a store client's later call raises for a ``set`` it sent without waiting and the
     server refused: the refusal's own class (``LimitError``, say), its message naming the key."""
     cls = type(error) if isinstance(error, StoreError) else StoreError
-    message = f"an earlier set of {key!r} failed: {error}"
+    message = f"an earlier set of {key!r:.80} failed: {error}"
     try:
         return cls(message)
     except TypeError:  # (a class that takes other arguments)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -51,7 +51,7 @@ class ProcessGroup:
 
     world: World
     gid: int
-    ranks: list[int]
+    ranks: Sequence[int]  # (the world's group: a ``range``, the same few bytes at any size)
     timeout: float
     active: dict[int, Op] = field(default_factory=dict)
     next_seq: int = 0
@@ -65,13 +65,13 @@ class ProcessGroup:
     _link: tuple[int, str] = field(default=(-1, ""), init=False, repr=False)
     _watchdog: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
     _watch_at: float = field(default=0.0, init=False, repr=False)
-    _members: frozenset[int] | None = field(default=None, init=False, repr=False)
+    _members: Container[int] | None = field(default=None, init=False, repr=False)
 
     @property
-    def members(self) -> frozenset[int]:
-        """The group's global ranks, as a set."""
+    def members(self) -> Container[int]:
+        """The group's global ranks, as a set (a ``range`` is one already)."""
         if self._members is None:
-            self._members = frozenset(self.ranks)
+            self._members = self.ranks if isinstance(self.ranks, range) else frozenset(self.ranks)
         return self._members
 
     @property
@@ -100,7 +100,7 @@ class ProcessGroup:
             return self.ranks.index(global_rank)
         except ValueError:
             raise InvalidArgumentError(
-                f"{what} {global_rank} is not in this group (ranks {self.ranks})"
+                f"{what} {global_rank} is not in this group (ranks {_shown(self.ranks)})"
             ) from None
 
     def check_usable(self, name: str = "this group") -> None:
@@ -326,3 +326,10 @@ class ProcessGroup:
         self.early_keys.clear()
         self._disarm()
         self.destroyed = True
+
+
+def _shown(ranks: Sequence[int]) -> str:
+    """A group's ranks as a message shows them (a ``range`` as its ends)."""
+    if isinstance(ranks, range):
+        return f"0-{len(ranks) - 1}" if ranks.start == 0 and ranks.step == 1 else str(list(ranks))
+    return str(ranks)

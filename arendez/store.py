@@ -21,8 +21,6 @@ import ssl as _ssl
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import msgpack
-
 from . import handshake, transport, validate, wire
 from . import lease as _lease
 from .errors import (
@@ -158,7 +156,7 @@ class Store(MembershipOps, KeyValueOps):
         self._corked = False
         self._woken = 0  # replies delivered since the cork was (re)scheduled
         self._held = False  # the cork already waited once for callers woken after it
-        self._packer = msgpack.Packer(use_bin_type=True)
+        self._packer = wire.small_packer()
         #: Once connected, a call made while the connection is down waits for one attempt to
         #: reconnect (made at once) and fails with ``StoreConnectionError`` if it fails (torch's
         #: ``TCPStore`` semantics, for ``storemux``), instead of retrying until its deadline.

@@ -96,6 +96,23 @@ def to_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
     raise TypeError(f"store values are str or bytes, not {type(value).__name__}")
 
 
+def store_key(key: str | bytes) -> str:
+    """A store key as ``str``: UTF-8 ``bytes`` are taken, as torch's stores take them; anything
+    else is a ``TypeError`` here, not a refusal a later call reports."""
+    if type(key) is str:
+        return key
+    if isinstance(key, str):
+        return str(key)
+    if isinstance(key, bytes | bytearray | memoryview):
+        try:
+            return bytes(key).decode()
+        except UnicodeDecodeError:
+            raise TypeError(
+                f"store keys are str or UTF-8 bytes; got bytes that are not UTF-8: {bytes(key)!r:.80}"
+            ) from None
+    raise TypeError(f"store keys are str, not {type(key).__name__} {key!r:.40}")
+
+
 #: Arguments of each compact operation, in order (``timeout``: seconds the server may wait).
 OPS: dict[str, tuple[str, ...]] = {
     "set": ("key", "value"),

@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from .blocking_store import MAX_UNACKED_BYTES, WAITING_READS, BlockingStore
+from .blocking_store import LONG_KEY, MAX_UNACKED_BYTES, WAITING_READS, BlockingStore
 from .errors import StoreError, StoreTimeoutError, earlier_set_error
 from .loop import shared
 from .settings import env_int
@@ -348,6 +348,7 @@ class SharedStoreClient:
         if (
             self._unacked >= _MAX_UNACKED  # (its answer comes after theirs: it waits for all)
             or len(value) > MAX_UNACKED_BYTES  # (a value past the size limit: raised now)
+            or len(key) > LONG_KEY  # (a key the server may refuse: raised now)
             or (self._calls + 1 >= PROMOTE_AFTER and self._promotion_due())
         ):
             self._call("set", timeout, False, key, value)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from .errors import ArendezError, QueueEmptyError, StoreError, StoreTimeoutError
 from .registry import seconds
+from .store_wire import store_key
 
 __all__ = [
     "FileStore",
@@ -23,6 +24,7 @@ __all__ = [
     "add_amount",
     "as_bytes",
     "key_list",
+    "store_key",
     "meeting_point",
 ]
 
@@ -146,7 +148,7 @@ def key_list(keys: Iterable[str]) -> list[str]:
     """``keys`` as a list; one string is a ``TypeError`` (as torch's), not a list of its letters."""
     if isinstance(keys, str | bytes):
         raise TypeError(f"keys must be a list of strings, got the string {keys!r:.80}")
-    return list(keys)
+    return [store_key(key) for key in keys]
 
 
 class HashStore(Store):

@@ -26,7 +26,7 @@ from .errors import LimitError, StoreConnectTimeoutError, StoreError, StoreTimeo
 from .loop import shared
 from .registry import seconds
 from .settings import env_int
-from .store_wire import MAX_KEYS, key_batches
+from .store_wire import MAX_KEYS, key_batches, store_key
 from .storemux import SharedStoreClient
 from .syncstore import DEFAULT_TIMEOUT, Store, add_amount, as_bytes, key_list
 
@@ -166,20 +166,20 @@ class TCPStore(Store):
 
     def set(self, key: str, value: str | bytes) -> None:
         with self._lock:
-            self._store.set(key, value)
+            self._store.set(store_key(key), value)
 
     def get(self, key: str) -> bytes:
         with self._lock:
-            return self._store.get(key, self._limit())
+            return self._store.get(store_key(key), self._limit())
 
     def add(self, key: str, amount: int) -> int:
         amount = add_amount(amount)
         with self._lock:
-            return self._store.add(key, amount)
+            return self._store.add(store_key(key), amount)
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         with self._lock:
-            return self._store.compare_set(key, expected_value, desired_value)
+            return self._store.compare_set(store_key(key), expected_value, desired_value)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """The values of ``keys`` (one request), waiting up to the store's timeout for any not set."""
@@ -214,7 +214,7 @@ class TCPStore(Store):
 
     def delete_key(self, key: str) -> bool:
         with self._lock:
-            return self._store.delete(key)
+            return self._store.delete(store_key(key))
 
     def num_keys(self) -> int:
         with self._lock:
@@ -228,19 +228,19 @@ class TCPStore(Store):
         """Append ``value`` to the bytes at ``key`` (created if missing), atomically: one request,
         the server appends."""
         with self._lock:
-            self._store.append(key, value)
+            self._store.append(store_key(key), value)
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         with self._lock:
-            self._store.queue_push(key, value)
+            self._store.queue_push(store_key(key), value)
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         with self._lock:
-            return self._store.queue_pop(key, block, self._limit())
+            return self._store.queue_pop(store_key(key), block, self._limit())
 
     def queue_len(self, key: str) -> int:
         with self._lock:
-            return self._store.queue_len(key)
+            return self._store.queue_len(store_key(key))
 
     def meeting_point(self) -> tuple[str, int, str]:
         """Where ``init_process_group(store=self)`` meets: this store's server and job."""

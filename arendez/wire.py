@@ -44,6 +44,15 @@ _PIECE_SLACK = 64
 _packer = msgpack.Packer(use_bin_type=True)
 
 
+def small_packer() -> msgpack.Packer:
+    """A msgpack packer whose buffer starts small and grows as needed: msgpack's default holds
+    256 KiB per packer, and a process of thousands of store clients holds one each."""
+    try:
+        return msgpack.Packer(use_bin_type=True, buf_size=1024)
+    except TypeError:  # (msgpack before 1.1)
+        return msgpack.Packer(use_bin_type=True)
+
+
 @dataclass(frozen=True)
 class Limits:
     """Upper bounds a decoder enforces on what the other side may send."""
@@ -204,16 +213,19 @@ class Decoder:
             return self._discard[: min(self._discard_left, _DISCARD)]
         # a whole small frame per read (and up to 4 KiB a bad client sent is read before we close,
         # so the close is no reset); the scratch grows to it only once bytes have come
-        want = HEADER_READ
-        if self._filled >= PREFIX.size:  # _parse already checked this length against the limit
+        # (what fits the scratch: it grows only for a header larger than it, not for read-ahead,
+        # as a process of thousands of connections holds one scratch each)
+        filled = self._filled
+        if filled >= PREFIX.size:  # _parse already checked this length against the limit
             hlen, _ = PREFIX.unpack_from(self._view, 0)
-            want = PREFIX.size + hlen - self._filled
-        end = self._filled + max(1, want)
+            end = max(PREFIX.size + hlen, filled + 1)
+        else:
+            end = max(PREFIX.size, min(filled + HEADER_READ, len(self._scratch)))
         if end > len(self._scratch):  # a header larger than the scratch
             bigger = bytearray(max(end, 2 * len(self._scratch)))
-            bigger[: self._filled] = self._view[: self._filled]
+            bigger[:filled] = self._view[:filled]
             self._scratch, self._view = bigger, memoryview(bigger)
-        return self._view[self._filled : end]
+        return self._view[filled:end]
 
     def _piece_scratch(self) -> memoryview:
         if self._piece is None:

@@ -109,7 +109,7 @@ class World:
             self.stall.watch(self)
         except RuntimeError:  # (built outside a loop: tests)
             self.stall = None
-        self.groups[0] = ProcessGroup(self, 0, list(range(world_size)), timeout)
+        self.groups[0] = ProcessGroup(self, 0, range(world_size), timeout)
         self.flight.groups[0] = self.groups[0].ranks
         self.next_gid = 1
 

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import collections
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -69,6 +70,7 @@ def _ranks(port: int, job: str, world: int, count: int, timeout: float) -> dict[
         )
 
     loop.run(main())
+    done["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     done["errors_total"] = len(done["errors"])
     done["errors"] = [f"{n} x {e}" for e, n in collections.Counter(done["errors"]).most_common(5)]
     return done
@@ -111,7 +113,12 @@ def run(ranks: int, procs: int, timeout: float) -> dict[str, Any]:
         results = []
         for worker in workers:
             out, _ = worker.communicate(timeout=timeout * 3 + 60)
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            lines = out.strip().splitlines()
+            if lines:
+                results.append(json.loads(lines[-1]))
+            else:  # (killed: by the kernel's OOM killer if dmesg says so)
+                lost = f"worker process ended with {worker.returncode} and no report"
+                results.append({"ok": 0, "init_max": 0.0, "rss_mib": 0, "errors_total": 1, "errors": [lost]})
         seconds = time.monotonic() - began
         departures = _departures(http_port)
     finally:
@@ -125,6 +132,7 @@ def run(ranks: int, procs: int, timeout: float) -> dict[str, Any]:
         "procs": procs,
         "seconds": round(seconds, 1),
         "init_max": round(max(r["init_max"] for r in results), 1),
+        "rss_mib": max(r["rss_mib"] for r in results),
         "ok": sum(r["ok"] for r in results),
         "errors": sum(r["errors_total"] for r in results),
         "error_kinds": errors[:10],
@@ -161,13 +169,16 @@ def main() -> int:
         return 0
     if args.netns and (status := bench_common.rerun_in_netns(__file__)) is not None:
         return status
-    print("| ranks | processes | wall s | slowest init s | finished | errors | left | declared failed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| ranks | processes | wall s | slowest init s | finished | errors | left | declared failed "
+        "| peak MiB per process |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in args.ranks:
         r = run(n, args.procs, args.timeout)
         print(
             f"| {r['ranks']} | {r['procs']} | {r['seconds']} | {r['init_max']} | {r['ok']} | {r['errors']} "
-            f"| {r['left']} | {r['failed']} |",
+            f"| {r['left']} | {r['failed']} | {r['rss_mib']} |",
             flush=True,
         )
         for kind in r["error_kinds"]:

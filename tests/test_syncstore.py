@@ -344,6 +344,33 @@ def test_one_string_for_a_key_list_is_a_type_error_not_its_letters() -> None:
         master.close()
 
 
+def test_a_bad_key_is_refused_by_the_call_that_names_it_and_bytes_keys_are_taken(connection: str) -> None:
+    # torch's TCPStore takes bytes keys and raises TypeError for an int key at the call
+    master = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5))
+    try:
+        master.set(b"bytes-key", "1")
+        count = master.num_keys()
+        assert master.get("bytes-key") == b"1" and master.get(b"bytes-key") == b"1"
+        assert master.multi_get([b"bytes-key"]) == [b"1"]
+        for bad in (5, 2.5, None):
+            with pytest.raises(TypeError, match=f"store keys are str, not {type(bad).__name__}"):
+                master.set(bad, "v")  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="store keys are str"):
+                master.get(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="non-UTF-8"):
+            master.set(b"\xff", "v")
+        long = "k" * 5000
+        with pytest.raises(
+            LimitError, match="store key of 5000 bytes exceeds the server's limit of 4096"
+        ) as caught:
+            master.set(long, "v")  # refused by this call, not reported by the next one
+        assert long not in str(caught.value)
+        master.set("after", "2")
+        assert master.get("after") == b"2" and master.num_keys() == count + 1
+    finally:
+        master.close()
+
+
 def test_a_client_before_its_master_tries_until_its_whole_timeout() -> None:
     port = free_port()
     started = time.monotonic()

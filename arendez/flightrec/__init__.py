@@ -182,7 +182,7 @@ class Recorder:
         self._world = weakref.ref(world)
         self._ring: deque[Entry] = deque(maxlen=size or 1)
         self._count = 0
-        self.groups: dict[int, list[int]] = {}  # gid -> global ranks (kept after the world ends)
+        self.groups: dict[int, Sequence[int]] = {}  # gid -> global ranks (kept after the world ends)
         self.completed: dict[int, int] = {}  # gid -> last seq completed here
         self.job = ""
         self.path: str | None = None  # where the last dump went
