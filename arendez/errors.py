@@ -57,8 +57,10 @@ class RendezvousError(ArendezError):
     """Joining a job failed: bad URL, full job, inconsistent world size, deadline passed."""
 
     #: ranks of the round just formed that could not be reached (they died or stopped
-    #: meanwhile); empty for other causes
+    #: meanwhile; those that failed first, then those that left); empty for other causes
     unreachable: tuple[int, ...] = ()
+    #: the rank whose loss failed the join (the first of ``unreachable``), or None
+    rank: int | None = None
 
 
 class AlreadyInitializedError(RendezvousError, ValueError):

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from . import burstlog, frames, shm, stall, wire
+from . import burstlog, errorfile, frames, shm, stall, wire
 from .algorithms import Chooser
 from .errors import (
     ArendezError,
@@ -479,7 +479,7 @@ class World:
             if not drained.done():
                 drained.set_exception(RankFailedError(peer, "send", reason))
         if self.mesh is not None:
-            self.mesh.forget(peer, reason)
+            self.mesh.forget(peer, reason, left)
         if len(self.dead) >= self.world_size - 1:
             self._peers_gone.set()
         if self.closed:  # destroy is under way: nothing left to fail
@@ -487,6 +487,7 @@ class World:
         self.shm_control.drop(peer)
         if not left:
             self.failed[peer] = reason
+            errorfile.heard(peer, reason)  # (for arendez-run's blame, if this process fails on it)
         (_DEPARTURES if left else _LOSSES).note(
             (self._round_id(), peer),
             logging.INFO if left else logging.WARNING,

@@ -9,6 +9,7 @@ W=16 here (16 real processes fit the suite's time on 2 cores); W=64 is in
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,41 @@ async def test_preconnect_with_no_time_left_blames_the_time_not_the_addresses():
     finally:
         for mesh in meshes:
             await mesh.close(2)
+
+
+@pytest.mark.timeout(20)
+async def test_init_failed_by_a_peer_that_left_names_the_failure_it_left_on():
+    """QA (kill -9 during init, 2 of 14 trials): survivors blamed rank 0, which had left on the
+    news of the dead rank, because its departure reached them first. A neighbour that left
+    makes init wait a moment for the news of a failure, and the error names that failure."""
+    with socket.socket() as idle:  # (listening, never accepting: dials to it wait for an answer)
+        idle.bind(("127.0.0.1", 0))
+        idle.listen(16)
+        nowhere = f"127.0.0.1:{idle.getsockname()[1]}"
+        for failure_follows in (True, False):
+            mesh = Mesh(token="t")
+            await mesh.listen("127.0.0.1")
+            try:
+                addresses = {r: nowhere for r in range(4)}
+                mesh.start(1, 4, b"n" * 16, addresses, lambda *_: None, lambda *_: None, lambda *_: None)
+                joining = asyncio.ensure_future(mesh.preconnect([0, 2], 10.0))
+                await asyncio.sleep(0.1)
+                mesh.forget(0, "it left the job (the server says)", left=True)
+                await asyncio.sleep(0.3)
+                assert not joining.done()  # (waiting for the news of why it left)
+                if failure_follows:
+                    mesh.forget(3, "declared failed by the server (no heartbeat for 2.5s)")
+                with pytest.raises(RendezvousError) as info:
+                    await joining
+                if failure_follows:
+                    assert info.value.rank == 3 and info.value.unreachable == (3, 0)
+                    assert str(info.value).startswith("could not connect to rank 0 at")
+                    assert "; the job also lost rank 3 (declared failed by the server" in str(info.value)
+                else:
+                    assert info.value.rank == 0 and info.value.unreachable == (0,)
+                    assert "it left the job" in str(info.value) and "also lost" not in str(info.value)
+            finally:
+                await mesh.close(2)
 
 
 @pytest.mark.timeout(120)

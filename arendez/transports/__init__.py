@@ -55,8 +55,9 @@ class Links(Protocol):
         """Whether the link to ``peer`` is a same-host Unix socket."""
         ...
 
-    def forget(self, peer: int, reason: str) -> None:
-        """``peer`` is gone by news from elsewhere (the server): stop waiting for a link to it."""
+    def forget(self, peer: int, reason: str, left: bool = False) -> None:
+        """``peer`` is gone by news from elsewhere (the server): stop waiting for a link to it
+        (``left``: in good order, not failed)."""
         ...
 
     async def close(self, timeout: float, gone: Collection[int] = ()) -> None: ...

@@ -137,7 +137,7 @@ class InprocLinks:
         link.send(frames.encode(frame), payload)
         return link
 
-    def forget(self, peer: int, reason: str) -> None:
+    def forget(self, peer: int, reason: str, left: bool = False) -> None:
         """(Every in-process link exists from the start: nothing waits for one.)"""
 
     async def close(self, timeout: float, gone: Collection[int] = ()) -> None:

@@ -60,6 +60,10 @@ transport.register_remote_errors(LimitError)
 
 #: Below this, a ``preconnect`` that times out blames the time left, not the addresses.
 SHORT_PRECONNECT_SECONDS = 1.0
+#: How long init, finding only peers that left, waits for the news of a failure: a peer that
+#: leaves during init has mostly left on the news of another one's death, which may come later.
+LEFT_NEWS_SECONDS = 1.0
+_FAILURES_KEPT = 64  # (failures elsewhere in the job a mesh remembers, to name in init's error)
 
 
 class Mesh:
@@ -100,6 +104,8 @@ class Mesh:
         self._closing = False
         self._dial_errors: dict[int, str] = {}  # the last error dialing each peer
         self._unreachable: set[int] = set()  # peers a dial found gone (never dialed again)
+        self._left: set[int] = set()  # of those, the ones the server says left in good order
+        self._failures: list[int] = []  # peers the server declared failed, in the order heard
         self._dial_timeout = 30.0
         self._dialer: Dialer | None = None  # (from ``start``: the round's rank and nonce)
         self._addresses: dict[int, str] = {}
@@ -245,18 +251,27 @@ class Mesh:
         for peer in wanted:
             if self.rank < peer:
                 self.link(peer)
+        loop = asyncio.get_running_loop()
+        news_by: float | None = None  # (only peers that left: the failure's news may follow)
         try:
             async with asyncio.timeout(timeout):
                 while True:
                     failed = [p for p in wanted if p in self._unreachable]
-                    if failed:
-                        exc = RendezvousError(self._describe(failed, "could not connect to"))
-                        exc.unreachable = tuple(failed)
-                        raise exc
-                    if all(p in self.conns for p in wanted):
+                    if failed and not self._failures and all(p in self._left for p in failed):
+                        news_by = news_by or loop.time() + LEFT_NEWS_SECONDS
+                    elif failed:
+                        raise self._init_failed(failed)
+                    elif all(p in self.conns for p in wanted):
                         return
                     self._connected.clear()
-                    await self._connected.wait()
+                    if news_by is None:
+                        await self._connected.wait()
+                    elif loop.time() >= news_by:
+                        raise self._init_failed(failed)
+                    else:
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(news_by - loop.time()):
+                                await self._connected.wait()
         except TimeoutError:
             missing = [p for p in wanted if p not in self.conns]
             if timeout < SHORT_PRECONNECT_SECONDS:  # the rendezvous took (nearly) all of init's time
@@ -270,17 +285,39 @@ class Mesh:
                 self._describe(missing, f"peer connections not made in {timeout:g}s:") + hint
             ) from None
 
-    def forget(self, peer: int, reason: str) -> None:
-        """``peer`` is gone by other news (the server declared it failed, or it left): stop
+    def forget(self, peer: int, reason: str, left: bool = False) -> None:
+        """``peer`` is gone by other news (the server declared it failed, or it ``left``): stop
         dialing it, fail what waits for a link to it, and let ``preconnect`` say why."""
+        if not left and peer != self.rank and len(self._failures) < _FAILURES_KEPT:
+            self._failures.append(peer)
+            self._dial_errors.setdefault(peer, reason)
+            self._connected.set()
         if peer in self.conns or peer in self._unreachable or peer == self.rank:
             return  # (a connection tells its own loss)
+        if left:
+            self._left.add(peer)
         self._unreachable.add(peer)
         self._dial_errors[peer] = reason
         pending = self._waiting_links.pop(peer, None)
         if pending is not None:
             pending.fail(ConnectionResetError(f"rank {peer}: {reason}"))
         self._connected.set()
+
+    def _init_failed(self, gone: list[int]) -> RendezvousError:
+        """Init's error for neighbours ``gone`` (failed first, then those that left), naming the
+        failures heard of elsewhere in the job too: a neighbour that left during init has most
+        likely left on the news of one of them."""
+        gone = sorted(gone, key=lambda p: p in self._left)
+        elsewhere = [p for p in self._failures if p not in gone][:4]
+        text = self._describe(gone, "could not connect to")
+        if elsewhere:
+            told = "; ".join(f"rank {p} ({self._dial_errors[p]})" for p in elsewhere)
+            text += f"; the job also lost {told}"
+        exc = RendezvousError(text)
+        failed, left = [p for p in gone if p not in self._left], [p for p in gone if p in self._left]
+        exc.unreachable = (*failed, *elsewhere, *left)
+        exc.rank = exc.unreachable[0]
+        return exc
 
     def _describe(self, ranks: list[int], what: str) -> str:
         detail = "; ".join(
