@@ -24,19 +24,22 @@ SETTLE = 2.0
 
 @dataclass(frozen=True)
 class Blame:
-    """The rank that failed first: its exit status and, if it noted one, why."""
+    """The rank that failed first: its exit status and, if it noted one, why. A rank that never
+    ended (stopped, hung) is blamed through the rank that ``reported`` it; ``returncode`` is then
+    that reporter's."""
 
     rank: int
     returncode: int
     why: str | None
+    reported: int | None = None
 
 
 def _earliest(
     ranks: Sequence[children.Child], reaped: dict[int, int], notes: Sequence[str], now: float
-) -> tuple[int, str | None] | None:
+) -> tuple[int, errorfile.Failure | None] | None:
     """The rank whose failure came first: by its own note (``arendez.errorfile``) or its exit,
-    whichever is earlier; ranks that ended with 0 did not fail."""
-    best: tuple[float, int, str | None] | None = None
+    whichever is earlier, and its note; ranks that ended with 0 did not fail."""
+    best: tuple[float, int, errorfile.Failure | None] | None = None
     for rank, child in enumerate(ranks):
         if reaped.get(rank) == 0:
             continue
@@ -45,8 +48,20 @@ def _earliest(
         if reaped.get(rank, 0) != 0:
             times.append(child.ended or now)
         if times and (best is None or min(times) < best[0]):
-            best = (min(times), rank, note.why if note is not None else None)
+            best = (min(times), rank, note)
     return None if best is None else best[1:]
+
+
+def _silent_culprit(
+    ranks: Sequence[children.Child], reaped: dict[int, int], notes: Sequence[str], rank: int
+) -> tuple[int, str] | None:
+    """The peer ``rank`` failed on (its note, or the first failure it heard of), and why, if that
+    peer has neither ended nor noted a failure of its own: it stopped answering (SIGSTOP, a
+    hang), and is the one to blame."""
+    said = errorfile.failed_on(notes[rank]) if notes else None
+    if said is None or not 0 <= said[0] < len(ranks) or said[0] in reaped or said[0] == rank:
+        return None
+    return None if errorfile.read(notes[said[0]]) is not None else said
 
 
 async def first_failure(ranks: Sequence[children.Child], notes: Sequence[str] = ()) -> Blame | None:
@@ -78,10 +93,15 @@ async def first_failure(ranks: Sequence[children.Child], notes: Sequence[str] = 
         while True:
             first = _earliest(ranks, reaped, notes, time.time())
             assert first is not None  # a rank failed
-            rank, why = first
+            rank, note = first
+            why = None if note is None else note.why
             if rank in reaped:
-                return Blame(rank, reaped[rank], why)
-            if loop.time() >= deadline:  # it noted a failure but does not end: blame the exits
+                silent = _silent_culprit(ranks, reaped, notes, rank)
+                if silent is None:
+                    return Blame(rank, reaped[rank], why)
+                if loop.time() >= deadline:  # (given the same time to end or speak as any)
+                    return Blame(silent[0], reaped[rank], silent[1], reported=rank)
+            elif loop.time() >= deadline:  # it noted a failure but does not end: blame the exits
                 exited = _earliest(ranks, reaped, (), time.time())
                 assert exited is not None
                 return Blame(exited[0], reaped[exited[0]], None)

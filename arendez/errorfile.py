@@ -20,18 +20,38 @@ ENV = "ARENDEZ_ERROR_FILE"
 
 @dataclass(frozen=True)
 class Failure:
-    """A rank's own note of its failure: wall-clock ``time`` and ``why``."""
+    """A rank's own note of its failure: wall-clock ``time``, ``why``, and the peer it failed
+    on (``culprit``; None when it failed on its own)."""
 
     time: float
     why: str
+    culprit: int | None = None
 
 
-def record(why: str) -> None:
+def record(why: str, culprit: int | None = None) -> None:
     """Note this process's failure in ``$ARENDEZ_ERROR_FILE`` (the first note stays)."""
     path = os.environ.get(ENV)
     if not path or os.path.exists(path):
         return
-    text = json.dumps({"time": time.time(), "why": why})
+    _write(path, json.dumps({"time": time.time(), "why": why, "culprit": culprit}))
+
+
+_heard = False
+
+
+def heard(peer: int, why: str) -> None:
+    """Note the first peer this process saw fail, and why (``$ARENDEZ_ERROR_FILE.peer``): if the
+    process then exits non-zero without a failure note (a script that catches the error and
+    exits 1), the launcher still knows which peer it failed on."""
+    global _heard
+    path = os.environ.get(ENV)
+    if _heard or not path:
+        return
+    _heard = True
+    _write(f"{path}.peer", json.dumps({"rank": peer, "why": why}))
+
+
+def _write(path: str, text: str) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -41,11 +61,26 @@ def record(why: str) -> None:
         pass  # best effort: the launcher falls back to exit times
 
 
+def failed_on(path: str) -> tuple[int, str] | None:
+    """The peer the rank of note ``path`` failed on, and why: from its note, else from the first
+    failure it heard of (``heard``); None if neither says."""
+    note = read(path)
+    if note is not None and note.culprit is not None:
+        return note.culprit, note.why
+    try:
+        with open(f"{path}.peer", encoding="utf-8") as f:
+            data = json.load(f)
+        return int(data["rank"]), str(data["why"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read(path: str) -> Failure | None:
     """The note at ``path``, or None when there is none (or it is unreadable)."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        return Failure(float(data["time"]), str(data["why"]))
+        culprit = data.get("culprit")
+        return Failure(float(data["time"]), str(data["why"]), None if culprit is None else int(culprit))
     except (OSError, ValueError, KeyError, TypeError):
         return None

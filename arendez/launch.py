@@ -375,6 +375,11 @@ async def _run(args: argparse.Namespace) -> int:
         code = exit_code(failure.returncode)
         why = f" ({failure.why})" if failure.why else ""
         first = f"rank {failure.rank} failed with exit code {code}, the first to fail{why}"
+        if failure.reported is not None:
+            first = (
+                f"rank {failure.rank} stopped answering (it has not ended: stopped or hung), the first to "
+                f"fail, as rank {failure.reported} reported ({failure.why}; it exited with code {code})"
+            )
         _say(f"{first}; terminating the other ranks")
         await children.stop(ranks, signal.SIGTERM, args.grace, kill_now)
         if args.server:

@@ -161,6 +161,25 @@ def test_the_rank_that_failed_first_is_blamed_not_the_first_to_exit(
 
 
 @pytest.mark.timeout(60)
+def test_a_stopped_rank_is_blamed_not_the_first_survivor_to_exit(
+    launcher: list[subprocess.Popen[str]],
+) -> None:
+    """Rank 2 SIGSTOPs itself: it never ends or notes a failure; the others fail on the server's
+    declaration and exit 1 (QA: the launcher named the first of them as the first to fail)."""
+    launcher.append(proc := _launch("--nproc", "3", "--grace", "1", str(SCRIPTS / "stop_self.py")))
+    _, err = proc.communicate(timeout=50)
+    assert proc.returncode == 1, err
+    said = [ln for ln in _lines(err) if ln.startswith("arendez-run: ")]
+    assert re.match(
+        r"arendez-run: rank 2 stopped answering \(it has not ended: stopped or hung\), the first to fail, "
+        r"as rank [01] reported \(declared failed by the server \(no heartbeat.*\); "
+        r"it exited with code 1\)",
+        said[0],
+    ), err
+    assert not re.search(r"rank [01] failed with exit code", err), err
+
+
+@pytest.mark.timeout(60)
 def test_an_unreachable_server_is_named_early_and_at_the_end(launcher: list[subprocess.Popen[str]]) -> None:
     """Nothing listens at --server (a bound port that never listens): each rank says so once,
     seconds before its 6 s join timeout, and the launcher ends naming the address (QA item 14:
