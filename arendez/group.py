@@ -331,5 +331,5 @@ class ProcessGroup:
 def _shown(ranks: Sequence[int]) -> str:
     """A group's ranks as a message shows them (a ``range`` as its ends)."""
     if isinstance(ranks, range):
-        return f"0-{len(ranks) - 1}" if ranks.start == 0 and ranks.step == 1 else str(list(ranks))
+        return str(list(ranks)) if len(ranks) <= 16 else f"{ranks.start}..{ranks[-1]}"
     return str(ranks)

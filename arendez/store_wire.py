@@ -107,9 +107,7 @@ def store_key(key: str | bytes) -> str:
         try:
             return bytes(key).decode()
         except UnicodeDecodeError:
-            raise TypeError(
-                f"store keys are str or UTF-8 bytes; got bytes that are not UTF-8: {bytes(key)!r:.80}"
-            ) from None
+            raise TypeError(f"store keys are str or UTF-8 bytes, got non-UTF-8 {bytes(key)!r:.80}") from None
     raise TypeError(f"store keys are str, not {type(key).__name__} {key!r:.40}")
 
 

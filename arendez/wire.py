@@ -219,6 +219,8 @@ class Decoder:
         if filled >= PREFIX.size:  # _parse already checked this length against the limit
             hlen, _ = PREFIX.unpack_from(self._view, 0)
             end = max(PREFIX.size + hlen, filled + 1)
+        elif filled == 0:  # (a whole read, so up to HEADER_READ of a bad client's bytes are read)
+            end = HEADER_READ
         else:
             end = max(PREFIX.size, min(filled + HEADER_READ, len(self._scratch)))
         if end > len(self._scratch):  # a header larger than the scratch
