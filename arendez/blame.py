@@ -52,16 +52,19 @@ def _earliest(
     return None if best is None else best[1:]
 
 
-def _silent_culprit(
+def _culprit(
     ranks: Sequence[children.Child], reaped: dict[int, int], notes: Sequence[str], rank: int
-) -> tuple[int, str] | None:
-    """The peer ``rank`` failed on (its note, or the first failure it heard of), and why, if that
-    peer has neither ended nor noted a failure of its own: it stopped answering (SIGSTOP, a
-    hang), and is the one to blame."""
+) -> tuple[int, str | None] | None:
+    """The peer ``rank`` failed on (its note, or the first failure it heard of), if that peer
+    noted no failure of its own: it died without a word (killed: its exit may be seen a few ms
+    after ``rank``'s note) or stopped answering (SIGSTOP, a hang: it has not ended). With the
+    reason ``rank`` heard for a peer that has not ended, None for one that has."""
     said = errorfile.failed_on(notes[rank]) if notes else None
-    if said is None or not 0 <= said[0] < len(ranks) or said[0] in reaped or said[0] == rank:
+    if said is None or not 0 <= said[0] < len(ranks) or said[0] == rank or reaped.get(said[0]) == 0:
         return None
-    return None if errorfile.read(notes[said[0]]) is not None else said
+    if errorfile.read(notes[said[0]]) is not None:
+        return None  # (it noted a failure: the earliest note or exit decides)
+    return (said[0], None) if said[0] in reaped else said
 
 
 async def first_failure(ranks: Sequence[children.Child], notes: Sequence[str] = ()) -> Blame | None:
@@ -96,11 +99,14 @@ async def first_failure(ranks: Sequence[children.Child], notes: Sequence[str] = 
             rank, note = first
             why = None if note is None else note.why
             if rank in reaped:
-                silent = _silent_culprit(ranks, reaped, notes, rank)
-                if silent is None:
+                culprit = _culprit(ranks, reaped, notes, rank)
+                if culprit is None:
                     return Blame(rank, reaped[rank], why)
+                peer, heard = culprit
+                if peer in reaped:  # (died without a word: killed, say)
+                    return Blame(peer, reaped[peer], None)
                 if loop.time() >= deadline:  # (given the same time to end or speak as any)
-                    return Blame(silent[0], reaped[rank], silent[1], reported=rank)
+                    return Blame(peer, reaped[rank], heard, reported=rank)
             elif loop.time() >= deadline:  # it noted a failure but does not end: blame the exits
                 exited = _earliest(ranks, reaped, (), time.time())
                 assert exited is not None

@@ -342,3 +342,42 @@ def test_a_late_replacement_failing_after_the_job_finished_does_not_count(
     assert proc.returncode == status, err
     assert "rank 1 failed with exit code 5 (a rank had already finished" in err
     assert ("a replacement: not counted" in err) is not original
+
+
+@pytest.mark.timeout(30)
+async def test_a_killed_rank_is_blamed_when_a_survivors_note_is_timed_before_its_exit(tmp_path: Path) -> None:
+    """QA (1 of 44 kill -9 runs): a survivor noted its failure on rank 1 a few ms before the
+    launcher timed rank 1's exit, and was blamed. A peer named by a note that died without a note
+    of its own is the one blamed."""
+    import asyncio
+    import json
+    import types
+
+    from arendez import blame
+
+    notes = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
+    killed = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(30)")
+    survivor = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import time; time.sleep(0.3); exit(1)"
+    )
+    killed_at = time.time()
+    os.kill(killed.pid, signal.SIGKILL)
+    note = {
+        "time": killed_at - 0.003,
+        "why": "its process ended with an uncaught RankFailedError",
+        "culprit": 1,
+    }
+    Path(notes[0]).write_text(json.dumps(note))
+    ranks = [
+        types.SimpleNamespace(proc=survivor, ended=None),
+        types.SimpleNamespace(proc=killed, ended=killed_at),
+    ]
+
+    async def ended() -> None:
+        await survivor.wait()
+        ranks[0].ended = time.time()
+
+    timing = asyncio.ensure_future(ended())
+    found = await blame.first_failure(ranks, notes)  # type: ignore[arg-type]
+    await timing
+    assert found == blame.Blame(1, -signal.SIGKILL, None)
