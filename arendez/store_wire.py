@@ -108,7 +108,7 @@ def store_key(key: str | bytes) -> str:
             return bytes(key).decode()
         except UnicodeDecodeError:
             raise TypeError(f"store keys are str or UTF-8 bytes, got non-UTF-8 {bytes(key)!r:.80}") from None
-    raise TypeError(f"store keys are str, not {type(key).__name__} {key!r:.40}")
+    raise TypeError(f"store keys are str (or UTF-8 bytes), not {type(key).__name__} {key!r:.40}")
 
 
 #: Arguments of each compact operation, in order (``timeout``: seconds the server may wait).
