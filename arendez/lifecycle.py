@@ -299,7 +299,13 @@ async def _tcp_world(
             dial_timeout=timeout,
         )
         neighbours = {(member.rank + k) % member.world_size for k in offsets}
-        await mesh.preconnect(neighbours, max(0.0, deadline - loop.time()))
+        if isinstance(store, Store):  # (tcp://: the store dies with rank 0, which may have failed)
+            store.on_lost = mesh.doubt
+        try:
+            await mesh.preconnect(neighbours, max(0.0, deadline - loop.time()))
+        finally:
+            if isinstance(store, Store):
+                store.on_lost = None
         await world.open_shm(max(0.0, min(SHM_SETUP_SECONDS, deadline - loop.time())))
         if where.min_size:
             elastic.remember(elastic.Config(where, timeout), world, member.generation, member.survivors)

@@ -128,6 +128,8 @@ class Store(MembershipOps, KeyValueOps):
         self.host, self.port, self.job = host, port, job
         self.timeout = timeout
         self.on_event: EventHandler | None = None
+        #: Called when an established connection to the server is lost (before reconnecting).
+        self.on_lost: Callable[[], None] | None = None
         #: Elastic: how many ranks wait to join, by the round (nonce) the server said it to;
         #: kept here as it arrives, so news that races a re-form is not lost.
         self.joining: dict[bytes, int] = {}
@@ -273,6 +275,8 @@ class Store(MembershipOps, KeyValueOps):
             self._fail_pending(
                 StoreConnectionError(f"lost the connection to the store at {self.host}:{self.port}")
             )
+            if self.on_lost is not None and not self._closed:
+                self.on_lost()
             if not self._closed:
                 planned = self._left or self._server_leaving
                 (log.info if planned else log.warning)(

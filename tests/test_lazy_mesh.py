@@ -127,6 +127,34 @@ async def test_init_failed_by_a_peer_that_left_names_the_failure_it_left_on():
                 await mesh.close(2)
 
 
+@pytest.mark.timeout(20)
+async def test_init_that_hears_bad_news_dials_the_neighbours_that_should_dial_it():
+    """QA (kill -9 of rank 1 during init under tcp://): rank 0, rank 1's dialer, failed at once
+    and exited with the store; ranks 2 and 3, waiting for rank 1 to dial them, heard nothing
+    more and timed out, or blamed rank 0. News that the job is failing (rank 0 left here) makes
+    init dial those neighbours itself: a refused dial names the dead rank at once."""
+    with socket.socket() as idle, socket.socket() as dead:
+        idle.bind(("127.0.0.1", 0))
+        idle.listen(16)  # rank 3: alive but slow (never answers)
+        dead.bind(("127.0.0.1", 0))  # rank 1: nothing listens (connections are refused)
+        addresses = {r: f"127.0.0.1:{idle.getsockname()[1]}" for r in range(4)}
+        addresses[1] = f"127.0.0.1:{dead.getsockname()[1]}"
+        mesh = Mesh(token="t")
+        await mesh.listen("127.0.0.1")
+        try:
+            mesh.start(2, 4, b"n" * 16, addresses, lambda *_: None, lambda *_: None, lambda *_: None)
+            joining = asyncio.ensure_future(mesh.preconnect([0, 1, 3], 10.0))
+            await asyncio.sleep(0.3)
+            assert not joining.done()  # (ranks 0 and 1 are to dial it; it dials rank 3)
+            mesh.forget(0, "it left the job (the server says)", left=True)
+            with pytest.raises(RendezvousError) as info:
+                await asyncio.wait_for(joining, 0.9)  # (before the 1 s wait for news would end)
+            assert info.value.rank == 1 and info.value.unreachable == (1, 0), info.value
+            assert "could not connect to rank 1 at" in str(info.value) and "Refused" in str(info.value)
+        finally:
+            await mesh.close(2)
+
+
 @pytest.mark.timeout(120)
 def test_init_connects_neighbours_only_and_first_use_dials_once(arendez_server, tmp_path):
     ws, a, b = 16, 0, 5  # 5 is no +-2^k from 0 (mod 16): not connected at init

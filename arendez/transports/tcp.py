@@ -106,6 +106,7 @@ class Mesh:
         self._unreachable: set[int] = set()  # peers a dial found gone (never dialed again)
         self._left: set[int] = set()  # of those, the ones the server says left in good order
         self._preconnecting = False  # (init: ``preconnect`` is waiting for its connections)
+        self._doubted = False  # (init: news that the job is failing; see ``doubt``)
         self._failures: list[int] = []  # peers the server declared failed, in the order heard
         self._dial_timeout = 30.0
         self._dialer: Dialer | None = None  # (from ``start``: the round's rank and nonce)
@@ -258,6 +259,9 @@ class Mesh:
         try:
             async with asyncio.timeout(timeout):
                 while True:
+                    if self._doubted:
+                        self._doubted = False
+                        self._dial_lower(wanted)
                     failed = [p for p in wanted if p in self._unreachable]
                     if failed and not self._failures and all(p in self._left for p in failed):
                         news_by = news_by or loop.time() + LEFT_NEWS_SECONDS
@@ -287,8 +291,28 @@ class Mesh:
                 self._describe(missing, f"peer connections not made in {timeout:g}s:") + hint
             ) from None
         finally:
-            self._preconnecting = False
+            self._preconnecting = self._doubted = False
             self._left.clear()
+
+    def doubt(self) -> None:
+        """News that the job is failing (a rank left or failed, the store went away) while init
+        waits for its connections: ``preconnect`` then dials the neighbours that should have
+        dialed this rank, as a refused dial tells a dead rank from a slow one. (With ``tcp://``
+        the store dies with rank 0, and the server's word on a rank killed during init may never
+        come.)"""
+        if self._preconnecting:
+            self._doubted = True
+            self._connected.set()
+
+    def _dial_lower(self, wanted: list[int]) -> None:
+        for peer in wanted:
+            if peer < self.rank and peer not in self.conns and peer not in self._unreachable:
+                pending = self._waiting_links.get(peer)
+                if pending is None:
+                    self.link(peer)
+                elif peer not in self._dialing:
+                    self._dialing.add(peer)
+                    self._spawn(self._dial(peer, pending))
 
     def forget(self, peer: int, reason: str, left: bool = False) -> None:
         """``peer`` is gone by other news (the server declared it failed, or it ``left``): stop
@@ -297,6 +321,7 @@ class Mesh:
             self._failures.append(peer)
             self._dial_errors.setdefault(peer, reason)
             self._connected.set()
+        self.doubt()
         if peer in self.conns or peer in self._unreachable or peer == self.rank:
             return  # (a connection tells its own loss)
         self._unreachable.add(peer)
