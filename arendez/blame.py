@@ -55,7 +55,7 @@ def _earliest(
 def _culprit(
     ranks: Sequence[children.Child], reaped: dict[int, int], notes: Sequence[str], rank: int
 ) -> tuple[int, str | None] | None:
-    """The peer ``rank`` failed on (its note, or the first failure it heard of), if that peer
+    """The peer ``rank`` failed on (the first failure it heard of), if that peer
     noted no failure of its own: it died without a word (killed: its exit may be seen a few ms
     after ``rank``'s note) or stopped answering (SIGSTOP, a hang: it has not ended). With the
     reason ``rank`` heard for a peer that has not ended, None for one that has."""

@@ -20,29 +20,27 @@ ENV = "ARENDEZ_ERROR_FILE"
 
 @dataclass(frozen=True)
 class Failure:
-    """A rank's own note of its failure: wall-clock ``time``, ``why``, and the peer it failed
-    on (``culprit``; None when it failed on its own)."""
+    """A rank's own note of its failure: wall-clock ``time`` and ``why``."""
 
     time: float
     why: str
-    culprit: int | None = None
 
 
-def record(why: str, culprit: int | None = None) -> None:
+def record(why: str) -> None:
     """Note this process's failure in ``$ARENDEZ_ERROR_FILE`` (the first note stays)."""
     path = os.environ.get(ENV)
     if not path or os.path.exists(path):
         return
-    _write(path, json.dumps({"time": time.time(), "why": why, "culprit": culprit}))
+    _write(path, json.dumps({"time": time.time(), "why": why}))
 
 
 _heard = False
 
 
 def heard(peer: int, why: str) -> None:
-    """Note the first peer this process saw fail, and why (``$ARENDEZ_ERROR_FILE.peer``): if the
-    process then exits non-zero without a failure note (a script that catches the error and
-    exits 1), the launcher still knows which peer it failed on."""
+    """Note the first peer this process saw fail, and why (``$ARENDEZ_ERROR_FILE.peer``), when
+    it hears of it: if the process then fails (with a note, or exiting 1 after catching the
+    error), the launcher knows which peer it failed on."""
     global _heard
     path = os.environ.get(ENV)
     if _heard or not path:
@@ -62,11 +60,7 @@ def _write(path: str, text: str) -> None:
 
 
 def failed_on(path: str) -> tuple[int, str] | None:
-    """The peer the rank of note ``path`` failed on, and why: from its note, else from the first
-    failure it heard of (``heard``); None if neither says."""
-    note = read(path)
-    if note is not None and note.culprit is not None:
-        return note.culprit, note.why
+    """The first peer the rank of note ``path`` heard fail, and why (``heard``); None if none."""
     try:
         with open(f"{path}.peer", encoding="utf-8") as f:
             data = json.load(f)
@@ -80,7 +74,6 @@ def read(path: str) -> Failure | None:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        culprit = data.get("culprit")
-        return Failure(float(data["time"]), str(data["why"]), None if culprit is None else int(culprit))
+        return Failure(float(data["time"]), str(data["why"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -114,17 +114,9 @@ def _goodbye(world: World, why: str | None) -> list[int]:
     failed = {r: reason for r, reason in world.failed.items() if r != world.rank}
     if why is not None:  # last: the sender names itself, and why it ended
         failed[world.rank] = why
-        errorfile.record(why, _failed_on(world))  # before the peers hear of it (arendez-run's blame)
+        errorfile.record(why)  # before the peers hear of it (arendez-run's blame)
     world.closed = True
     return world.mesh.farewell(frames.Bye(failed), budget)
-
-
-def _failed_on(world: World) -> int | None:
-    """The peer this rank's failure came from: the first it saw fail (None if none did)."""
-    for rank in world.failed:
-        if rank != world.rank:
-            return rank
-    return None
 
 
 def say_last_words(why: str | None) -> list[int]:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from .errors import ArendezError, QueueEmptyError, StoreError, StoreTimeoutError
 from .registry import seconds
-from .store_wire import store_key
+from .store_wire import store_key, to_bytes
 
 __all__ = [
     "FileStore",
@@ -22,7 +22,6 @@ __all__ = [
     "PrefixStore",
     "Store",
     "add_amount",
-    "as_bytes",
     "key_list",
     "store_key",
     "meeting_point",
@@ -32,11 +31,6 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 #: Rounds of compare_set an ``append`` tries before it gives up (each lost one means another
 #: writer's append landed).
 _APPEND_TRIES = 10_000
-
-
-def as_bytes(value: str | bytes) -> bytes:
-    """A store value as bytes (a ``str`` in UTF-8)."""
-    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def add_amount(amount: int) -> int:
@@ -89,7 +83,7 @@ class Store:
     def append(self, key: str, value: str | bytes) -> None:
         """Append ``value`` to the bytes at ``key`` (created if missing), atomically (here a
         ``compare_set`` loop, so concurrent appends all land; the stores do it in one step)."""
-        extra = as_bytes(value)
+        extra = to_bytes(value)
         current = self.get(key) if self.check([key]) else b""
         for _ in range(_APPEND_TRIES):
             desired = current + extra
@@ -161,7 +155,7 @@ class HashStore(Store):
 
     def set(self, key: str, value: str | bytes) -> None:
         with self._changed:
-            self._data[key] = as_bytes(value)
+            self._data[key] = to_bytes(value)
             self._changed.notify_all()
 
     def _present(self, key: str) -> bool:
@@ -195,14 +189,14 @@ class HashStore(Store):
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         with self._changed:
             current = self._data.get(key)
-            if (current is None and not as_bytes(expected_value)) or current == as_bytes(expected_value):
-                self._data[key] = current = as_bytes(desired_value)
+            if (current is None and not to_bytes(expected_value)) or current == to_bytes(expected_value):
+                self._data[key] = current = to_bytes(desired_value)
                 self._changed.notify_all()
-            return current if current is not None else as_bytes(expected_value)
+            return current if current is not None else to_bytes(expected_value)
 
     def append(self, key: str, value: str | bytes) -> None:
         with self._changed:
-            self._data[key] = self._data.get(key, b"") + as_bytes(value)
+            self._data[key] = self._data.get(key, b"") + to_bytes(value)
             self._changed.notify_all()
 
     def wait(self, keys: Iterable[str], timeout: datetime.timedelta | None = None) -> None:
@@ -227,7 +221,7 @@ class HashStore(Store):
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         with self._changed:
-            self._queues.setdefault(key, collections.deque()).append(as_bytes(value))
+            self._queues.setdefault(key, collections.deque()).append(to_bytes(value))
             self._changed.notify_all()
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:

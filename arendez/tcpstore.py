@@ -26,9 +26,9 @@ from .errors import LimitError, StoreConnectTimeoutError, StoreError, StoreTimeo
 from .loop import shared
 from .registry import seconds
 from .settings import env_int
-from .store_wire import MAX_KEYS, key_batches, store_key
+from .store_wire import MAX_KEYS, key_batches, store_key, to_bytes
 from .storemux import SharedStoreClient
-from .syncstore import DEFAULT_TIMEOUT, Store, add_amount, as_bytes, key_list
+from .syncstore import DEFAULT_TIMEOUT, Store, add_amount, key_list
 
 __all__ = ["TCPStore"]
 
@@ -192,7 +192,7 @@ class TCPStore(Store):
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """Set each of ``keys`` to the value at the same position of ``values`` (one request, or
         several in turn if they do not fit one)."""
-        keys, data = key_list(keys), [as_bytes(v) for v in values]
+        keys, data = key_list(keys), [to_bytes(v) for v in values]
         if len(keys) != len(data):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(data)} values")
         with self._lock:

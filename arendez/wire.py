@@ -211,10 +211,10 @@ class Decoder:
             if self._discard is None:
                 self._discard = memoryview(bytearray(_DISCARD))
             return self._discard[: min(self._discard_left, _DISCARD)]
-        # a whole small frame per read (and up to 4 KiB a bad client sent is read before we close,
-        # so the close is no reset); the scratch grows to it only once bytes have come
-        # (what fits the scratch: it grows only for a header larger than it, not for read-ahead,
-        # as a process of thousands of connections holds one scratch each)
+        # between frames, a whole small frame per read (and up to 4 KiB a bad client sent is read
+        # before we close, so the close is no reset); the scratch grows to that only once bytes
+        # have come, and after it only for a header larger than it, not for read-ahead (a process
+        # of thousands of connections holds one scratch each)
         filled = self._filled
         if filled >= PREFIX.size:  # _parse already checked this length against the limit
             hlen, _ = PREFIX.unpack_from(self._view, 0)

@@ -362,12 +362,10 @@ async def test_a_killed_rank_is_blamed_when_a_survivors_note_is_timed_before_its
     )
     killed_at = time.time()
     os.kill(killed.pid, signal.SIGKILL)
-    note = {
-        "time": killed_at - 0.003,
-        "why": "its process ended with an uncaught RankFailedError",
-        "culprit": 1,
-    }
+    note = {"time": killed_at - 0.003, "why": "its process ended with an uncaught RankFailedError"}
     Path(notes[0]).write_text(json.dumps(note))
+    heard = {"rank": 1, "why": "connection lost"}  # (what errorfile.heard wrote when it heard)
+    Path(f"{notes[0]}.peer").write_text(json.dumps(heard))
     ranks = [
         types.SimpleNamespace(proc=survivor, ended=None),
         types.SimpleNamespace(proc=killed, ended=killed_at),

@@ -344,6 +344,7 @@ def test_one_string_for_a_key_list_is_a_type_error_not_its_letters() -> None:
         master.close()
 
 
+@pytest.mark.timeout(30)
 def test_a_bad_key_is_refused_by_the_call_that_names_it_and_bytes_keys_are_taken(connection: str) -> None:
     # torch's TCPStore takes bytes keys and raises TypeError for an int key at the call
     master = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5))
