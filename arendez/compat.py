@@ -14,20 +14,21 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import frames, wire
+from . import frames, objcodec, wire
 from . import lifecycle as _lifecycle
 from .arrays import ReduceOp, as_array, byte_view
 from .collectives import all_gather, all_gather_into_tensor, all_reduce, barrier, reduce_scatter_tensor
 from .errors import (
     ArendezError,
     CollectiveTimeoutError,
+    InvalidArgumentError,
     NetworkError,
+    ProtocolError,
     RankFailedError,
     StoreError,
     WaitTimeoutError,
 )
 from .group import ProcessGroup
-from .objects import _pack, _unpack
 from .p2p import recv, send
 from .queries import (
     Backend,
@@ -283,11 +284,21 @@ async def send_object_list(
     group_dst: int | None = None,
     use_batch: bool = False,
 ) -> None:
-    """Send the (msgpack-serialisable) objects of ``object_list`` to ``dst``."""
+    """Send the objects of ``object_list`` (what ``objcodec`` carries) to ``dst``. One that
+    cannot be encoded is an ``ObjectSerializationError`` here and at the receiver."""
     g: ProcessGroup = group
     _no_device(device)
     target = root_rank(g, dst, group_dst, "dst", "send_object_list")
-    packed = [_pack(o) for o in object_list]
+    encoded = [objcodec.encoded(o) for o in object_list]
+    failed = next((exc for _, exc in encoded if exc is not None), None)
+    if failed is not None and object_list:  # (the receiver raises too: a size of -1 says so)
+        note = objcodec.failure(failed)
+        sizes = np.full(len(object_list), -1, np.int64)
+        sizes[0] = -len(note)
+        await send(sizes, target, g)
+        await send(np.frombuffer(note, np.uint8), target, g)
+        raise objcodec.refused(g.ranks[g.rank], "send_object_list", failed) from failed
+    packed = [data for data, _ in encoded]
     await send(np.array([len(p) for p in packed], np.int64), target, g)
     await send(np.frombuffer(b"".join(packed), np.uint8), target, g)
 
@@ -306,11 +317,15 @@ async def recv_object_list(
     source = named_rank(g, src, group_src, "src")
     sizes = np.zeros(len(object_list), np.int64)
     sender = await recv(sizes, source, g)
-    data = np.zeros(int(sizes.sum()), np.uint8)
+    failed = len(sizes) and sizes[0] < 0
+    data = np.zeros(-int(sizes[0]) if failed else int(sizes.sum()), np.uint8)
     await recv(data, sender, g)
     raw, at = data.tobytes(), 0
+    if failed:  # the sender could not encode an object: its failure note, not objects
+        objcodec.check(objcodec.decode(raw), sender, "send_object_list")
+        raise ProtocolError(f"rank {sender} sent a negative object size without a failure note")
     for i, n in enumerate(sizes.tolist()):
-        object_list[i] = _unpack(raw[at : at + n])
+        object_list[i] = objcodec.decode(raw[at : at + n])
         at += n
     return sender
 
@@ -348,11 +363,21 @@ async def all_reduce_coalesced(tensors: Sequence[Any], op: Any = ReduceOp.SUM, g
 async def all_gather_coalesced(
     output_tensor_lists: Sequence[Sequence[Any]], input_tensor_list: Sequence[Any], group: Any = None
 ) -> None:
-    """``all_gather`` of each input tensor into its list of outputs."""
-    if len(output_tensor_lists) != len(input_tensor_list):
-        raise ValueError("output_tensor_lists needs one list per input tensor")
-    for outputs, tensor in zip(output_tensor_lists, input_tensor_list, strict=True):
-        await all_gather(list(outputs), tensor, group)
+    """``all_gather`` of each input tensor: ``output_tensor_lists[r][i]`` receives rank ``r``'s
+    ``input_tensor_list[i]`` (torch's layout: one list per rank)."""
+    g: ProcessGroup = group
+    if len(output_tensor_lists) != g.size:
+        raise InvalidArgumentError(
+            f"output_tensor_lists must hold {g.size} lists (one per rank), got {len(output_tensor_lists)}"
+        )
+    for r, outputs in enumerate(output_tensor_lists):
+        if len(outputs) != len(input_tensor_list):
+            raise InvalidArgumentError(
+                f"output_tensor_lists[{r}] must hold {len(input_tensor_list)} tensors (one per input "
+                f"tensor), got {len(outputs)}"
+            )
+    for i, tensor in enumerate(input_tensor_list):
+        await all_gather([outputs[i] for outputs in output_tensor_lists], tensor, g)
 
 
 @on_group()

@@ -252,10 +252,11 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         stage = Stage()
         out, x = stage(output), stage(input, out=False)
+        value = list(output.chunk(self.size()))  # (the future holds the rank's slices, as gloo's)
         if self._engine:
             outs = list(out.reshape(-1).chunk(self.size()))
-            return self._run([output], stage, self._engine.all_gather, outs, x)
-        return self._run([output], stage, arendez.all_gather_into_tensor, out, x)
+            return self._run(value, stage, self._engine.all_gather, outs, x)
+        return self._run(value, stage, arendez.all_gather_into_tensor, out, x)
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -275,11 +276,17 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
+        if len(outputs) != self.size() or any(len(o) != len(inputs) for o in outputs):
+            raise InvalidArgumentError(
+                f"allgather_coalesced needs {self.size()} output lists (one per rank) of {len(inputs)} "
+                f"tensors (one per input), got {[len(o) for o in outputs]}"
+            )
         stage = Stage()
-        outs, ins = [stage.all(o) for o in outputs], stage.all(inputs, out=False)
+        per_rank, ins = [stage.all(o) for o in outputs], stage.all(inputs, out=False)
 
-        async def each() -> None:
-            for raw, x in zip(outs, ins, strict=True):
+        async def each() -> None:  # output_tensor_lists[rank][i] gets that rank's inputs[i]
+            for i, x in enumerate(ins):
+                raw = [outs[i] for outs in per_rank]
                 if self._engine:
                     await self._engine.all_gather(raw, x)
                 else:

@@ -64,7 +64,8 @@ def test_every_collective_matches_numpy_including_a_subgroup() -> None:
     ws = 3
     done = _run("collectives", ws, f"tcp://127.0.0.1:{free_port()}")
     every = [
-        "all_reduce", "async_work_and_future", "all_reduce_coalesced", "broadcast", "reduce",
+        "all_reduce", "async_work_and_future", "all_reduce_coalesced", "all_gather_coalesced", "broadcast",
+        "reduce",
         "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
         "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "send_recv",
         "object_collectives",

@@ -211,6 +211,15 @@ def _every(rank: int, ws: int, ranks: list[int], group: Any) -> list[str]:
     _same(pair[0], np.sum([_np(contribution(r, 5, torch.float32)) for r in ranks], axis=0), "coalesced 0")
     _same(pair[1], np.sum([_np(contribution(r, 3, torch.float32, 1)) for r in ranks], axis=0), "coalesced 1")
     done.append("all_reduce_coalesced")
+    ins = [contribution(rank, 2 + i, torch.float32, i) for i in range(len(ranks))]  # as many as ranks
+    outs = [[torch.zeros(2 + i) for i in range(len(ranks))] for _ in ranks]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_coalesced(outs, ins, group=group)
+    for r, row in zip(ranks, outs, strict=True):  # torch's layout: [rank][tensor]
+        for i, got in enumerate(row):
+            _same(got, _np(contribution(r, 2 + i, torch.float32, i)), f"all_gather_coalesced [{r}][{i}]")
+    done.append("all_gather_coalesced")
     root = ranks[-1]
     t = contribution(rank, 10, torch.float32)
     dist.broadcast(t, src=root, group=group)
@@ -231,8 +240,11 @@ def _every(rank: int, ws: int, ranks: list[int], group: Any) -> list[str]:
     for i in range(n):
         _same(outs[i], parts[i], f"all_gather {i}")
     flat = torch.empty(10 * n)
-    dist.all_gather_into_tensor(flat, mine, group=group)
+    held = dist.all_gather_into_tensor(flat, mine, group=group, async_op=True).get_future().wait()
     _same(flat, np.concatenate(parts), "all_gather_into_tensor")
+    assert len(held) == n and all(h.data_ptr() == flat[10 * i].data_ptr() for i, h in enumerate(held)), (
+        "all_gather_into_tensor's future holds the output's per-rank slices, as gloo's"
+    )
     done += ["all_gather", "all_gather_into_tensor"]
     gathered = [torch.empty(10) for _ in ranks] if rank == root else None
     held = dist.gather(mine, gathered, dst=root, group=group, async_op=True).get_future().wait()

@@ -126,6 +126,12 @@ def extras(rank: int, size: int) -> None:
     a, b = torch.ones(2) * (rank + 1), torch.ones(3) * (rank + 2)
     dist.all_reduce_coalesced([a, b])
     print("coalesced", a.tolist(), b.tolist())
+    # all_gather_coalesced: output_tensor_lists[rank][i] (as many tensors as ranks: a transposed
+    # layout would pass unnoticed)
+    mine = [torch.full((2,), 10.0 * rank + i) for i in range(size)]
+    lists = [[torch.zeros(2) for _ in range(size)] for _ in range(size)]
+    dist.all_gather_coalesced(lists, mine)
+    print("gathered coalesced", [[t.tolist() for t in row] for row in lists])
     # subgroups
     mine, subgroups = dist.new_subgroups(group_size=1)
     print("subgroups", len(subgroups), dist.get_process_group_ranks(mine))
