@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -92,8 +93,13 @@ class Work:
     def exception(self) -> BaseException | None:
         return self._done.error
 
-    def get_future(self) -> Future:
-        return Future(self._done, self._outputs)
+    def get_future(self) -> Any:
+        """The call's future: a ``torch.futures.Future`` when its outputs are torch tensors (so
+        ``torch.futures.wait_all``/``collect_all`` take it, as gloo's), else a ``Future``."""
+        torch = _torch_of(self._outputs)
+        if torch is None:
+            return Future(self._done, self._outputs)
+        return _torch_future(torch, self._done, self._outputs)
 
     def source_rank(self) -> int:
         """The rank a finished ``irecv`` received from."""
@@ -108,3 +114,34 @@ class Work:
 
     def _source_rank(self) -> int:  # (torch's private spelling, which some scripts use)
         return self.source_rank()
+
+
+def _torch_of(outputs: Any) -> Any:
+    """The torch module if ``outputs`` (a tensor list, or a list of them) holds torch tensors."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(outputs, list) or not outputs:
+        return None
+    first = outputs[0][0] if isinstance(outputs[0], list) and outputs[0] else outputs[0]
+    return torch if isinstance(first, torch.Tensor) else None
+
+
+def _torch_future(torch: Any, done: Completion, outputs: Any) -> Any:
+    """A ``torch.futures.Future`` completed with ``outputs`` (or the call's error) when ``done``
+    is; off the loop thread, since its ``then`` callbacks run where it completes and may make
+    blocking arendez calls."""
+    future = torch.futures.Future()
+
+    def settle(finished: Completion) -> None:
+        if finished.error is not None:
+            future.set_exception(finished.error)
+        else:
+            future.set_result(outputs)
+
+    def deliver(finished: Completion) -> None:
+        if shared.in_loop_thread():
+            callbacks.shared.submit(settle, finished)
+        else:
+            settle(finished)
+
+    done.add_done_callback(deliver)
+    return future
