@@ -90,6 +90,19 @@ class CollectiveMismatchError(ArendezError):
     """Ranks started different collectives (op, dtype or count) at the same sequence number."""
 
 
+class ObjectSerializationError(ArendezError, TypeError):
+    """A rank's object in an object collective (or ``send_object_list``) could not be encoded
+    (``objcodec``: never pickle). Raised on every rank the collective reaches, so none waits for
+    bytes that never come; ``rank`` is the (global) rank whose object it was."""
+
+    def __init__(self, rank: int, collective: str, reason: str) -> None:
+        self._init_args = (rank, collective, reason)
+        self.rank = rank
+        self.collective = collective
+        self.reason = reason
+        super().__init__(f"{collective}: rank {rank} could not encode its object ({reason})")
+
+
 class CollectiveCancelledError(ArendezError):
     """Another rank cancelled the collective (its task was cancelled), or it outlived that
     rank's deadline (``why``: "timed out after 3s in"): it ended on every rank.
@@ -215,6 +228,7 @@ __all__ = [
     "LimitError",
     "NetworkError",
     "NotInitializedError",
+    "ObjectSerializationError",
     "ProtocolError",
     "QueueEmptyError",
     "RankFailedError",

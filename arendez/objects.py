@@ -1,4 +1,9 @@
-"""Object collectives: msgpack-serialisable values (never pickle), sent as variable-size bytes."""
+"""Object collectives: values ``objcodec`` carries (never pickle), sent as variable-size bytes.
+
+A rank whose object cannot be encoded still takes its part, sending a failure in its place, so
+every rank the bytes reach raises ``ObjectSerializationError`` naming that rank (no peer waits
+for its timeout, and none blames a mismatch).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from . import objcodec
 from .algorithms import Comm, binomial_tree, others, tree_broadcast, wait_all
 from .costmodel import DIRECT_MAX_RANKS
 from .errors import InvalidArgumentError
@@ -15,20 +21,13 @@ from .registry import named_rank, on_group
 from .validate import index
 
 
-def _pack(obj: Any) -> bytes:
-    try:
-        packed: bytes = msgpack.packb(obj, use_bin_type=True)
-        return packed
-    except TypeError as exc:
-        raise TypeError(f"object collectives carry msgpack-serialisable values only: {exc}") from None
-    except OverflowError:
-        raise InvalidArgumentError(
-            "object collectives carry msgpack values: integers must lie in -2**63..2**64-1 "
-            "(send a larger one as a string)"
-        ) from None
+def _blocks(obj: Any) -> bytes:
+    """The internal framing of byte blocks (a tree's gathered parts): plain msgpack."""
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
-def _unpack(data: bytes) -> Any:
+def _unblocks(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
@@ -38,10 +37,9 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: Any = None)
     g: ProcessGroup = group
     if len(object_list) != g.size:
         raise InvalidArgumentError(f"object_list must have {g.size} entries, got {len(object_list)}")
-    mine = _pack(obj)
-
+    mine, failed = objcodec.encoded(obj)
     parts = await g.run("all_gather_object", "all_gather_object", lambda c: _all_gather_bytes(c, mine))
-    object_list[:] = [_unpack(p) for p in parts]
+    object_list[:] = objcodec.decode_all(parts, g.ranks, "all_gather_object", failed)
 
 
 @on_group()
@@ -53,11 +51,10 @@ async def broadcast_object_list(
     g: ProcessGroup = group
     src = named_rank(g, src, group_src, "src", default=0)
     root = g.group_rank(index(src, "src"), "src")
-    mine = _pack(list(object_list)) if g.rank == root else None
+    mine, failed = objcodec.encoded(list(object_list)) if g.rank == root else (None, None)
     fp = f"broadcast_object_list|{src}|{len(object_list)}"
-
     data = await g.run("broadcast_object_list", fp, lambda c: _broadcast_bytes(c, mine, root))
-    object_list[:] = _unpack(data)
+    object_list[:] = objcodec.check(objcodec.decode(data), g.ranks[root], "broadcast_object_list", failed)
 
 
 @on_group()
@@ -76,11 +73,12 @@ async def gather_object(
     root = g.group_rank(index(dst, "dst"), "dst")
     if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
         raise InvalidArgumentError(f"object_gather_list on the dst rank must have {g.size} entries")
-    mine = _pack(obj)
-
+    mine, failed = objcodec.encoded(obj)
     parts = await g.run("gather_object", f"gather_object|{dst}", lambda c: _gather_bytes(c, mine, root))
     if parts is not None and object_gather_list is not None:
-        object_gather_list[:] = [_unpack(p) for p in parts]
+        object_gather_list[:] = objcodec.decode_all(parts, g.ranks, "gather_object", failed)
+    elif failed is not None:  # (only the root hears of it: as with any gather, the rest go on)
+        raise objcodec.refused(g.ranks[g.rank], "gather_object", failed) from failed
 
 
 @on_group()
@@ -97,19 +95,23 @@ async def scatter_object_list(
     g: ProcessGroup = group
     src = named_rank(g, src, group_src, "src", default=0)
     root = g.group_rank(index(src, "src"), "src")
-    parts = None
+    parts, failed = None, None
     if g.rank == root:
         if scatter_object_input_list is None or len(scatter_object_input_list) != g.size:
             raise InvalidArgumentError(
                 f"scatter_object_input_list on the src rank must have {g.size} entries"
             )
-        parts = [_pack(o) for o in scatter_object_input_list]
+        encoded = [objcodec.encoded(o) for o in scatter_object_input_list]
+        failed = next((exc for _, exc in encoded if exc is not None), None)
+        # one object that cannot be encoded fails the scatter on every rank
+        parts = [objcodec.failure(failed) if failed is not None else data for data, _ in encoded]
     if not scatter_object_output_list:
         raise InvalidArgumentError("scatter_object_output_list must have at least one entry")
 
     fp = f"scatter_object_list|{src}"
     data = await g.run("scatter_object_list", fp, lambda c: _scatter_bytes(c, parts, root))
-    scatter_object_output_list[0] = _unpack(data)
+    mine = objcodec.decode(data)
+    scatter_object_output_list[0] = objcodec.check(mine, g.ranks[root], "scatter_object_list", failed)
 
 
 # -- variable-size byte messages --------------------------------------------------------------
@@ -128,9 +130,9 @@ async def _tree_gather(comm: Comm, mine: bytes, root: int) -> list[bytes] | None
     arrivals = [comm.recv_any(child, 0) for child in children]
     blocks: dict[int, bytes] = {comm.rank: mine}
     for got in await wait_all(arrivals):
-        blocks.update(_unpack(bytes(got)))
+        blocks.update(_unblocks(bytes(got)))
     if parent is not None:
-        await wait_all([comm.send(parent, 0, np.frombuffer(_pack(blocks), np.uint8))])
+        await wait_all([comm.send(parent, 0, np.frombuffer(_blocks(blocks), np.uint8))])
         return None
     return [blocks[p] for p in range(comm.size)]
 
@@ -147,8 +149,8 @@ async def _tree_broadcast_bytes(comm: Comm, mine: bytes | None, root: int) -> by
 async def _all_gather_bytes(comm: Comm, mine: bytes) -> list[bytes]:
     if _tree(comm):  # gather at rank 0, then a broadcast of all of them
         gathered = await _tree_gather(comm, mine, 0)
-        every = await _tree_broadcast_bytes(comm, _pack(gathered) if gathered is not None else None, 0)
-        return gathered if gathered is not None else list(_unpack(every))
+        every = await _tree_broadcast_bytes(comm, _blocks(gathered) if gathered is not None else None, 0)
+        return gathered if gathered is not None else list(_unblocks(every))
     peers = others(comm)
     recvs = [comm.recv_any(p, 0) for p in peers]
     data = np.frombuffer(mine, np.uint8)

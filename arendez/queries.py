@@ -25,7 +25,7 @@ class Backend(str):
 
     def __new__(cls, name: str) -> Backend:
         value = str(name).lower()
-        if value in ("gloo", "tcp", "arendez"):
+        if value in _TCP_NAMES:
             return super().__new__(cls, "tcp")
         if value == "undefined":
             return super().__new__(cls, value)
@@ -33,6 +33,22 @@ class Backend(str):
             f"backend {name!r} cannot apply: arendez runs CPU collectives over its tcp transport "
             "(use 'gloo' or 'tcp'); NCCL/UCC/MPI/XCCL are device or external-library backends"
         )
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any of the transport's names: a ported script's ``get_backend() == "gloo"``
+        holds, as under torch with gloo (it is str's equality otherwise)."""
+        if isinstance(other, str) and str.__eq__(self, "tcp") and other.lower() in _TCP_NAMES:
+            return True
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = str.__hash__
+
+
+#: the names of arendez's tcp transport (gloo's place)
+_TCP_NAMES = frozenset({"gloo", "tcp", "arendez"})
 
 
 def get_backend(group: Any = None) -> Backend:

@@ -54,6 +54,16 @@ def test_what_cannot_apply_says_so() -> None:
     with pytest.raises(ValueError, match="NCCL"):
         sync.Backend("nccl")
     assert sync.Backend("gloo") == sync.Backend.GLOO == "tcp"
+    # a ported script's check of the backend it asked for holds, as under torch with gloo (QA20)
+    sync.init_process_group("gloo")
+    try:
+        backend = sync.get_backend()
+        assert backend == "gloo" and backend == "tcp" and backend != "nccl"
+        assert ["gloo"].count(backend) == 1 and backend in ("gloo",)  # (str's side of ==: reflected)
+        assert (backend != "gloo") is False
+        assert sync.get_backend() == sync.Backend.GLOO and str(sync.get_backend()) == "tcp"
+    finally:
+        sync.destroy_process_group()
     assert not sync.is_nccl_available() and sync.is_gloo_available()
     with pytest.raises(ArendezError, match="FileStore is not supported"):
         sync.FileStore("/tmp/x", 2)
@@ -214,6 +224,34 @@ def test_work_futures_hold_the_callers_tensors() -> None:
         sync.destroy_process_group()
 
 
+def test_futures_of_tensor_calls_are_torch_futures_that_torch_can_wait_on() -> None:
+    """A port-by-import script hands ``get_future()`` to ``torch.futures.wait_all`` and
+    ``collect_all`` (C++ functions that take torch's futures only), as on gloo (QA20-2)."""
+    torch = pytest.importorskip("torch")
+    sync.init_process_group()
+    try:
+        ts = [torch.full((2,), float(i)) for i in range(3)]
+        futures = [sync.all_reduce(t, async_op=True).get_future() for t in ts]
+        assert all(isinstance(f, torch.futures.Future) for f in futures)
+        assert [v[0] is t for v, t in zip(torch.futures.wait_all(futures), ts, strict=True)] == [True] * 3
+        both = torch.futures.collect_all([futures[0], futures[1]]).wait()
+        assert [f.value()[0] is t for f, t in zip(both, ts[:2], strict=True)] == [True, True]
+        listed = [torch.zeros(2)]
+        assert sync.all_gather(listed, torch.ones(2), async_op=True).get_future().wait() is listed
+        future = sync.all_reduce(torch.full((2,), 4.0), async_op=True).get_future()
+        halved = future.then(lambda f: f.value()[0] / 2)
+        assert halved.wait().tolist() == [2.0, 2.0]
+        pending = sync.irecv(torch.zeros(1))  # (a world of one: pending until cancelled)
+        assert pending is not None
+        future = pending.get_future()
+        assert isinstance(future, torch.futures.Future) and not future.done()
+        assert pending.cancel(grace=3)
+        with pytest.raises(sync.CallCancelledError):
+            future.wait()
+    finally:
+        sync.destroy_process_group()
+
+
 def test_an_expanded_broadcast_source_is_only_read() -> None:
     """An ``expand``ed tensor (stride 0) cannot be written: as a broadcast's source it is only
     read, so it is no error (QA6-F7); torch's own backend path too."""
@@ -306,14 +344,25 @@ async def test_async_work_wait_timeout_is_a_wait_timeout_and_the_call_goes_on() 
 
 
 async def test_async_object_p2p_refuses_what_msgpack_cannot_carry() -> None:
-    async def rank(r: int) -> None:
+    """An object the codec cannot carry fails the send and the receive alike, naming the sender
+    (the receiver does not wait out its timeout); the pair goes on with the next objects."""
+
+    async def rank(r: int) -> Any:
+        objs: list[Any] = [None, None]
         if r == 0:
-            with pytest.raises(TypeError, match="msgpack"):
-                await arendez.send_object_list([object()], dst=1)
+            with pytest.raises(arendez.ObjectSerializationError, match=r"rank 0 .*builtins\.object"):
+                await arendez.send_object_list([1, object()], dst=1)
             with pytest.raises(ArendezError, match="CPU"):
                 await arendez.send_object_list([1], dst=1, device="cuda:0")
+            await arendez.send_object_list([(1, "a"), {2, 3}], dst=1)
+            return None
+        with pytest.raises(arendez.ObjectSerializationError, match="send_object_list: rank 0") as caught:
+            await arendez.recv_object_list(objs, src=0)
+        assert caught.value.rank == 0 and isinstance(caught.value, TypeError)
+        assert await arendez.recv_object_list(objs, src=0) == 0
+        return objs
 
-    await run_ranks(2, rank)
+    assert (await run_ranks(2, rank))[1] == [(1, "a"), {2, 3}]
 
 
 async def test_async_subgroups_and_rank_maps() -> None:
