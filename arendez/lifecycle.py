@@ -18,7 +18,7 @@ import numpy as np
 from . import algorithms as algo
 from . import elastic, embedded, farewell, shm, tls, validate
 from .arrays import ReduceOp
-from .errors import RendezvousError
+from .errors import RendezvousError, StoreConnectTimeoutError
 from .group import GroupMember, ProcessGroup
 from .handle import Handle
 from .registry import (
@@ -192,6 +192,19 @@ async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> Wor
     return world
 
 
+async def _connect(store: Any, where: Plan, timeout: float) -> None:
+    """``store.connect``; a store rank 0 hosts (tcp://, env://) that never answers names rank 0."""
+    try:
+        await store.connect(timeout)
+    except StoreConnectTimeoutError as exc:
+        if not where.hosted_by_rank0 or where.host_server:
+            raise
+        raise StoreConnectTimeoutError(
+            f"{exc}; with {where.host}:{where.port} as MASTER_ADDR:MASTER_PORT (tcp://, env://) rank 0 "
+            "hosts the store: did rank 0 start, and is it still running?"
+        ) from None
+
+
 async def _tcp_world(
     where: Plan,
     timeout: float,
@@ -234,7 +247,7 @@ async def _tcp_world(
     world: World | None = None
     try:
         if given is None:
-            await store.connect(timeout)
+            await _connect(store, where, timeout)
         mesh = Mesh(
             token=where.token,
             server_ssl=secure.server if secure else None,

@@ -26,6 +26,7 @@ class Plan:
     job: str = DEFAULT_JOB
     token: str | None = None
     host_server: bool = False  # tcp:// semantics: rank 0 runs the server in its own loop
+    hosted_by_rank0: bool = False  # tcp:// (env://): the store is rank 0's, on every rank
     transport: str = "tcp"  # "inproc": every rank is a task of this event loop
     store_url: str = ""  # etcd://: the store is an EtcdStore for this URL
     #: Elastic worlds (``arendez.elastic``): the fewest ranks (0: a fixed-size world, whose size
@@ -115,7 +116,9 @@ def plan(
         host, port, _ = _hostport(url.netloc, init_method)
         if rank < 0:
             raise RendezvousError("tcp:// needs an explicit rank (argument or RANK): rank 0 hosts the store")
-        return Plan(world_size, rank, host, port, DEFAULT_JOB, token, host_server=rank == 0)
+        return Plan(
+            world_size, rank, host, port, DEFAULT_JOB, token, host_server=rank == 0, hosted_by_rank0=True
+        )
     if url.scheme == "inproc":
         job = (url.netloc + url.path).strip("/")
         if world_size < 1 or not job:

@@ -40,9 +40,16 @@ from .app import start_server
 PARENT_CHECK = 1.0
 
 
-def _say(answer: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(answer) + "\n")
-    sys.stdout.flush()
+def _say(answer: dict[str, Any]) -> bool:
+    """Answer the parent; False if it is gone (killed while we started: its end of the pipe
+    closed), which ends us quietly rather than with a traceback in the rank's output."""
+    try:
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush is quiet)
+        return False
+    return True
 
 
 async def _serve(order: dict[str, Any]) -> int:
@@ -60,7 +67,9 @@ async def _serve(order: dict[str, Any]) -> int:
     except OSError as exc:
         _say({"error": str(exc), "errno": exc.errno or 0})
         return 1
-    _say({"port": server.port})
+    if not _say({"port": server.port}):
+        await server.close(1.0)
+        return 0
     stop = asyncio.Event()
     stdin = sys.stdin.fileno()
 

@@ -209,3 +209,37 @@ def test_the_store_process_starts_without_numpy() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_store_process_whose_parent_died_as_it_started_ends_quietly() -> None:
+    """Rank 0 killed while its store process starts: the store finds the answer pipe closed and
+    ends, with no traceback in the rank's output (QA20-F2: a BrokenPipeError traceback)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from arendez.serverproc import _BOOT
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BOOT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+    child.stdout.close()  # the parent is gone before the answer comes
+    order = {"host": "127.0.0.1", "port": 0, "token": None, "wait": 1.0, "log_level": 30}
+    child.stdin.write((json.dumps({**order, "parent": os.getpid(), "fd": None}) + "\n").encode())
+    child.stdin.flush()
+    try:
+        code = child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    errors = child.stderr.read().decode()
+    child.stdin.close()
+    child.stderr.close()
+    assert code == 0 and "Traceback" not in errors and "BrokenPipe" not in errors, errors

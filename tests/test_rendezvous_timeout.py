@@ -67,3 +67,13 @@ async def test_ranks_that_gave_up_first_are_not_named_missing(arendez_server) ->
     finally:
         for store in stores:
             await store.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_rank_whose_rank_0_never_answers_is_told_rank_0_hosts_the_store() -> None:
+    """Under tcp:// rank 0 hosts the store: a store that never answers (rank 0 not started, or
+    killed while the others start) is named as rank 0's (QA20-F2: only "unreachable")."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(dist.StoreConnectTimeoutError, match="rank 0 hosts the store: did rank 0 start"):
+        await dist.init_process_group(init_method=url, world_size=2, rank=1, timeout=2.0)
+    assert not dist.is_initialized()
