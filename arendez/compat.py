@@ -289,16 +289,13 @@ async def send_object_list(
     g: ProcessGroup = group
     _no_device(device)
     target = root_rank(g, dst, group_dst, "dst", "send_object_list")
-    encoded = [objcodec.encoded(o) for o in object_list]
-    failed = next((exc for _, exc in encoded if exc is not None), None)
-    if failed is not None and object_list:  # (the receiver raises too: a size of -1 says so)
-        note = objcodec.failure(failed)
-        sizes = np.full(len(object_list), -1, np.int64)
-        sizes[0] = -len(note)
+    packed, failed = objcodec.encode_each(object_list)
+    if failed is not None:  # the receiver raises too: a first size below zero is a note's
+        sizes = np.full(len(packed), -1, np.int64)
+        sizes[0] = -len(packed[0])
         await send(sizes, target, g)
-        await send(np.frombuffer(note, np.uint8), target, g)
-        raise objcodec.refused(g.ranks[g.rank], "send_object_list", failed) from failed
-    packed = [data for data, _ in encoded]
+        await send(np.frombuffer(packed[0], np.uint8), target, g)
+        raise objcodec.own_error(g.ranks[g.rank], "send_object_list", failed) from failed
     await send(np.array([len(p) for p in packed], np.int64), target, g)
     await send(np.frombuffer(b"".join(packed), np.uint8), target, g)
 
@@ -317,12 +314,14 @@ async def recv_object_list(
     source = named_rank(g, src, group_src, "src")
     sizes = np.zeros(len(object_list), np.int64)
     sender = await recv(sizes, source, g)
-    failed = len(sizes) and sizes[0] < 0
-    data = np.zeros(-int(sizes[0]) if failed else int(sizes.sum()), np.uint8)
+    noted = len(sizes) > 0 and sizes[0] < 0  # the sender could not encode an object: its note
+    if (sizes[1:] != -1).any() if noted else (sizes < 0).any():
+        raise ProtocolError(f"rank {sender} sent malformed object sizes {sizes.tolist()[:8]}")
+    data = np.zeros(-int(sizes[0]) if noted else int(sizes.sum()), np.uint8)
     await recv(data, sender, g)
     raw, at = data.tobytes(), 0
-    if failed:  # the sender could not encode an object: its failure note, not objects
-        objcodec.check(objcodec.decode(raw), sender, "send_object_list")
+    if noted:
+        objcodec.raise_if_note(objcodec.decode(raw), sender, "send_object_list")
         raise ProtocolError(f"rank {sender} sent a negative object size without a failure note")
     for i, n in enumerate(sizes.tolist()):
         object_list[i] = objcodec.decode(raw[at : at + n])

@@ -37,7 +37,7 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: Any = None)
     g: ProcessGroup = group
     if len(object_list) != g.size:
         raise InvalidArgumentError(f"object_list must have {g.size} entries, got {len(object_list)}")
-    mine, failed = objcodec.encoded(obj)
+    mine, failed = objcodec.encode_or_note(obj)
     parts = await g.run("all_gather_object", "all_gather_object", lambda c: _all_gather_bytes(c, mine))
     object_list[:] = objcodec.decode_all(parts, g.ranks, "all_gather_object", failed)
 
@@ -51,10 +51,12 @@ async def broadcast_object_list(
     g: ProcessGroup = group
     src = named_rank(g, src, group_src, "src", default=0)
     root = g.group_rank(index(src, "src"), "src")
-    mine, failed = objcodec.encoded(list(object_list)) if g.rank == root else (None, None)
+    mine, failed = objcodec.encode_or_note(list(object_list)) if g.rank == root else (None, None)
     fp = f"broadcast_object_list|{src}|{len(object_list)}"
     data = await g.run("broadcast_object_list", fp, lambda c: _broadcast_bytes(c, mine, root))
-    object_list[:] = objcodec.check(objcodec.decode(data), g.ranks[root], "broadcast_object_list", failed)
+    object_list[:] = objcodec.raise_if_note(
+        objcodec.decode(data), g.ranks[root], "broadcast_object_list", failed
+    )
 
 
 @on_group()
@@ -73,12 +75,12 @@ async def gather_object(
     root = g.group_rank(index(dst, "dst"), "dst")
     if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
         raise InvalidArgumentError(f"object_gather_list on the dst rank must have {g.size} entries")
-    mine, failed = objcodec.encoded(obj)
+    mine, failed = objcodec.encode_or_note(obj)
     parts = await g.run("gather_object", f"gather_object|{dst}", lambda c: _gather_bytes(c, mine, root))
     if parts is not None and object_gather_list is not None:
         object_gather_list[:] = objcodec.decode_all(parts, g.ranks, "gather_object", failed)
     elif failed is not None:  # (only the root hears of it: as with any gather, the rest go on)
-        raise objcodec.refused(g.ranks[g.rank], "gather_object", failed) from failed
+        raise objcodec.own_error(g.ranks[g.rank], "gather_object", failed) from failed
 
 
 @on_group()
@@ -101,17 +103,14 @@ async def scatter_object_list(
             raise InvalidArgumentError(
                 f"scatter_object_input_list on the src rank must have {g.size} entries"
             )
-        encoded = [objcodec.encoded(o) for o in scatter_object_input_list]
-        failed = next((exc for _, exc in encoded if exc is not None), None)
-        # one object that cannot be encoded fails the scatter on every rank
-        parts = [objcodec.failure(failed) if failed is not None else data for data, _ in encoded]
+        parts, failed = objcodec.encode_each(scatter_object_input_list)  # (one bad: it fails everywhere)
     if not scatter_object_output_list:
         raise InvalidArgumentError("scatter_object_output_list must have at least one entry")
 
     fp = f"scatter_object_list|{src}"
     data = await g.run("scatter_object_list", fp, lambda c: _scatter_bytes(c, parts, root))
     mine = objcodec.decode(data)
-    scatter_object_output_list[0] = objcodec.check(mine, g.ranks[root], "scatter_object_list", failed)
+    scatter_object_output_list[0] = objcodec.raise_if_note(mine, g.ranks[root], "scatter_object_list", failed)
 
 
 # -- variable-size byte messages --------------------------------------------------------------

@@ -13,11 +13,13 @@ from .registry import default_group, resolve, world_or_none
 
 
 class Backend(str):
-    """Backend names: ``GLOO`` is arendez's ``tcp`` transport; the device backends cannot apply."""
+    """Backend names, as torch's: arendez's tcp transport answers to ``gloo`` (also to ``tcp`` and
+    ``arendez``), so a ported script's ``get_backend() == "gloo"`` holds; the device backends
+    cannot apply."""
 
     UNDEFINED = "undefined"
-    GLOO = "tcp"
-    TCP = "tcp"
+    GLOO = "gloo"
+    TCP = "gloo"
     NCCL = "nccl"
     UCC = "ucc"
     MPI = "mpi"
@@ -25,8 +27,8 @@ class Backend(str):
 
     def __new__(cls, name: str) -> Backend:
         value = str(name).lower()
-        if value in _TCP_NAMES:
-            return super().__new__(cls, "tcp")
+        if value in ("gloo", "tcp", "arendez"):
+            return super().__new__(cls, "gloo")
         if value == "undefined":
             return super().__new__(cls, value)
         raise ValueError(
@@ -34,28 +36,13 @@ class Backend(str):
             "(use 'gloo' or 'tcp'); NCCL/UCC/MPI/XCCL are device or external-library backends"
         )
 
-    def __eq__(self, other: object) -> bool:
-        """Equal to any of the transport's names: a ported script's ``get_backend() == "gloo"``
-        holds, as under torch with gloo (it is str's equality otherwise)."""
-        if isinstance(other, str) and str.__eq__(self, "tcp") and other.lower() in _TCP_NAMES:
-            return True
-        return str.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
-    __hash__ = str.__hash__
-
-
-#: the names of arendez's tcp transport (gloo's place)
-_TCP_NAMES = frozenset({"gloo", "tcp", "arendez"})
-
 
 def get_backend(group: Any = None) -> Backend:
-    """The backend of ``group``: always ``Backend.GLOO`` (arendez's ``tcp``)."""
+    """The backend of ``group``: always ``Backend.GLOO``, the name arendez's tcp transport
+    answers to (as torch's gloo: ``get_backend() == "gloo"``)."""
     if resolve(group) is None:
         raise ValueError("this rank is not a member of the group")
-    return Backend("tcp")
+    return Backend("gloo")
 
 
 def is_available() -> bool:

@@ -108,7 +108,7 @@ def plan(
         found = plan(f"tcp://{addr}:{port}", world_size, rank, env)
         if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
             # torchrun's agent holds MASTER_PORT with its own store: meet through it (agentstore)
-            return replace(found, transport="agent", host_server=False)
+            return replace(found, transport="agent", host_server=False, hosted_by_rank0=False)
         return found
     if world_size < 1 and url.scheme == "tcp":
         raise RendezvousError(f"{init_method} needs world_size (argument or WORLD_SIZE)")

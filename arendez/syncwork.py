@@ -1,5 +1,7 @@
 """The handles of ``arendez.sync``'s calls started with ``async_op=True``, shaped as torch's:
-``Work`` (``wait``, ``get_future``, ``cancel``) and its ``Future`` (``wait``, ``then``)."""
+``Work`` (``wait``, ``get_future``, ``cancel``) and its future: a ``torch.futures.Future`` for a
+call on torch tensors (torch's ``wait_all``/``collect_all`` take only those), else ``Future``
+(``wait``, ``then``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import callbacks
-from .errors import ArendezError, WaitTimeoutError
+from .errors import ArendezError, CallCancelledError, WaitTimeoutError
 from .loop import CANCEL_GRACE_SECONDS, Completion, shared
 from .registry import seconds
 
@@ -132,10 +134,13 @@ def _torch_future(torch: Any, done: Completion, outputs: Any) -> Any:
     future = torch.futures.Future()
 
     def settle(finished: Completion) -> None:
-        if finished.error is not None:
-            future.set_exception(finished.error)
-        else:
+        error = finished.error
+        if error is None:
             future.set_result(outputs)
+        elif isinstance(error, Exception):
+            future.set_exception(error)
+        else:  # (torch's future takes Exceptions only: a KeyboardInterrupt would leave it pending)
+            future.set_exception(CallCancelledError(f"the call ended with {type(error).__name__}"))
 
     def deliver(finished: Completion) -> None:
         if shared.in_loop_thread():

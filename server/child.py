@@ -47,7 +47,9 @@ def _say(answer: dict[str, Any]) -> bool:
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush is quiet)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (so the exit's own flush is quiet)
+        os.close(devnull)
         return False
     return True
 

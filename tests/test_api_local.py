@@ -132,7 +132,7 @@ def test_init_method_urls_are_validated():
 
 
 @pytest.mark.timeout(10)
-async def test_object_collectives_refuse_what_msgpack_cannot_carry_by_name() -> None:
+async def test_object_collectives_refuse_what_the_codec_cannot_carry_by_name() -> None:
     await dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
     objs: list[object] = [None]
     with pytest.raises(dist.ObjectSerializationError, match=r"rank 0 .*integers in -2\*\*63\.\.2\*\*64-1"):

@@ -49,6 +49,7 @@ def _rich() -> list[Any]:
         np.arange(12, dtype=np.float64).reshape(3, 4).T,  # not contiguous
         np.float32(2.5),
         np.int64(-7),
+        {(1, 2): "tuple key", frozenset({3}): [{(4,)}]},
     ]
 
 
@@ -72,6 +73,28 @@ def test_the_codec_carries_what_scripts_send_and_each_comes_back_as_what_it_was(
     assert type(objcodec.decode(objcodec.encode(Colour.RED))) is int
     assert objcodec.decode(objcodec.encode(Point(1, 2))) == (1, 2)
     assert type(objcodec.decode(objcodec.encode(collections.OrderedDict(a=1)))) is dict
+    assert type(objcodec.decode(objcodec.encode(np.array(["ab"])[0]))) is str  # np.str_
+    nested: Any = 0
+    for _ in range(300):  # deeper than msgpack's C stack would take recursively (QA20 review)
+        nested = (nested,)
+    assert objcodec.decode(objcodec.encode(nested)) == nested
+
+
+@pytest.mark.timeout(20)
+def test_nesting_past_msgpacks_bounds_is_refused_not_a_crash() -> None:
+    """Deep nesting is msgpack's to bound, in one pass (a nested decode per tuple level overflowed
+    the C stack at ~200 levels: SIGSEGV on every receiver)."""
+    nested: Any = 0
+    for _ in range(5000):
+        nested = (nested,)
+    with pytest.raises(ValueError, match="cannot encode this object"):
+        objcodec.encode(nested)
+    _, failed = objcodec.encode_or_note(nested)
+    assert isinstance(failed, ValueError)
+    tuple_tag = b"\xc7\x00\x01"  # (ext 8, type 1, no data: what a tuple's array starts with)
+    for forged in (b"\x91" * 100_000 + b"\xc0", (b"\x92" + tuple_tag) * 100_000 + b"\xc0"):
+        with pytest.raises(ProtocolError, match="undecodable"):
+            objcodec.decode(forged)
 
 
 @pytest.mark.timeout(10)
@@ -116,6 +139,8 @@ def test_the_codec_refuses_what_it_does_not_carry_by_type_and_bad_bytes_as_proto
         objcodec.decode(msgpack.packb(msgpack.ExtType(42, b"")))
     with pytest.raises(ProtocolError, match="undecodable"):
         objcodec.decode(b"\xc1")
+    with pytest.raises(TypeError, match="not masked ones"):
+        objcodec.encode(np.ma.masked_array([1, 2], mask=[0, 1]))
 
 
 @pytest.mark.timeout(30)
@@ -181,3 +206,70 @@ async def test_a_gather_of_an_object_that_cannot_be_encoded_fails_at_the_root_an
         return "returned"
 
     assert await run_ranks(3, rank, timeout=GROUP_TIMEOUT) == ["raised", "returned", "raised"]
+
+
+class _Unlistable(list[int]):
+    def __iter__(self) -> Any:
+        raise RuntimeError("this list cannot be read")
+
+
+@pytest.mark.timeout(30)
+async def test_any_encoding_error_fails_every_rank_and_keeps_the_next_calls_in_step() -> None:
+    """Not only a TypeError: any error while encoding (a list that cannot be read, nesting past
+    msgpack's depth) is a note, so the peers' next object call is not paired with this one
+    (QA20 review: ranks got rank 1's second object as its first)."""
+    nested: Any = 0
+    for _ in range(5000):
+        nested = (nested,)
+
+    async def rank(r: int) -> Any:
+        seen = []
+        for bad in (_Unlistable([1]), nested):
+            out: list[Any] = [None] * 3
+            with pytest.raises(ObjectSerializationError, match="rank 1 could not encode") as e:
+                await arendez.all_gather_object(out, bad if r == 1 else f"r{r}-first")
+            seen.append(e.value.reason.split(":")[0])
+            await arendez.all_gather_object(out, f"r{r}-second")
+            seen.append(out)
+        return seen
+
+    for seen in await run_ranks(3, rank, timeout=GROUP_TIMEOUT):
+        second = ["r0-second", "r1-second", "r2-second"]
+        assert seen == ["RuntimeError", second, "InvalidArgumentError", second]
+
+
+@pytest.mark.timeout(60)
+async def test_a_failure_note_travels_the_trees_of_a_large_group() -> None:
+    """Past ``DIRECT_MAX_RANKS`` object collectives run on binomial trees: a note still reaches
+    every rank."""
+    from arendez.costmodel import DIRECT_MAX_RANKS
+
+    size = DIRECT_MAX_RANKS + 2
+
+    async def rank(r: int) -> list[int]:
+        ranks = []
+        out: list[Any] = [None] * size
+        with pytest.raises(ObjectSerializationError) as e:
+            await arendez.all_gather_object(out, object() if r == size - 2 else r)
+        ranks.append(e.value.rank)
+        objs: list[Any] = [object()] if r == 3 else [None]
+        with pytest.raises(ObjectSerializationError) as e:
+            await arendez.broadcast_object_list(objs, src=3)
+        ranks.append(e.value.rank)
+        await arendez.all_gather_object(out, r)
+        assert out == list(range(size))
+        return ranks
+
+    assert await run_ranks(size, rank, timeout=GROUP_TIMEOUT) == [[size - 2, 3]] * size
+
+
+@pytest.mark.timeout(30)
+async def test_malformed_object_sizes_are_a_protocol_error() -> None:
+    async def rank(r: int) -> None:
+        if r == 0:
+            await arendez.send(np.array([1, -5], np.int64), 1)
+        else:
+            with pytest.raises(ProtocolError, match=r"malformed object sizes \[1, -5\]"):
+                await arendez.recv_object_list([None, None], src=0)
+
+    await run_ranks(2, rank, timeout=GROUP_TIMEOUT)

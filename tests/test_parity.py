@@ -53,15 +53,13 @@ def test_async_api_has_the_blocking_names() -> None:
 def test_what_cannot_apply_says_so() -> None:
     with pytest.raises(ValueError, match="NCCL"):
         sync.Backend("nccl")
-    assert sync.Backend("gloo") == sync.Backend.GLOO == "tcp"
+    assert sync.Backend("tcp") == sync.Backend("arendez") == sync.Backend.GLOO == "gloo"
     # a ported script's check of the backend it asked for holds, as under torch with gloo (QA20)
     sync.init_process_group("gloo")
     try:
         backend = sync.get_backend()
-        assert backend == "gloo" and backend == "tcp" and backend != "nccl"
-        assert ["gloo"].count(backend) == 1 and backend in ("gloo",)  # (str's side of ==: reflected)
-        assert (backend != "gloo") is False
-        assert sync.get_backend() == sync.Backend.GLOO and str(sync.get_backend()) == "tcp"
+        assert backend == "gloo" and backend == sync.Backend.GLOO and backend != "nccl"
+        assert backend in {"gloo", "nccl"} and {"gloo": 1}[backend] == 1  # (equal, and hashed alike)
     finally:
         sync.destroy_process_group()
     assert not sync.is_nccl_available() and sync.is_gloo_available()
@@ -343,7 +341,7 @@ async def test_async_work_wait_timeout_is_a_wait_timeout_and_the_call_goes_on() 
     assert (await run_ranks(2, rank))[0] == [5.0, 5.0]
 
 
-async def test_async_object_p2p_refuses_what_msgpack_cannot_carry() -> None:
+async def test_async_object_p2p_refuses_what_the_codec_cannot_carry() -> None:
     """An object the codec cannot carry fails the send and the receive alike, naming the sender
     (the receiver does not wait out its timeout); the pair goes on with the next objects."""
 
