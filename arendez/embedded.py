@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import importlib
 import logging
 import os
@@ -29,7 +30,7 @@ import ssl as _ssl
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import RendezvousError, StoreError
+from .errors import HostingError
 from .loop import disown_tasks
 from .serverproc import ServerProcess
 
@@ -112,9 +113,9 @@ async def _acquire(
         same = (current.host, current.token, current.tls) == (host, token, ssl is not None)
         if alive and same and current.loop is loop:
             if exclusive and current.pins:
-                raise StoreError(
-                    f"a TCPStore of this process already serves port {port} "
-                    "(pass multi_tenant=True to share it, as in torch)"
+                raise HostingError(
+                    f"a TCPStore of this process already serves port {port} (EADDRINUSE; pass "
+                    "multi_tenant=True to share it, as in torch)"
                 )
             current.pins += pinned
             current.world = current.world or not pinned
@@ -189,14 +190,19 @@ async def start_server(
         except ChildProcessError as exc:
             log.warning("%s: no store process (%s); hosting the store in this event loop", who, exc)
         except OSError as exc:
-            raise RendezvousError(f"{who} cannot host the store on port {port}: {exc}") from None
+            raise _cannot_host(who, port, exc) from None
     module = importlib.import_module("arendez_server")  # installed from server/
     if sock is not None and sock.fileno() == -1:  # (handed to a child that then failed)
         sock = None
     try:
         return await module.start_server(host, port, token, ssl, wait, sock=sock)
     except OSError as exc:
-        raise RendezvousError(f"{who} cannot host the store on port {port}: {exc}") from None
+        raise _cannot_host(who, port, exc) from None
+
+
+def _cannot_host(who: str, port: int, exc: OSError) -> HostingError:
+    name = errno.errorcode.get(exc.errno or 0)
+    return HostingError(f"{who} cannot host the store on port {port}: {exc}" + (f" ({name})" if name else ""))
 
 
 async def _hold(port: int, entry: _Hosted) -> None:

@@ -63,6 +63,11 @@ class RendezvousError(ArendezError):
     rank: int | None = None
 
 
+class HostingError(RendezvousError, NetworkError):
+    """This process could not host the store on its port (in use, or not an address of this
+    host): a ``NetworkError`` as torch's ``DistNetworkError`` for a master ``TCPStore``."""
+
+
 class AlreadyInitializedError(RendezvousError, ValueError):
     """``init_process_group`` while the default group is up, or forming (a ``ValueError``, as
     torch's)."""
@@ -224,6 +229,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "GroupDestroyedError",
+    "HostingError",
     "InvalidArgumentError",
     "LimitError",
     "NetworkError",

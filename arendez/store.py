@@ -158,6 +158,7 @@ class Store(MembershipOps, KeyValueOps):
         self._corked = False
         self._woken = 0  # replies delivered since the cork was (re)scheduled
         self._held = False  # the cork already waited once for callers woken after it
+        self._when_sent: list[Callable[[], object]] = []  # run once the held requests are written
         self._packer = wire.small_packer()
         #: Once connected, a call made while the connection is down waits for one attempt to
         #: reconnect (made at once) and fails with ``StoreConnectionError`` if it fails (torch's
@@ -323,14 +324,21 @@ class Store(MembershipOps, KeyValueOps):
         conn = self._conn
         return conn if conn is not None and conn.is_open else None
 
-    async def _wait_connected(self, deadline: float) -> transport.Connection:
+    async def reconnected(self, timeout: float) -> None:
+        """Wait until the connection is up, the background reconnects retrying meanwhile, even
+        with ``fail_while_away`` (a new ``TCPStore`` client waits for its server, as torch's);
+        ``StoreConnectTimeoutError`` after ``timeout``."""
+        self._kick.set()  # (cut a back-off short: try now)
+        await self._wait_connected(asyncio.get_running_loop().time() + timeout, patient=True)
+
+    async def _wait_connected(self, deadline: float, patient: bool = False) -> transport.Connection:
         loop = asyncio.get_running_loop()
         while True:
             found = self._open_connection()
             if found is not None:
                 return found
             conn = self._conn
-            if conn is None and self.fail_while_away and self._was_connected:
+            if conn is None and self.fail_while_away and self._was_connected and not patient:
                 return await self._one_attempt(deadline)
             if loop.time() >= deadline:
                 raise self._unreachable()
@@ -574,6 +582,14 @@ class Store(MembershipOps, KeyValueOps):
         except ConnectionError as exc:  # the requests cannot have reached the server
             self._fail_pending(StoreConnectionError(f"store request failed: {exc}"))
 
+    def when_sent(self, callback: Callable[[], object]) -> None:
+        """On the loop thread: call ``callback`` once the requests made so far are written to
+        the connection (at once, unless a batch is being gathered)."""
+        if self._corked:
+            self._when_sent.append(callback)
+        else:
+            callback()
+
     def _cork(self) -> None:
         """A reply woke a caller: gather the requests of the callers woken now until they ran
         (scheduled from the reply handler, so it runs in the same pass as they do)."""
@@ -591,6 +607,9 @@ class Store(MembershipOps, KeyValueOps):
         out, self._out = self._out, []
         if out:
             self._write(out)
+        sent, self._when_sent = self._when_sent, []
+        for callback in sent:  # (the requests they wait for were in ``out``)
+            callback()
         if self._woken:  # still more woken: keep gathering, but never hold written requests back
             self._woken = 0
             (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)

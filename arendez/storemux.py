@@ -35,7 +35,7 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .blocking_store import LONG_KEY, MAX_UNACKED_BYTES, WAITING_READS, BlockingStore
@@ -216,6 +216,21 @@ def _release(conn: _Connection, generation: int) -> None:
         _pool.detach(conn)
 
 
+def _send_set(
+    store: Store,
+    budget: float,
+    args: tuple[Any, ...],
+    done: Callable[[Any, BaseException | None], object],
+    sent: _Reply,
+) -> None:
+    """On the loop thread: send a ``set``, and release its caller once it is written (while the
+    connection is down, once it ends: ``done`` releases it then)."""
+    store.ask_soon("set", budget, False, args, done)
+    conn = store._conn
+    if conn is not None and conn.is_open:
+        store.when_sent(lambda: sent.finish(None, None))
+
+
 class SharedStoreClient:
     """``BlockingStore``'s operations over a shared connection of this process."""
 
@@ -253,6 +268,13 @@ class SharedStoreClient:
         if conn.store._fatal is not None or conn.store._closed:  # (its connect failed)
             _pool.detach(conn)
             raise StoreError(f"could not reach the store at {self.host}:{self.port}")
+        link = conn.store._conn
+        if link is None or not link.is_open:  # the server went away: wait for it, as torch's
+            try:  # constructor does (QA20: it returned at once, and the first call failed)
+                shared.call(conn.store.reconnected, self.timeout)
+            except BaseException:
+                _pool.detach(conn)
+                raise
         self._conn, self._generation = conn, _generation
         self._finalizer = weakref.finalize(self, _release, conn, _generation)
         return conn
@@ -334,7 +356,7 @@ class SharedStoreClient:
 
     # -- operations (as ``BlockingStore``'s) ---------------------------------------------------
     def set(self, key: str, value: str | bytes, timeout: float | None = None) -> None:
-        """Store ``value`` under ``key``. Returns once handed to the loop thread, as torch's
+        """Store ``value`` under ``key``. Returns once written to the connection, as torch's
         ``set`` waits for no answer; an error in the answer is raised by this client's first call
         that starts after the answer came.
         (Later calls go the same way, in order, so they see the value.)"""
@@ -358,14 +380,29 @@ class SharedStoreClient:
         budget = self.timeout if timeout is None else float(timeout)
         with self._mutex:
             self._unacked += 1
-        done = functools.partial(self._set_done, key)
-        shared.loop().call_soon_threadsafe(store.ask_soon, "set", budget, False, (key, value), done)
+        sent = _Reply()
+        done = functools.partial(self._set_done, key, sent)
+        shared.loop().call_soon_threadsafe(_send_set, store, budget, (key, value), done, sent)
+        self._wait_sent(sent, budget)
 
     def _promotion_due(self) -> bool:
         """A promotion may be tried (once the calls reach ``PROMOTE_AFTER``)."""
         return not self._promotion_tried and _promotions and self._generation == _generation
 
-    def _set_done(self, key: str, value: Any, error: BaseException | None) -> None:
+    def _wait_sent(self, sent: _Reply, budget: float) -> None:
+        """Block until the loop thread wrote the set (or it ended): once ``set`` returns, its
+        bytes are the kernel's, so a process that exits at once (``os._exit``, a kill) does not
+        lose it (QA20: 10 of 10 lost), as with torch's ``set``."""
+        try:
+            woken = sent.lock.acquire(timeout=budget + _LOOP_SLACK)
+        except BaseException:  # (interrupted while waiting)
+            if _wakeups.withdraw(sent):
+                _wakeups.pass_on()
+            raise
+        if woken or _wakeups.withdraw(sent):
+            _wakeups.pass_on()
+
+    def _set_done(self, key: str, sent: _Reply, value: Any, error: BaseException | None) -> None:
         with self._mutex:
             self._unacked -= 1
             if error is not None and self._set_error is None:
@@ -373,6 +410,7 @@ class SharedStoreClient:
                 reading = self._reading
                 if reading is None or not reading.finish(None, refused):
                     self._set_error = refused
+        sent.finish(None, None)  # (ended before it was written: the connection was down)
 
     def _raise_set_error(self) -> None:
         with self._mutex:

@@ -47,7 +47,9 @@ class Store:
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         """The deadline of ``get`` and ``wait`` without an explicit timeout."""
-        self.timeout = timeout
+        self.timeout = (
+            timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+        )
 
     def _limit(self, timeout: datetime.timedelta | None = None) -> float:
         """Seconds a call may wait: ``timeout`` or the store's; zero (torch's "don't wait") too."""
@@ -262,6 +264,13 @@ class PrefixStore(Store):
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self.underlying_store.set_timeout(timeout)
+
+    def clone(self) -> PrefixStore:
+        """A view of the same prefix on a clone of the underlying store, as torch's."""
+        clone = getattr(self.underlying_store, "clone", None)
+        if clone is None:
+            raise ArendezError(f"{type(self.underlying_store).__name__} has no clone()")
+        return PrefixStore(self.prefix, clone())
 
     def meeting_point(self) -> tuple[str, int, str]:
         """The underlying ``TCPStore``'s, in a job of this prefix (a world per prefix)."""

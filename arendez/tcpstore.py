@@ -111,7 +111,8 @@ class TCPStore(Store):
             )
             port = int(server.port)
             self._pin = _ServerPin(port)
-        self.host, self.port, self.world_size, self.timeout = host_name, port, world_size, timeout
+        self.host, self.port, self.world_size = host_name, port, world_size
+        self.timeout = datetime.timedelta(seconds=limit)  # (a float given: torch's is a timedelta too)
         self._store: BlockingStore | SharedStoreClient
         if len(_own_connections) < env_int("ARENDEZ_TCPSTORE_OWN_CONNECTIONS", 16, minimum=0):
             self._store = BlockingStore(host_name, port, _JOB, timeout=limit)

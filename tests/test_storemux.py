@@ -353,3 +353,72 @@ def test_a_shared_clients_wait_for_the_key_of_a_refused_set_raises_the_refusal_a
         assert time.monotonic() - started < 5.0  # (not the store's 20 s timeout)
         assert client.get("k0") == b"0"  # (the abandoned get's late answer is ignored)
         client.close()
+
+
+_EXIT_RIGHT_AFTER_SET = """
+import datetime, os, sys
+import arendez.sync as sync
+port, key = int(sys.argv[1]), sys.argv[2]
+clients = [sync.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=20)) for _ in range(20)]
+assert type(clients[-1]._store).__name__ == "SharedStoreClient"
+clients[-1].set(key, "kept")
+os._exit(0)  # (no exit hooks: what is not yet written is lost)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_shared_clients_set_is_written_before_it_returns_so_an_exit_right_after_keeps_it() -> None:
+    """QA20: a process whose 17th+ client set a key and exited at once (``os._exit``, a kill)
+    lost the set in 10 of 10 trials, and the job waited for the key until its timeout; torch's
+    ``set`` returns once its bytes are the kernel's, and so does this one now."""
+    with server() as srv:
+        reader = sync.TCPStore("127.0.0.1", srv.port, None, False, datetime.timedelta(seconds=5))
+        for trial in range(5):
+            child = subprocess.run(
+                [PY, "-c", _EXIT_RIGHT_AFTER_SET, str(srv.port), f"key{trial}"],
+                env=_env(None),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert child.returncode == 0, child.stderr
+            assert reader.get(f"key{trial}") == b"kept", trial
+        reader.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_new_shared_client_waits_for_a_server_that_is_away_as_torchs_constructor_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """QA20: with the server down, a new client on a shared connection returned at once and its
+    first call failed; torch's constructor retries until the server is back (or its timeout)."""
+    monkeypatch.setenv("ARENDEZ_TCPSTORE_OWN_CONNECTIONS", "0")
+    srv = start_server()
+    port = srv.port
+    holders = [sync.TCPStore("127.0.0.1", port, None, False, TIMEOUT) for _ in range(3)]
+    restarted: list[object] = []
+    try:
+        assert isinstance(holders[0]._store, storemux.SharedStoreClient)
+        holders[0].set("before", "1")
+        srv.stop()
+        time.sleep(0.5)  # (the loop thread sees the connection close)
+        back = threading.Timer(1.5, lambda: restarted.append(start_server(port=port)))
+        back.start()
+        started = time.monotonic()
+        late = sync.TCPStore("127.0.0.1", port, None, False, TIMEOUT)
+        waited = time.monotonic() - started
+        back.join()
+        assert waited >= 1.0, f"the constructor returned after {waited:.2f}s, before the server was back"
+        late.set("after", "2")
+        assert late.get("after") == b"2"
+        restarted.pop().stop()  # type: ignore[attr-defined]
+        time.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="unreachable until the deadline"):
+            sync.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=1))
+        assert time.monotonic() - started >= 0.9  # (its own timeout, as torch's)
+    finally:
+        for s in holders:
+            s.close()
+        for other in restarted:
+            other.stop()  # type: ignore[attr-defined]

@@ -149,11 +149,14 @@ def test_a_master_on_a_port_in_use_fails_at_once_and_a_second_master_needs_multi
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         started = time.monotonic()
-        with pytest.raises(sync.RendezvousError, match=r"TCPStore\(is_master=True\) cannot host the store"):
+        # torch's is a DistNetworkError naming EADDRINUSE, which scripts retry on (QA20)
+        with pytest.raises(
+            sync.DistNetworkError, match=r"TCPStore\(is_master=True\) cannot host .*EADDRINUSE"
+        ):
             sync.TCPStore("127.0.0.1", busy.getsockname()[1], 1, True, datetime.timedelta(seconds=10))
         assert time.monotonic() - started < 3  # at once, not at its timeout (10 s)
     master = sync.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10))
-    with pytest.raises(sync.StoreError, match="multi_tenant=True"):
+    with pytest.raises(sync.DistNetworkError, match="EADDRINUSE; pass multi_tenant=True"):
         sync.TCPStore("127.0.0.1", master.port, None, True, datetime.timedelta(seconds=10))
     tenant = sync.TCPStore(
         "127.0.0.1", master.port, None, True, datetime.timedelta(seconds=10), multi_tenant=True
@@ -536,5 +539,24 @@ def test_a_master_holds_more_keys_than_a_standalone_job_and_world_size_minus_one
             chunk = keys[start : start + 5_000]
             master.multi_set(chunk, ["v"] * len(chunk))
         assert master.num_keys() >= 100_500
+    finally:
+        master.close()
+
+
+@pytest.mark.timeout(30)
+def test_timeouts_read_back_as_timedeltas_and_a_prefix_store_clones_as_torchs() -> None:
+    """QA20: ``TCPStore(timeout=1.0).timeout`` was the float; ``PrefixStore.clone`` was missing."""
+    master = sync.TCPStore("127.0.0.1", 0, None, True, 1.5)  # type: ignore[arg-type]
+    try:
+        assert master.timeout == datetime.timedelta(seconds=1.5)
+        master.set_timeout(2)  # type: ignore[arg-type]
+        assert master.timeout == datetime.timedelta(seconds=2)
+        view = sync.PrefixStore("p", master)
+        twin = view.clone()
+        assert isinstance(twin, sync.PrefixStore) and twin.prefix == "p"
+        assert twin.underlying_store is not master
+        twin.set("k", "v")
+        assert view.get("k") == b"v" and master.get("p/k") == b"v"
+        twin.underlying_store.close()
     finally:
         master.close()
