@@ -358,6 +358,21 @@ async def all_reduce_coalesced(tensors: Sequence[Any], op: Any = ReduceOp.SUM, g
                 at += a.size
 
 
+def check_gather_coalesced(outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], size: int) -> None:
+    """``all_gather_coalesced``'s layout (torch's): ``size`` output lists, one per rank, each
+    of one tensor per input; ``InvalidArgumentError`` naming the list that is not."""
+    if len(outputs) != size:
+        raise InvalidArgumentError(
+            f"output_tensor_lists must hold {size} lists (one per rank), got {len(outputs)}"
+        )
+    for r, row in enumerate(outputs):
+        if len(row) != len(inputs):
+            raise InvalidArgumentError(
+                f"output_tensor_lists[{r}] must hold {len(inputs)} tensors (one per input "
+                f"tensor), got {len(row)}"
+            )
+
+
 @on_group()
 async def all_gather_coalesced(
     output_tensor_lists: Sequence[Sequence[Any]], input_tensor_list: Sequence[Any], group: Any = None
@@ -365,16 +380,7 @@ async def all_gather_coalesced(
     """``all_gather`` of each input tensor: ``output_tensor_lists[r][i]`` receives rank ``r``'s
     ``input_tensor_list[i]`` (torch's layout: one list per rank)."""
     g: ProcessGroup = group
-    if len(output_tensor_lists) != g.size:
-        raise InvalidArgumentError(
-            f"output_tensor_lists must hold {g.size} lists (one per rank), got {len(output_tensor_lists)}"
-        )
-    for r, outputs in enumerate(output_tensor_lists):
-        if len(outputs) != len(input_tensor_list):
-            raise InvalidArgumentError(
-                f"output_tensor_lists[{r}] must hold {len(input_tensor_list)} tensors (one per input "
-                f"tensor), got {len(outputs)}"
-            )
+    check_gather_coalesced(output_tensor_lists, input_tensor_list, g.size)
     for i, tensor in enumerate(input_tensor_list):
         await all_gather([outputs[i] for outputs in output_tensor_lists], tensor, g)
 

@@ -82,11 +82,13 @@ def encode_or_note(obj: Any) -> tuple[bytes, Exception | None]:
 def encode_each(objs: Sequence[Any]) -> tuple[list[bytes], Exception | None]:
     """Every object of ``objs`` encoded, or, if one cannot be, its note in every place (a scatter
     or a send of several objects fails as a whole) and the first error."""
-    parts = [encode_or_note(o) for o in objs]
-    failed = next((exc for _, exc in parts if exc is not None), None)
-    if failed is not None:
-        return [note(failed)] * len(parts), failed
-    return [data for data, _ in parts], None
+    parts = []
+    for obj in objs:
+        data, failed = encode_or_note(obj)
+        if failed is not None:
+            return [data] * len(objs), failed
+        parts.append(data)
+    return parts, None
 
 
 def note(exc: BaseException) -> bytes:

@@ -525,11 +525,13 @@ class Store(MembershipOps, KeyValueOps):
         wait: bool,
         args: tuple[Any, ...],
         done: Callable[[Any, BaseException | None], object],
+        sent: Callable[[], object] | None = None,
     ) -> None:
         """On the loop thread: send the key-value operation ``op`` now and call ``done(value,
         None)`` or ``done(None, error)`` with its outcome, with no task or future per call (the
         blocking callers of ``storemux`` wait on it from their own threads). While the
-        connection is down it waits for it, as ``_ask`` does."""
+        connection is down it waits for it, as ``_ask`` does. ``sent``: called once the request
+        is written to the connection (not at all if it ends first: ``done`` says how)."""
         loop = self._loop or asyncio.get_running_loop()
         conn = self._conn
         if conn is None or not conn.is_open:
@@ -543,6 +545,9 @@ class Store(MembershipOps, KeyValueOps):
             answer.rid = self._submit(loop, deadline, wait, self._compact(op, args), answer)
         except Exception as exc:  # (e.g. a request past the size limit)
             done(None, exc)
+            return
+        if sent is not None:
+            self.when_sent(sent)
 
     def _arm_sweep(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         """One timer for all calls: it fires at the earliest deadline (no timer per call)."""

@@ -35,7 +35,7 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from .blocking_store import LONG_KEY, MAX_UNACKED_BYTES, WAITING_READS, BlockingStore
@@ -177,6 +177,20 @@ class _Wakeups:
             nxt = ready.popleft()
         nxt.lock.release()
 
+    def wait(self, reply: _Reply, limit: float) -> bool:
+        """On a caller's thread: block until ``reply``'s turn (then pass it on), at most
+        ``limit`` seconds; False if it did not come (the caller withdrew)."""
+        try:
+            woken = reply.lock.acquire(timeout=limit)
+        except BaseException:  # (interrupted while waiting)
+            if self.withdraw(reply):
+                self.pass_on()
+            raise
+        if woken or self.withdraw(reply):
+            self.pass_on()
+            return True
+        return False
+
     def withdraw(self, reply: _Reply) -> bool:
         """A caller that gave up waiting: True if its turn came meanwhile (pass it on)."""
         with self._mutex:
@@ -214,21 +228,6 @@ class _Reply:
 def _release(conn: _Connection, generation: int) -> None:
     if generation == _generation:
         _pool.detach(conn)
-
-
-def _send_set(
-    store: Store,
-    budget: float,
-    args: tuple[Any, ...],
-    done: Callable[[Any, BaseException | None], object],
-    sent: _Reply,
-) -> None:
-    """On the loop thread: send a ``set``, and release its caller once it is written (while the
-    connection is down, once it ends: ``done`` releases it then)."""
-    store.ask_soon("set", budget, False, args, done)
-    conn = store._conn
-    if conn is not None and conn.is_open:
-        store.when_sent(lambda: sent.finish(None, None))
 
 
 class SharedStoreClient:
@@ -338,18 +337,13 @@ class SharedStoreClient:
         loop.call_soon_threadsafe(store.ask_soon, op, budget, wait, args, reply.finish)
         limit = (budget if wait else min(budget, _CALL_TIMEOUT)) + _LOOP_SLACK
         try:
-            woken = reply.lock.acquire(timeout=limit)
-        except BaseException:  # (interrupted while waiting)
+            woken = _wakeups.wait(reply, limit)
+        finally:
             self._reading = None
-            if _wakeups.withdraw(reply):
-                _wakeups.pass_on()
-            raise
-        self._reading = None
-        if not woken and not _wakeups.withdraw(reply):
+        if not woken:
             raise StoreTimeoutError(
                 f"store {op} got no answer within {limit:g}s (is the arendez loop thread stuck?)"
             )
-        _wakeups.pass_on()
         if reply.error is not None:
             raise reply.error
         return reply.value
@@ -380,27 +374,18 @@ class SharedStoreClient:
         budget = self.timeout if timeout is None else float(timeout)
         with self._mutex:
             self._unacked += 1
+        # it returns once its request is written: then its bytes are the kernel's, so a process
+        # that exits at once (``os._exit``, a kill) does not lose it, as with torch's ``set``
+        # (QA20: 10 of 10 lost); ``done`` releases it instead if it ended first (the server away)
         sent = _Reply()
         done = functools.partial(self._set_done, key, sent)
-        shared.loop().call_soon_threadsafe(_send_set, store, budget, (key, value), done, sent)
-        self._wait_sent(sent, budget)
+        written = functools.partial(sent.finish, None, None)
+        shared.loop().call_soon_threadsafe(store.ask_soon, "set", budget, False, (key, value), done, written)
+        _wakeups.wait(sent, budget + _LOOP_SLACK)
 
     def _promotion_due(self) -> bool:
         """A promotion may be tried (once the calls reach ``PROMOTE_AFTER``)."""
         return not self._promotion_tried and _promotions and self._generation == _generation
-
-    def _wait_sent(self, sent: _Reply, budget: float) -> None:
-        """Block until the loop thread wrote the set (or it ended): once ``set`` returns, its
-        bytes are the kernel's, so a process that exits at once (``os._exit``, a kill) does not
-        lose it (QA20: 10 of 10 lost), as with torch's ``set``."""
-        try:
-            woken = sent.lock.acquire(timeout=budget + _LOOP_SLACK)
-        except BaseException:  # (interrupted while waiting)
-            if _wakeups.withdraw(sent):
-                _wakeups.pass_on()
-            raise
-        if woken or _wakeups.withdraw(sent):
-            _wakeups.pass_on()
 
     def _set_done(self, key: str, sent: _Reply, value: Any, error: BaseException | None) -> None:
         with self._mutex:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import arendez
 
 from . import embedded, farewell, torchsparse
+from .compat import check_gather_coalesced
 from .errors import InvalidArgumentError, RendezvousError
 from .loop import shared
 from .torchstage import Stage, split_rows, writing
@@ -276,11 +277,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
-        if len(outputs) != self.size() or any(len(o) != len(inputs) for o in outputs):
-            raise InvalidArgumentError(
-                f"allgather_coalesced needs {self.size()} output lists (one per rank) of {len(inputs)} "
-                f"tensors (one per input), got {[len(o) for o in outputs]}"
-            )
+        check_gather_coalesced(outputs, inputs, self.size())
         stage = Stage()
         per_rank, ins = [stage.all(o) for o in outputs], stage.all(inputs, out=False)
 
