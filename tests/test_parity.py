@@ -222,6 +222,7 @@ def test_work_futures_hold_the_callers_tensors() -> None:
         sync.destroy_process_group()
 
 
+@pytest.mark.timeout(30)
 def test_futures_of_tensor_calls_are_torch_futures_that_torch_can_wait_on() -> None:
     """A port-by-import script hands ``get_future()`` to ``torch.futures.wait_all`` and
     ``collect_all`` (C++ functions that take torch's futures only), as on gloo (QA20-2)."""
@@ -341,6 +342,7 @@ async def test_async_work_wait_timeout_is_a_wait_timeout_and_the_call_goes_on() 
     assert (await run_ranks(2, rank))[0] == [5.0, 5.0]
 
 
+@pytest.mark.timeout(30)
 async def test_async_object_p2p_refuses_what_the_codec_cannot_carry() -> None:
     """An object the codec cannot carry fails the send and the receive alike, naming the sender
     (the receiver does not wait out its timeout); the pair goes on with the next objects."""
