@@ -1,5 +1,6 @@
-"""Async client of the arendez store: its connection and requests (the key-value operations
-themselves: ``store_ops``; joining and leaving the job's rounds: ``store_membership``).
+"""Async client of the arendez store: its connection (the requests in flight on it:
+``store_requests``; the key-value operations themselves: ``store_ops``; joining and leaving the
+job's rounds: ``store_membership``).
 
 The client keeps one connection to the server and reconnects when it drops. A call made
 while the server is away waits for the reconnection until its own deadline and then raises
@@ -15,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import ssl as _ssl
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from . import handshake, transport, validate, wire
 from . import lease as _lease
@@ -31,17 +31,14 @@ from .errors import (
     StoreConnectionError,
     StoreConnectTimeoutError,
     StoreError,
-    StoreTimeoutError,
 )
 from .store_membership import EventHandler, Membership, MembershipOps
 from .store_ops import KeyValueOps, PrefixStore
-from .store_wire import MAX_REQUEST, STORE_ERRORS, STORE_PROTOCOL, check_request_size, frame
+from .store_requests import Encoder, Requests
+from .store_wire import STORE_ERRORS, STORE_PROTOCOL
 
 log = logging.getLogger("arendez.store")
 
-#: Extra time a blocking request waits for the server's answer past its own timeout.
-_REPLY_SLACK = 2.0
-_CALL_TIMEOUT = 30.0
 #: Connect + handshake budget of one attempt: generous, since a server busy with a storm of
 #: thousands of connecting ranks answers late, and aborting then retrying only adds to it
 #: (a refused or unreachable server fails at once regardless).
@@ -53,59 +50,6 @@ _UNREACHABLE_WARN_AFTER = 2.0
 _REPLY_LIMITS = wire.Limits(max_header=64 << 20, max_payload=0)
 
 transport.register_remote_errors(*STORE_ERRORS)
-
-
-_Encoder = Callable[[int, float | None], list[bytes | memoryview]]
-
-
-class _NoAnswer(Exception):
-    """The reply did not come before the call's deadline."""
-
-
-class Answer(Protocol):
-    """Where a request's reply goes: an ``asyncio.Future``, or ``_Callback``."""
-
-    def done(self) -> bool: ...
-    def set_result(self, value: Any) -> None: ...
-    def set_exception(self, exc: BaseException) -> None: ...
-
-
-class _Callback:
-    """A request's reply handed to a callback on the loop thread (``Store.ask_soon``)."""
-
-    __slots__ = ("_budget", "_done", "_finished", "_op", "_store", "rid")
-
-    def __init__(
-        self, store: Store, op: str, budget: float, done: Callable[[Any, BaseException | None], object]
-    ) -> None:
-        self._store, self._op, self._budget, self._done = store, op, budget, done
-        self._finished = False
-        self.rid = 0
-
-    def done(self) -> bool:
-        return self._finished
-
-    def _end(self) -> None:
-        self._finished = True
-        self._store._pending.pop(self.rid, None)
-        self._store._expiry.pop(self.rid, None)
-
-    def set_result(self, value: Any) -> None:
-        self._end()
-        self._done(value, None)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._end()
-        if isinstance(exc, _NoAnswer):
-            exc = StoreTimeoutError(f"store {self._op} got no answer within {self._budget:g}s")
-        self._done(None, exc)
-
-
-def _outcome(task: asyncio.Task[Any]) -> tuple[Any, BaseException | None]:
-    if task.cancelled():
-        return None, StoreError("the store client is closed")
-    exc = task.exception()
-    return (None, exc) if exc is not None else (task.result(), None)
 
 
 class Store(MembershipOps, KeyValueOps):
@@ -136,8 +80,7 @@ class Store(MembershipOps, KeyValueOps):
         self._token = token
         self._ssl = ssl
         self._heartbeat_interval = heartbeat_interval
-        self._ids = itertools.count(1)
-        self._pending: dict[int, Answer] = {}
+        self._requests = Requests(self._write)
         self._conn: transport.Connection | None = None
         self._connected = asyncio.Event()
         self._fatal: BaseException | None = None
@@ -151,15 +94,6 @@ class Store(MembershipOps, KeyValueOps):
         self._last_error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connect_by: float | None = None  # loop time at which the first connect gives up
-        self._expiry: dict[int, float] = {}  # loop time at which each pending call gives up
-        self._sweep: asyncio.TimerHandle | None = None
-        self._sweep_at: float | None = None
-        self._out: list[bytes | memoryview] = []  # requests held while corked
-        self._corked = False
-        self._woken = 0  # replies delivered since the cork was (re)scheduled
-        self._held = False  # the cork already waited once for callers woken after it
-        self._when_sent: list[Callable[[], object]] = []  # run once the held requests are written
-        self._packer = wire.small_packer()
         #: Once connected, a call made while the connection is down waits for one attempt to
         #: reconnect (made at once) and fails with ``StoreConnectionError`` if it fails (torch's
         #: ``TCPStore`` semantics, for ``storemux``), instead of retrying until its deadline.
@@ -172,7 +106,7 @@ class Store(MembershipOps, KeyValueOps):
     async def connect(self, timeout: float | None = None) -> Store:
         """Connect (retrying until ``timeout``) and start keeping the connection alive."""
         timeout = validate.optional_seconds(timeout)
-        loop = self._loop = asyncio.get_running_loop()
+        loop = self._loop = self._requests.loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._maintain()))
         try:
             self._connect_by = loop.time() + (timeout or self.timeout)
@@ -200,9 +134,8 @@ class Store(MembershipOps, KeyValueOps):
             conn.set_handlers(self._on_frame, lambda exc: None)
             if self._membership is not None:
                 m = self._membership
-                rid = next(self._ids)
                 fut = asyncio.get_running_loop().create_future()
-                self._pending[rid] = fut
+                rid = self._requests.expect(fut)
                 conn.send(
                     {
                         "op": "attach",
@@ -273,7 +206,7 @@ class Store(MembershipOps, KeyValueOps):
             await asyncio.shield(conn.closed)
             self._connected.clear()
             self._conn = None
-            self._fail_pending(
+            self._requests.fail_all(
                 StoreConnectionError(f"lost the connection to the store at {self.host}:{self.port}")
             )
             if self.on_lost is not None and not self._closed:
@@ -372,14 +305,8 @@ class Store(MembershipOps, KeyValueOps):
 
     def _on_frame(self, header: Any, payload: memoryview | None) -> None:
         if type(header) is list:  # a compact reply [id, value]
-            fut = self._pending.pop(header[0], None) if len(header) == 2 else None
-            if fut is None or fut.done():
-                return
-            fut.set_result(header[1])
-            if self._corked:
-                self._woken += 1
-            else:
-                self._cork()
+            if len(header) == 2:
+                self._requests.answer(header[0], header[1])
             return
         if not isinstance(header, dict):
             return
@@ -395,25 +322,12 @@ class Store(MembershipOps, KeyValueOps):
                 if self.on_event is not None:
                     self.on_event(header)
             elif "error" in header:  # the server is about to drop us for a protocol error
-                self._fail_pending(transport.remote_error(header, StoreError))
-            return
-        fut = self._pending.pop(rid, None)
-        if fut is None or fut.done():
+                self._requests.fail_all(transport.remote_error(header, StoreError))
             return
         if "error" in header:
-            fut.set_exception(transport.remote_error(header, StoreError))
+            self._requests.refuse(rid, header)
         else:
-            fut.set_result(header.get("ok"))
-        if self._corked:
-            self._woken += 1
-        else:
-            self._cork()
-
-    def _fail_pending(self, exc: BaseException) -> None:
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(exc)
+            self._requests.answer(rid, header.get("ok"))
 
     async def close(self) -> None:
         """Stop reconnecting and heartbeating; close the connection."""
@@ -427,13 +341,10 @@ class Store(MembershipOps, KeyValueOps):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = self._sweep_at = None
         if self._conn is not None:
             await self._conn.wait_closed(1.0)  # asynchronous: the loop keeps running meanwhile
             self._conn = None
-        self._fail_pending(StoreError("the store client is closed"))
+        self._requests.close(StoreError("the store client is closed"))
 
     def sockname(self) -> Any:
         """The local address of the store connection (what the server sees us as)."""
@@ -458,65 +369,18 @@ class Store(MembershipOps, KeyValueOps):
     async def _ask(self, op: str, timeout: float | None, wait: bool, *args: Any) -> Any:
         """A key-value operation in the compact form ``[op, id, *args]`` (``store_wire``);
         ``wait``: the server may wait, and is told how long (appended to ``args``)."""
-        return await self._request(op, timeout, wait, self._compact(op, args))
+        return await self._request(op, timeout, wait, self._requests.compact(op, args))
 
-    def _compact(self, op: str, args: tuple[Any, ...]) -> _Encoder:
-        def encode(rid: int, left: float | None) -> list[bytes | memoryview]:
-            tail = () if left is None else (left,)
-            data = frame(self._packer.pack([op, rid, *args, *tail]))
-            if len(data) > MAX_REQUEST:
-                check_request_size(op, len(data))
-            return [data]
-
-        return encode
-
-    async def _request(
-        self,
-        op: str,
-        timeout: float | None,
-        wait: bool,
-        encode: Callable[[int, float | None], list[bytes | memoryview]],
-    ) -> Any:
+    async def _request(self, op: str, timeout: float | None, wait: bool, encode: Encoder) -> Any:
         """Send ``encode(id, seconds the server may wait or None)`` and await its answer, within
-        the call's budget (one sweep timer for all calls: ``_arm_sweep``)."""
+        the call's budget (waiting for the connection first if it is down)."""
         loop = self._loop or asyncio.get_running_loop()
         budget = self.timeout if timeout is None else float(timeout)
-        deadline = loop.time() + (budget if wait else min(budget, _CALL_TIMEOUT))
+        deadline = Requests.deadline(loop, budget, wait)
         conn = self._conn
         if conn is None or not conn.is_open:
             await self._wait_connected(deadline)
-        fut: asyncio.Future[Any] = loop.create_future()
-        rid = self._submit(loop, deadline, wait, encode, fut)
-        try:
-            return await fut
-        except _NoAnswer:
-            raise StoreTimeoutError(f"store {op} got no answer within {budget:g}s") from None
-        finally:
-            self._pending.pop(rid, None)
-            self._expiry.pop(rid, None)
-
-    def _submit(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        deadline: float,
-        wait: bool,
-        encode: Callable[[int, float | None], list[bytes | memoryview]],
-        answer: Answer,
-    ) -> int:
-        """Send a request on the open connection; its reply (or error) goes to ``answer``."""
-        rid = next(self._ids)
-        self._pending[rid] = answer
-        left = max(0.0, deadline - loop.time()) if wait else None
-        expiry = self._expiry[rid] = deadline + (_REPLY_SLACK if wait else 0.0)
-        if self._sweep_at is None or expiry < self._sweep_at:
-            self._arm_sweep(loop, expiry)
-        try:
-            self._send(encode(rid, left))
-        except BaseException:
-            self._pending.pop(rid, None)
-            self._expiry.pop(rid, None)
-            raise
-        return rid
+        return await self._requests.call(op, budget, deadline, wait, encode)
 
     def ask_soon(
         self,
@@ -539,87 +403,26 @@ class Store(MembershipOps, KeyValueOps):
             task.add_done_callback(lambda t: done(*_outcome(t)))
             return
         budget = self.timeout if timeout is None else float(timeout)
-        deadline = loop.time() + (budget if wait else min(budget, _CALL_TIMEOUT))
-        answer = _Callback(self, op, budget, done)
-        try:
-            answer.rid = self._submit(loop, deadline, wait, self._compact(op, args), answer)
-        except Exception as exc:  # (e.g. a request past the size limit)
-            done(None, exc)
-            return
-        if sent is not None:
-            self.when_sent(sent)
-
-    def _arm_sweep(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
-        """One timer for all calls: it fires at the earliest deadline (no timer per call)."""
-        if self._sweep is not None:
-            self._sweep.cancel()
-        self._sweep_at = at
-        self._sweep = loop.call_at(at, self._expire_calls, loop)
-
-    def _expire_calls(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._sweep = self._sweep_at = None
-        now = loop.time()
-        soonest: float | None = None
-        for rid, at in list(self._expiry.items()):
-            if at <= now:
-                fut = self._pending.get(rid)
-                if fut is not None and not fut.done():
-                    fut.set_exception(_NoAnswer())
-            elif soonest is None or at < soonest:
-                soonest = at
-        if soonest is not None:
-            self._arm_sweep(loop, soonest)
-
-    def _send(self, frame: list[bytes | memoryview]) -> None:
-        """Send a request at once, or, while the callers woken by one batch of replies are
-        still running, with the other requests they make, in one write."""
-        if self._corked:
-            self._out.extend(frame)
-            return
-        self._write(frame)
-
-    def _write(self, frame: list[bytes | memoryview]) -> None:
-        conn = self._conn
-        try:
-            if conn is None:
-                raise ConnectionResetError("not connected")
-            conn.send_encoded(frame)
-        except ConnectionError as exc:  # the requests cannot have reached the server
-            self._fail_pending(StoreConnectionError(f"store request failed: {exc}"))
+        if self._requests.call_soon(op, budget, wait, args, done) and sent is not None:
+            self._requests.when_sent(sent)
 
     def when_sent(self, callback: Callable[[], object]) -> None:
         """On the loop thread: call ``callback`` once the requests made so far are written to
         the connection (at once, unless a batch is being gathered)."""
-        if self._corked:
-            self._when_sent.append(callback)
-        else:
-            callback()
+        self._requests.when_sent(callback)
 
-    def _cork(self) -> None:
-        """A reply woke a caller: gather the requests of the callers woken now until they ran
-        (scheduled from the reply handler, so it runs in the same pass as they do)."""
-        self._corked = True
-        self._woken = 0
-        self._held = False
-        (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
+    def _write(self, frames: list[bytes | memoryview]) -> None:
+        conn = self._conn
+        if conn is None:
+            raise ConnectionResetError("not connected")
+        conn.send_encoded(frames)
 
-    def _uncork(self) -> None:
-        if self._woken and not self._held:  # more callers were woken after us: wait for them once
-            self._held = True
-            self._woken = 0
-            (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
-            return
-        out, self._out = self._out, []
-        if out:
-            self._write(out)
-        sent, self._when_sent = self._when_sent, []
-        for callback in sent:  # (the requests they wait for were in ``out``)
-            callback()
-        if self._woken:  # still more woken: keep gathering, but never hold written requests back
-            self._woken = 0
-            (self._loop or asyncio.get_running_loop()).call_soon(self._uncork)
-        else:
-            self._corked = False
+
+def _outcome(task: asyncio.Task[Any]) -> tuple[Any, BaseException | None]:
+    if task.cancelled():
+        return None, StoreError("the store client is closed")
+    exc = task.exception()
+    return (None, exc) if exc is not None else (task.result(), None)
 
 
 __all__ = ["Membership", "PrefixStore", "Store"]

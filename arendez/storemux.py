@@ -43,6 +43,7 @@ from .errors import StoreError, StoreTimeoutError, earlier_set_error
 from .loop import shared
 from .settings import env_int
 from .store import Store
+from .store_requests import CALL_TIMEOUT
 from .store_wire import to_bytes
 
 #: Clients per shared connection: each has at most one request in flight, so a connection
@@ -53,7 +54,6 @@ CLIENTS_PER_CONNECTION = 128
 _LOOP_SLACK = 10.0
 #: ``set``s of one client that may wait for their answers at once (then a set waits for all)
 _MAX_UNACKED = 256
-_CALL_TIMEOUT = 30.0
 #: Calls a client makes over a shared connection before it opens one of its own (0: never).
 PROMOTE_AFTER = env_int("ARENDEZ_TCPSTORE_PROMOTE_AFTER", 32, minimum=0)
 _PROMOTE_CONNECT = 2.0  # (a server slow to accept: the call goes on over the shared connection)
@@ -335,7 +335,7 @@ class SharedStoreClient:
                     self._reading = reply
         loop = shared.loop()
         loop.call_soon_threadsafe(store.ask_soon, op, budget, wait, args, reply.finish)
-        limit = (budget if wait else min(budget, _CALL_TIMEOUT)) + _LOOP_SLACK
+        limit = (budget if wait else min(budget, CALL_TIMEOUT)) + _LOOP_SLACK
         try:
             woken = _wakeups.wait(reply, limit)
         finally:
