@@ -71,6 +71,15 @@ class ServerStore(_TorchStore):  # type: ignore[misc]
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         return bytes(self._call(self._store.compare_set, key, bytes(expected), bytes(desired)))
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [bytes(v) for v in self._call(self._store.multi_get, keys, self._timeout)]
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._call(self._store.multi_set, keys, [v if isinstance(v, str) else bytes(v) for v in values])
+
+    def append(self, key: str, value: Any) -> None:
+        self._call(self._store.append, key, value if isinstance(value, str) else bytes(value))
+
     def wait(self, keys: list[str], timeout: Any = None) -> None:
         self._call(self._store.wait, keys, seconds(timeout) or self._timeout)
 
