@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .costmodel import DIRECT_MAX_RANKS
 from .settings import env_int
 
 Array = np.ndarray[Any, Any]
@@ -133,3 +134,29 @@ async def _run_lanes(count: int, lane: Callable[[int], Awaitable[None]]) -> None
                 lanes.create_task(gated(i))
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None
+
+
+_NOTHING = np.empty(0, np.uint8)
+
+
+async def exchange_nothing(comm: Comm) -> None:
+    """This rank's part of a collective is empty: exchange empty frames all the same, so that
+    a rank whose part is not empty (ranks that disagree on the count) is found out on both
+    sides instead of waiting for its timeout, and so that every rank leaves the collective
+    together. Every pair in small groups; in larger ones a dissemination exchange (round k:
+    to ``rank + 2**k``, from ``rank - 2**k``), which reaches every rank in O(log n) rounds
+    without connecting every pair."""
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return
+    if n <= DIRECT_MAX_RANKS:
+        peers = others(comm)
+        recvs = [comm.recv_into(p, 0, _NOTHING) for p in peers]
+        await wait_all([comm.send(p, 0, _NOTHING) for p in peers])
+        await wait_all(recvs)
+        return
+    step = 1
+    while step < n:
+        received = comm.recv_into((r - step) % n, step, _NOTHING)
+        await wait_all([comm.send((r + step) % n, step, _NOTHING), received])
+        step <<= 1

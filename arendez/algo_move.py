@@ -9,13 +9,16 @@ from typing import Any
 import numpy as np
 
 from .algo_choice import _choose_for, chose
-from .algo_comm import Array, Comm, _lanes, _ring_schedule, _run_lanes, others, wait_all
+from .algo_comm import Array, Comm, _lanes, _ring_schedule, _run_lanes, exchange_nothing, others, wait_all
 
 
 async def broadcast(comm: Comm, x: Array, src: int, algorithm: str | None = None) -> None:
     """Copy ``src``'s ``x`` into every rank's ``x``."""
     n, r = comm.size, comm.rank
-    if n == 1 or not x.size:
+    if not x.size:
+        await exchange_nothing(comm)
+        return
+    if n == 1:
         return
     algo = chose(comm, algorithm or _choose_for(comm, "broadcast", x.nbytes, n))
     if algo == "tree":

@@ -21,6 +21,7 @@ from .algo_comm import (
     _ring_schedule,
     _run_lanes,
     _view,
+    exchange_nothing,
     link_kind,
     others,
     wait_all,
@@ -80,7 +81,9 @@ def _combine_in_rank_order(
 async def all_reduce(comm: Comm, x: Array, op: ReduceOp, algorithm: str | None = None) -> None:
     """Reduce ``x`` across the group in place."""
     ufunc = ufunc_for(op, x.dtype)
-    if comm.size > 1 and x.size:
+    if comm.size > 1 and not x.size:
+        await exchange_nothing(comm)
+    elif comm.size > 1:
         link = link_kind(comm)
         lane_bytes = algo_comm.TCP_LANE_BYTES if link == "tcp" else algo_comm.LANE_BYTES
         algo = chose(comm, algorithm or _choose_for(comm, "all_reduce", x.nbytes, comm.size, link))
@@ -238,7 +241,9 @@ async def reduce(comm: Comm, x: Array, dst: int, op: ReduceOp, algorithm: str | 
     ones use it as scratch (as torch's NCCL backend does)."""
     ufunc = ufunc_for(op, x.dtype)
     n = comm.size
-    if n > 1 and x.size:
+    if n > 1 and not x.size:
+        await exchange_nothing(comm)
+    elif n > 1:
         algo = chose(comm, algorithm or _choose_for(comm, "reduce", x.nbytes, n))
         if algo == "ring":
             await _ring_reduce(comm, x, dst, ufunc)
@@ -278,7 +283,9 @@ async def reduce_scatter(
     ufunc = ufunc_for(op, out.dtype)
     if n == 1:
         np.copyto(out, inputs[0])
-    elif out.size:
+    elif not out.size:
+        await exchange_nothing(comm)
+    else:
         algo = chose(comm, algorithm or _choose_for(comm, "reduce_scatter", out.nbytes * n, n))
         if algo == "ring":
             lanes = _lanes(out.size, out.itemsize, 1)

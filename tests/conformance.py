@@ -215,6 +215,32 @@ async def mismatch(rank: int, ws: int, kind: str) -> str:
     return outcome + f" | next sum {y[0]:g}"
 
 
+async def empty_parts(rank: int, ws: int) -> list[str]:
+    """Collectives of empty arrays on every rank end together; one rank's empty part against
+    the others' 100 elements is a mismatch on every rank (not a wait for the timeout)."""
+    nothing = np.ones(0, np.float32)
+    await dist.all_reduce(nothing)
+    await dist.broadcast(nothing, src=ws - 1)
+    await dist.reduce(nothing, dst=0)
+    await dist.reduce_scatter_tensor(nothing, nothing)
+    outcomes = []
+    for name in ("all_reduce", "broadcast", "reduce_scatter_tensor"):
+        x = np.ones(0 if rank == 0 else 100 * ws, np.float32)
+        try:
+            if name == "all_reduce":
+                await dist.all_reduce(x)
+            elif name == "broadcast":  # (from the empty rank: every other rank receives from it)
+                await dist.broadcast(x, src=0)
+            else:
+                await dist.reduce_scatter_tensor(x[: x.size // ws], x)
+            outcomes.append("no error")
+        except dist.CollectiveMismatchError as exc:
+            outcomes.append(f"CollectiveMismatchError: {exc}")
+    y = np.ones(4, np.float32)  # the group stays usable
+    await dist.all_reduce(y)
+    return [*outcomes, f"next sum {y[0]:g}"]
+
+
 async def peer_lost(rank: int, ws: int) -> str:
     """The last rank drops its links without a goodbye (as a crash would) once its barrier is
     done; the others fail (in the barrier, if its last frames were still unsent, or in the

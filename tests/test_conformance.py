@@ -75,6 +75,25 @@ def test_mismatch_raises_on_every_rank(run: Runner, kind: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_an_empty_part_against_a_full_one_is_a_mismatch_on_every_rank(run: Runner) -> None:
+    """(An empty part used to skip the exchange: its rank returned, the others waited out the
+    group's timeout.)"""
+    for res in run(conformance.empty_parts, 3):
+        assert all(o.startswith("CollectiveMismatchError") for o in res[:3]), res
+        assert "|<f4|0|" in res[0] and res[-1] == "next sum 3", res
+
+
+@pytest.mark.timeout(60)
+def test_empty_parts_in_a_group_past_the_direct_limit_go_by_dissemination() -> None:
+    async def rank(r: int) -> list[str]:
+        return await conformance.empty_parts(r, 11)
+
+    for res in asyncio.run(testing.run_ranks(11, rank, timeout=40)):
+        assert all(o.startswith("CollectiveMismatchError") for o in res[:3]), res
+        assert res[-1] == "next sum 11", res
+
+
+@pytest.mark.timeout(60)
 def test_peer_loss_fails_the_next_collective_naming_the_rank(run: Runner) -> None:
     assert run(conformance.peer_lost, 3) == ["RankFailedError 2", "RankFailedError 2", "dropped"]
 
