@@ -11,12 +11,13 @@ long as its parent lives and is not stopped:
   it would for a frozen process;
 - parent gone (it is no longer our parent, or a zombie): exit, closing the connection.
 
-It exits 0 when its stdin reaches EOF, 1 when the server closes the connection (the keeper then
-reconnects). The keeper stops it in order by writing ``STOP`` first: then it sends the lease's
-end frame, and the server counts the members still on the lease as left, not failed (their
-leaves may not have arrived). A parent that dies closes the pipe without it: its lease runs
-out. Run by path with ``python -I -S`` and only the standard library, so it starts in tens of
-milliseconds and holds no copy of the application::
+It ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group; it is the parent's
+to handle). It exits 0 when its stdin reaches EOF, 1 when the server closes the connection (the
+keeper then reconnects). The keeper stops it in order by writing ``STOP`` first: then it sends
+the lease's end frame, and the server counts the members still on the lease as left, not failed
+(their leaves may not have arrived). A parent that dies closes the pipe without it: its lease
+runs out. Run by path with ``python -I -S`` and only the standard library, so it starts in tens
+of milliseconds and holds no copy of the application::
 
     python -I -S leaseproc.py FD PARENT_PID INTERVAL HEARTBEAT_HEX END_HEX
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import socket
 import sys
 import time
@@ -89,6 +91,7 @@ def run(sock: socket.socket, parent: int, interval: float, beat: bytes, end: byt
 
 
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, whose exit ends us
     fd, parent, interval, beat = int(argv[1]), int(argv[2]), float(argv[3]), bytes.fromhex(argv[4])
     end = bytes.fromhex(argv[5]) if len(argv) > 5 else b""
     sock = socket.socket(fileno=fd)

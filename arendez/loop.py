@@ -29,6 +29,8 @@ log = logging.getLogger("arendez")
 EXIT_SECONDS = 5.0
 #: How long ``Completion.cancel`` waits for the cancelled call to wind down.
 CANCEL_GRACE_SECONDS = 5.0
+#: ... and a blocking call interrupted by Ctrl-C, before the ``KeyboardInterrupt`` goes on.
+INTERRUPT_GRACE_SECONDS = 2.0
 
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
@@ -232,8 +234,18 @@ class LoopThread:
         return done
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn(*args, **kwargs)`` on the loop and block until it returns (or re-raise)."""
-        result: T = self.start(fn, args, kwargs).result()
+        """Run ``fn(*args, **kwargs)`` on the loop and block until it returns (or re-raise).
+
+        A wait interrupted (Ctrl-C's ``KeyboardInterrupt``, an exception from a signal handler)
+        cancels the call before the exception goes on, as cancelling its task would: a
+        collective's peers hear of it, and it writes no buffer of the caller's afterwards."""
+        done = self.start(fn, args, kwargs)
+        try:
+            done.wait()
+        except BaseException:
+            done.cancel(INTERRUPT_GRACE_SECONDS)
+            raise
+        result: T = done.result()
         return result
 
 

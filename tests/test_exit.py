@@ -3,7 +3,10 @@ called, a goodbye to its peers, and no failure alarm on any of them."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 
 import pytest
 
@@ -66,3 +69,24 @@ def test_work_wait_timeout_goes_on_and_cancel_ends_it_on_every_rank() -> None:
     assert one["cancelled"].startswith("CollectiveCancelledError") and "rank 0" in one["cancelled"], one
     assert one["seconds"] < 3.0, one  # at once, not at the group's timeout (20 s)
     assert zero["next"] == one["next"] == [3.0, 3.0]
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_in_a_blocking_collective_cancels_it_on_every_rank() -> None:
+    """SIGINT to rank 0's process group (its lease sidecar included, as a terminal's Ctrl-C)
+    during a blocking all_reduce: rank 0 gets KeyboardInterrupt and its array is never written
+    afterwards; rank 1, arriving later, gets CollectiveCancelledError naming rank 0; the next
+    collective is exact; the sidecar prints nothing (it ignores SIGINT)."""
+    script = str(ROOT / "tests" / "scripts" / "sync_interrupted.py")
+    port = str(free_port())
+    procs = [popen([sys.executable, script, str(r), "2", port]) for r in range(2)]
+    assert procs[0].stdout is not None
+    assert procs[0].stdout.readline().strip() == "waiting"
+    time.sleep(0.5)  # (inside the all_reduce by now)
+    os.killpg(procs[0].pid, signal.SIGINT)
+    zero, one = collect(procs, 40)
+    assert zero.returncode == 0 and one.returncode == 0, zero.stderr[-2000:] + one.stderr[-2000:]
+    assert zero.stdout.splitlines() == ["interrupted x=1", "later x=1", "next sum 2"], zero.stdout
+    assert one.stdout.startswith("cancelled: rank 0 cancelled all_reduce"), one.stdout
+    assert one.stdout.endswith("next sum 2\n"), one.stdout
+    assert "Traceback" not in zero.stderr, zero.stderr[-2000:]
