@@ -34,7 +34,7 @@ from .errors import (
 )
 from .store_membership import EventHandler, Membership, MembershipOps
 from .store_ops import KeyValueOps, PrefixStore
-from .store_requests import Encoder, Requests
+from .store_requests import CALL_TIMEOUT, Encoder, Requests
 from .store_wire import STORE_ERRORS, STORE_PROTOCOL
 
 log = logging.getLogger("arendez.store")
@@ -104,7 +104,8 @@ class Store(MembershipOps, KeyValueOps):
 
     # -- connection management -------------------------------------------------------------
     async def connect(self, timeout: float | None = None) -> Store:
-        """Connect (retrying until ``timeout``) and start keeping the connection alive."""
+        """Connect (retrying until ``timeout``) and start keeping the connection alive. (The
+        first call of a store not connected does this; ``async with Store(...)`` too.)"""
         timeout = validate.optional_seconds(timeout)
         loop = self._loop = self._requests.loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._maintain()))
@@ -115,6 +116,12 @@ class Store(MembershipOps, KeyValueOps):
             await self.close()
             raise
         return self
+
+    async def __aenter__(self) -> Store:
+        return await self.connect() if self._loop is None else self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     async def _open(self) -> transport.Connection:
         # TCP, even to a server on this host: the blocking clients take its local socket
@@ -374,8 +381,10 @@ class Store(MembershipOps, KeyValueOps):
     async def _request(self, op: str, timeout: float | None, wait: bool, encode: Encoder) -> Any:
         """Send ``encode(id, seconds the server may wait or None)`` and await its answer, within
         the call's budget (waiting for the connection first if it is down)."""
-        loop = self._loop or asyncio.get_running_loop()
         budget = self.timeout if timeout is None else float(timeout)
+        if self._loop is None and not self._closed:  # never connected: the first call connects
+            await self.connect(budget if wait else min(budget, CALL_TIMEOUT))
+        loop = self._loop or asyncio.get_running_loop()
         deadline = Requests.deadline(loop, budget, wait)
         conn = self._conn
         if conn is None or not conn.is_open:

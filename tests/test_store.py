@@ -360,3 +360,18 @@ async def test_a_process_that_ends_its_lease_in_order_has_its_unleft_ranks_leave
         await asyncio.sleep(3.0)  # (a failure would have been declared by now)
         news = [(e["event"], e["rank"]) for e in events]
         assert news == [("rank_left", rank)], news
+
+
+@pytest.mark.timeout(30)
+async def test_a_store_never_connected_connects_on_its_first_call(arendez_server):
+    """(QA21: it waited out its timeout, 30 s, then said the running server was unreachable.)"""
+    store = dist.Store("127.0.0.1", arendez_server.port, "lazy", timeout=10)
+    try:
+        started = time.monotonic()
+        await asyncio.gather(store.set("a", "1"), store.set("b", "2"))  # (two first calls at once)
+        assert await store.multi_get(["a", "b"]) == [b"1", b"2"]
+        assert time.monotonic() - started < 5
+    finally:
+        await store.close()
+    async with dist.Store("127.0.0.1", arendez_server.port, "lazy", timeout=10) as again:
+        assert await again.get("a") == b"1"
