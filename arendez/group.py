@@ -9,6 +9,7 @@ it runs and, on a member that has not reached it yet, as soon as it starts it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable, Callable, Container, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ class ProcessGroup:
     early_fps: dict[int, tuple[int, str]] = field(default_factory=dict)
     early_keys: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
     poisoned: dict[int, ArendezError] = field(default_factory=dict)  # seqs failed before they start
+    #: the latest sequence numbers that completed here (a peer's timeout of one of them: a split)
+    completed: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=64))
 
     # (size of the same-host set the link kind was computed for, the kind)
     _link: tuple[int, str] = field(default=(-1, ""), init=False, repr=False)
@@ -178,7 +181,9 @@ class ProcessGroup:
             if entry is not None:  # (before its receives are closed: they say whom it missed)
                 flight.end(entry, op)
             del self.active[seq]
-            if op.error is not None:  # what is still arriving for it must not land in its buffers
+            if op.error is None:
+                self.completed.append(seq)
+            else:  # what is still arriving for it must not land in its buffers
                 gid = self.gid
                 self.world.divert(lambda h, _: isinstance(h, frames.Data) and h.gid == gid and h.seq == seq)
             self.world.mail.close(op.keys)  # (what came but was never taken is given back)
@@ -230,10 +235,13 @@ class ProcessGroup:
             progress, asked = await self.world.progress.ask(self.gid, peers, answer_by)
             if op.deadline > loop.time():  # answered early: the collective may still finish
                 await asyncio.sleep(op.deadline - loop.time())
+            # what had arrived by the deadline counts: read it (uvloop runs due timers before it
+            # polls for I/O, so the parts a late member sent just before may not be read yet)
+            await asyncio.sleep(TIMER_SLACK)
             missing = [g for g in asked if g in progress and progress[g] <= op.seq]
             silent = [g for g in asked if g not in progress]
-            if op.error is not None:
-                return
+            if op.error is not None or self.active.get(op.seq) is not op:
+                return  # (it ended meanwhile: its done-callback's cancel of this task may not have run yet)
             op.fail(CollectiveTimeoutError(f"{op.name} (seq {op.seq})", limit, missing, silent))
             # the late members must not complete it with the parts this rank had sent
             told = frames.TimedOut(self.gid, op.seq, op.name, round(limit * 1000))
@@ -253,6 +261,23 @@ class ProcessGroup:
             return False
         window = min(DIAGNOSE_SECONDS, op.limit / 4)
         return op.deadline - asyncio.get_running_loop().time() <= window
+
+    def split(self, seq: int, peer: int, collective: str, limit: float) -> bool:
+        """Member ``peer`` timed out of collective ``seq`` (``collective``, after ``limit`` s); if
+        it had completed here, the members disagree on its outcome: then the first collective
+        this rank has not started yet fails on every member, saying why (a retry of the
+        timed-out call on one rank must not be paired with the next step's call on another).
+        Not one already running here: the timed-out member may have completed it with us.
+        True if it was a split."""
+        if seq not in self.completed:
+            return False
+        refused = self.next_seq
+        message = (
+            f"collective #{refused} refused: {collective} (seq {seq}) timed out on rank {peer} after "
+            f"{limit:g}s but completed on rank {self.world.rank}: the ranks disagree on its outcome"
+        )
+        self.poison(refused, message, tell=True)
+        return True
 
     def mismatch(self, seq: int, mine: str, theirs: str, peer: int) -> None:
         """Fail collective ``seq`` here and tell every other member why."""

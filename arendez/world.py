@@ -315,6 +315,8 @@ class World:
             group = self.groups.get(frame.gid)
             if group is not None and group.times_out_soon(frame.seq):
                 return  # (it waited as long: its own timeout, due now, names the late ranks)
+            if group is not None and group.split(frame.seq, peer, frame.collective, frame.ms / 1000):
+                return
             why = f"timed out after {frame.ms / 1000:g}s in"
             self._fail_seq(
                 frame.gid, frame.seq, CollectiveCancelledError(peer, frame.collective, frame.seq, why)
