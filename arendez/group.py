@@ -106,8 +106,9 @@ class ProcessGroup:
                 f"{what} {global_rank} is not in this group (ranks {_shown(self.ranks)})"
             ) from None
 
-    def check_usable(self, name: str = "this group") -> None:
-        """Raise if collective ``name`` cannot start: the group is destroyed or a member failed."""
+    def check_usable(self, name: str = "this group", among: Container[int] | None = None) -> None:
+        """Raise if collective ``name`` cannot start: the group is destroyed or a member failed
+        (``among``: one of these members; a message to one peer needs that peer only)."""
         if self.destroyed:
             raise NotInitializedError(
                 "this process group was destroyed; call init_process_group() (or new_group()) again"
@@ -118,7 +119,7 @@ class ProcessGroup:
             raise RankFailedError(self.world.rank, name, self.world.expulsion)
         failed = self.world.failed  # (a peer that left cleanly may have sent all we still need)
         if failed:
-            members = self.members
+            members = self.members if among is None else among
             mine = [(r, why) for r, why in failed.items() if r in members]  # first failure first
             if mine:
                 exc = RankFailedError(mine[0][0], name, mine[0][1])

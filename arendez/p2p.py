@@ -41,7 +41,7 @@ async def send_as(tensor: Any, dst: int, group: Any, tag: int, fingerprint: str)
     """``send`` of a message that says what it is part of (``fingerprint``: a collective built
     on messages, its dtype and op); ``recv_as`` with another fingerprint refuses it."""
     g: ProcessGroup = group
-    g.check_usable("send")
+    g.check_usable("send", among=(dst,))  # (a subgroup's messages: a death elsewhere is no matter)
     await _send(g, as_array(tensor, writable=False), dst, tag, fingerprint)
 
 
@@ -75,7 +75,7 @@ async def recv_as(tensor: Any, src: int, group: Any, tag: int, fingerprint: str)
     ``CollectiveMismatchError`` naming both (gloo checks this only under
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; a mismatch is otherwise silent)."""
     g: ProcessGroup = group
-    g.check_usable("recv")
+    g.check_usable("recv", among=(src,))
     return await _recv(g, as_array(tensor), src, tag, fingerprint)
 
 

@@ -251,6 +251,25 @@ def test_kill_9_in_a_subgroup_names_the_rank_and_the_collective(tmp_path: Any) -
     assert out["at"] - killed_at < 3.0, out
 
 
+@pytest.mark.timeout(90)
+def test_a_death_fails_its_subgroup_and_leaves_a_disjoint_one_working(tmp_path: Any) -> None:
+    """(QA21: any death in the world failed every subgroup's next call, as if it were a member.)"""
+    procs = _spawn("disjoint_subgroup_outlives_a_death", 4, _tcp(), str(tmp_path))
+    try:
+        wait_for_files(tmp_path, "ready-*", 4, timeout=60)
+        os.kill(procs[3].pid, signal.SIGKILL)
+        results = collect(procs[:3], 60)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+    zero, one, two = (res.value for res in results)
+    assert zero == one == {"type": None, "message": "finished"}
+    assert two["type"] == "RankFailedError" and two["message"].startswith("rank 3 failed during all_reduce"), two
+
+
 def _tcp() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 

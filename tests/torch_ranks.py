@@ -140,6 +140,28 @@ def subgroup_until_failure(rank: int, ws: int, init: str, marks: str) -> dict[st
     return {"at": None, "message": "never failed"}
 
 
+@scenario
+def disjoint_subgroup_outlives_a_death(rank: int, ws: int, init: str, marks: str) -> dict[str, Any]:
+    """Subgroups [0, 1] and [2, 3] all_reduce in a loop; rank 3 is killed once all are ready:
+    rank 2 fails naming it, ranks 0 and 1 go on to the end (gloo's pairs are independent too)."""
+    _init(rank, ws, init)
+    groups = dist.new_group([0, 1]), dist.new_group([2, 3])
+    group = groups[rank // 2]
+    t = torch.ones(4)
+    dist.all_reduce(t)  # (every pair of the world connected)
+    try:
+        for step in range(300):
+            t = torch.ones(64)
+            dist.all_reduce(t, group=group)
+            assert t[0].item() == 2.0, t
+            if step == 3:
+                Path(marks, f"ready-{rank}").touch()
+            time.sleep(0.01)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": "finished"}
+
+
 def _np(t: torch.Tensor) -> np.ndarray[Any, Any]:
     return t.numpy().copy()
 
