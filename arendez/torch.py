@@ -77,6 +77,18 @@ _OPS = {  # keyed by torch's op kind (a dict hit, not a name lookup per call)
 }
 
 
+def _with_root(opts: Any, make: Callable[[], Any]) -> Any:
+    """The options of a rooted collective: ``opts``; the defaults if None; made with root
+    ``opts`` if it is an int (torch's short overloads, ``pg.reduce(t, 0)``, pass the root there)."""
+    if opts is None:
+        return make()
+    if isinstance(opts, int):
+        made = make()
+        made.rootRank = opts
+        return made
+    return opts
+
+
 def _op(opts: Any) -> arendez.ReduceOp:
     """The reduce op of an options object, a ``ReduceOp`` or a ``ReduceOp.SUM``-style kind
     (torch's ``pg.allreduce(tensor, op)`` overload, which a Python group receives as is)."""
@@ -189,24 +201,30 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
-        op, root, stage = _op(opts), self._global(opts.rootRank, "dst"), Stage(widen=True)
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None, op: Any = None) -> Work:
+        if isinstance(tensors, torch.Tensor):  # torch's pg.reduce(tensor, root[, op]) overload
+            tensors = [tensors]
+        opts = _with_root(opts, dist.ReduceOptions)
+        root, stage = self._global(opts.rootRank, "dst"), Stage(widen=True)
+        op = _op(opts if op is None else op)
         t = stage(tensors[0])
         if self._engine:
             return self._run(tensors, stage, self._engine.reduce, t, root, op)
         return self._run(tensors, stage, arendez.reduce, t, root, op)
 
     def reduce_scatter(
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Work:
-        op, stage = _op(opts), Stage(widen=True)
+        if isinstance(outputs, torch.Tensor):  # torch's pg.reduce_scatter(out, ins[, op]) overload
+            outputs, inputs = [outputs], [inputs]
+        op, stage = _op(dist.ReduceScatterOptions() if opts is None else opts), Stage(widen=True)
         out, ins = stage(outputs[0]), stage.all(inputs[0], out=False)
         if self._engine:
             return self._run(outputs, stage, self._engine.reduce_scatter, out, ins, op)
         return self._run(outputs, stage, arendez.reduce_scatter, out, ins, op)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
-        op, stage = _op(opts), Stage(widen=True)
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+        op, stage = _op(dist.ReduceScatterOptions() if opts is None else opts), Stage(widen=True)
         out, x = stage(output), stage(input, out=False)
         if self._engine:
             parts = list(x.reshape(-1).chunk(self.size()))
@@ -229,12 +247,10 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         return self._run(outputs, stage, each)
 
     # -- data movement (bfloat16 moves as its bits) --------------------------------------------
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         if isinstance(tensors, torch.Tensor):  # torch's pg.broadcast(tensor, root) overload
             tensors = [tensors]
-        if isinstance(opts, int):
-            root_rank, opts = opts, dist.BroadcastOptions()
-            opts.rootRank = root_rank
+        opts = _with_root(opts, dist.BroadcastOptions)
         root, stage = self._global(opts.rootRank, "src"), Stage()
         t = stage(tensors[0], out=opts.rootRank != self.rank())  # (the source is only read)
         if self._engine:
@@ -244,6 +260,8 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Work:
+        if isinstance(inputs, torch.Tensor):  # torch's pg.allgather(outs, tensor) overload
+            outputs, inputs = [outputs], [inputs]
         stage = Stage()
         outs, x = stage.all(outputs[0]), stage(inputs[0], out=False)
         if self._engine:  # (the future holds the output list, ``[t0, t1]``, as gloo's)
@@ -291,7 +309,10 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
         return self._run(outputs, stage, each)
 
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        if isinstance(inputs, torch.Tensor):  # torch's pg.gather(outs, tensor, root) overload
+            outputs, inputs = [outputs] if outputs else [], [inputs]
+        opts = _with_root(opts, dist.GatherOptions)
         root, stage = self._global(opts.rootRank, "dst"), Stage()
         outs = stage.all(outputs[0]) if outputs else None
         x = stage(inputs[0], out=False)
@@ -300,7 +321,12 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
             return self._run(value, stage, self._engine.gather, x, outs, root)
         return self._run(value, stage, arendez.gather, x, outs, root)
 
-    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
+    def scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> Work:
+        if isinstance(outputs, torch.Tensor):  # torch's pg.scatter(out, ins, root) overload
+            outputs, inputs = [outputs], [inputs] if inputs else []
+        opts = _with_root(opts, dist.ScatterOptions)
         root, stage = self._global(opts.rootRank, "src"), Stage()
         ins = stage.all(inputs[0], out=False) if inputs else None
         out = stage(outputs[0])

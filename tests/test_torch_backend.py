@@ -267,7 +267,8 @@ def test_a_death_fails_its_subgroup_and_leaves_a_disjoint_one_working(tmp_path: 
         assert res.returncode == 0, res.stderr[-3000:]
     zero, one, two = (res.value for res in results)
     assert zero == one == {"type": None, "message": "finished"}
-    assert two["type"] == "RankFailedError" and two["message"].startswith("rank 3 failed during all_reduce"), two
+    assert two["type"] == "RankFailedError", two
+    assert two["message"].startswith("rank 3 failed during all_reduce"), two
 
 
 def _tcp() -> str:
@@ -297,6 +298,20 @@ def test_fsdp2_training_matches_single_process_reference() -> None:
     assert results[0] == results[1], "ranks ended with different full parameters"
     for got, ref in zip(results[0], _reference(ws, steps), strict=True):
         assert torch.allclose(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_the_group_objects_short_overloads_give_gloos_results() -> None:
+    """(QA21: ``pg.allgather(outs, t)`` and ``pg.reduce_scatter(t, list, op)`` gave wrong results,
+    the rooted short forms and calls without options raised.) Expected values are gloo's."""
+    zero, one = _run("group_method_short_forms", 2, _tcp())
+    assert zero["allgather"] == one["allgather"] == [[0.0, 0.0], [1.0, 1.0]]
+    assert (zero["reduce_scatter"], one["reduce_scatter"]) == ([1.0, 1.0], [3.0, 3.0])
+    assert (zero["reduce"], one["reduce"]) == ([2.0, 2.0], [2.0, 2.0])  # (MAX; rank 1's left as is)
+    assert (zero["gather"], one["gather"]) == ([[0.0, 0.0], [1.0, 1.0]], [])
+    assert (zero["scatter"], one["scatter"]) == ([0.0, 0.0], [1.0, 1.0])
+    assert zero["broadcast"] == one["broadcast"] == [0.0, 0.0]
+    assert (zero["reduce_scatter_base"], one["reduce_scatter_base"]) == ([1.0, 3.0], [5.0, 7.0])
 
 
 @pytest.mark.timeout(60)

@@ -162,6 +162,39 @@ def disjoint_subgroup_outlives_a_death(rank: int, ws: int, init: str, marks: str
     return {"type": None, "message": "finished"}
 
 
+@scenario
+def group_method_short_forms(rank: int, ws: int, init: str) -> dict[str, Any]:
+    """torch's ProcessGroup overloads that libraries call on the group object itself
+    (``pg.allgather(outs, t)``, ``pg.reduce(t, root, op)``...), without options objects."""
+    _init(rank, ws, init)
+    pg = dist.group.WORLD
+    assert pg is not None
+    got: dict[str, Any] = {}
+    outs = [torch.zeros(2) for _ in range(ws)]
+    pg.allgather(outs, torch.ones(2) * rank).wait()
+    got["allgather"] = [o.tolist() for o in outs]
+    out = torch.zeros(2)
+    pg.reduce_scatter(out, [torch.ones(2) * (rank + p) for p in range(ws)], dist.ReduceOp.SUM).wait()
+    got["reduce_scatter"] = out.tolist()
+    t = torch.ones(2) * (rank + 1)
+    pg.reduce(t, 0, dist.ReduceOp.MAX).wait()
+    got["reduce"] = t.tolist()
+    gathered = [torch.zeros(2) for _ in range(ws)] if rank == 0 else []
+    pg.gather(gathered, torch.ones(2) * rank, 0).wait()
+    got["gather"] = [g.tolist() for g in gathered]
+    out = torch.zeros(2)
+    pg.scatter(out, [torch.ones(2) * p for p in range(ws)] if rank == 0 else [], 0).wait()
+    got["scatter"] = out.tolist()
+    t = torch.ones(2) * rank
+    pg.broadcast([t]).wait()  # (default options: root 0)
+    got["broadcast"] = t.tolist()
+    out = torch.zeros(2)
+    pg._reduce_scatter_base(out, torch.arange(2.0 * ws) + rank).wait()
+    got["reduce_scatter_base"] = out.tolist()
+    dist.destroy_process_group()
+    return got
+
+
 def _np(t: torch.Tensor) -> np.ndarray[Any, Any]:
     return t.numpy().copy()
 
