@@ -89,6 +89,24 @@ def _with_root(opts: Any, make: Callable[[], Any]) -> Any:
     return opts
 
 
+def _reducible(op: arendez.ReduceOp, *tensors: torch.Tensor) -> arendez.ReduceOp:
+    """``op``, if it is defined for the tensors' dtype (checked on the dtype the caller gave, on
+    every rank, before any message goes: a subgroup reduces with torch's own ops, on a staged
+    copy); else ``InvalidArgumentError`` naming both, as on the default group."""
+    if op is arendez.ReduceOp.SUM or op is arendez.ReduceOp.PRODUCT:  # (any dtype: DDP's path)
+        return op
+    for t in tensors:
+        name = str(t.dtype).removeprefix("torch.")
+        exact = not (t.is_floating_point() or t.is_complex())
+        if op in (arendez.ReduceOp.BAND, arendez.ReduceOp.BOR, arendez.ReduceOp.BXOR) and not exact:
+            raise InvalidArgumentError(f"ReduceOp.{op.name} needs an integer or bool array, got {name}")
+        if op is arendez.ReduceOp.AVG and exact:
+            raise InvalidArgumentError(f"ReduceOp.AVG needs a floating-point array, got {name}")
+        if op in (arendez.ReduceOp.MIN, arendez.ReduceOp.MAX) and t.is_complex():
+            raise InvalidArgumentError(f"ReduceOp.{op.name} is undefined for complex arrays")
+    return op
+
+
 def _op(opts: Any) -> arendez.ReduceOp:
     """The reduce op of an options object, a ``ReduceOp`` or a ``ReduceOp.SUM``-style kind
     (torch's ``pg.allreduce(tensor, op)`` overload, which a Python group receives as is)."""
@@ -170,6 +188,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         if isinstance(tensors, torch.Tensor):  # torch's pg.allreduce(tensor[, op]) (DDP's join calls it)
             tensors = [tensors]
         op, stage = _op(opts or dist.AllreduceOptions()), Stage(widen=True)
+        _reducible(op, tensors[0])
         if tensors[0].layout is not torch.strided:  # (sparse gradients: DDP of a sparse Embedding)
             torchsparse.check(tensors[0], op)
             gather = self._engine.all_gather if self._engine else arendez.all_gather
@@ -180,7 +199,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         return self._run(tensors, stage, arendez.all_reduce, t, op)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        op = _op(opts or dist.AllreduceCoalescedOptions())
+        op = _reducible(_op(opts or dist.AllreduceCoalescedOptions()), *tensors)
         return self._run(tensors, Stage(), self._coalesced, tensors, op)
 
     async def _coalesced(self, tensors: list[torch.Tensor], op: arendez.ReduceOp) -> None:
@@ -206,7 +225,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
             tensors = [tensors]
         opts = _with_root(opts, dist.ReduceOptions)
         root, stage = self._global(opts.rootRank, "dst"), Stage(widen=True)
-        op = _op(opts if op is None else op)
+        op = _reducible(_op(opts if op is None else op), tensors[0])
         t = stage(tensors[0])
         if self._engine:
             return self._run(tensors, stage, self._engine.reduce, t, root, op)
@@ -218,6 +237,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         if isinstance(outputs, torch.Tensor):  # torch's pg.reduce_scatter(out, ins[, op]) overload
             outputs, inputs = [outputs], [inputs]
         op, stage = _op(dist.ReduceScatterOptions() if opts is None else opts), Stage(widen=True)
+        _reducible(op, outputs[0], *inputs[0])
         out, ins = stage(outputs[0]), stage.all(inputs[0], out=False)
         if self._engine:
             return self._run(outputs, stage, self._engine.reduce_scatter, out, ins, op)
@@ -225,6 +245,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         op, stage = _op(dist.ReduceScatterOptions() if opts is None else opts), Stage(widen=True)
+        _reducible(op, output, input)
         out, x = stage(output), stage(input, out=False)
         if self._engine:
             parts = list(x.reshape(-1).chunk(self.size()))
@@ -234,7 +255,7 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> Work:
-        op, stage = _op(opts), Stage(widen=True)
+        op, stage = _reducible(_op(opts), *outputs, *inputs), Stage(widen=True)
         outs, ins = stage.all(outputs), stage.all(inputs, out=False)
 
         async def each() -> None:

@@ -315,6 +315,15 @@ def test_the_group_objects_short_overloads_give_gloos_results() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_reduction_undefined_for_the_dtype_is_refused_on_every_rank_of_any_group() -> None:
+    """(QA21: on a subgroup bfloat16 BAND named float32, and int64 AVG raised on the root only.)"""
+    band = "InvalidArgumentError: ReduceOp.BAND needs an integer or bool array, got bfloat16"
+    avg = "InvalidArgumentError: ReduceOp.AVG needs a floating-point array, got int64"
+    for said in _run("refused_reductions", 2, _tcp()):
+        assert said == [band, avg, band, avg, "sum 2"], said
+
+
+@pytest.mark.timeout(60)
 def test_bad_arguments_raise_what_gloo_raises_naming_them() -> None:
     """Out-of-range dst/src: torch's ValueError; sizes and ops arendez refuses: RuntimeError
     (``InvalidArgumentError``), as gloo's."""

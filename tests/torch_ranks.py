@@ -6,6 +6,7 @@ Each rank reports its result last (``tests.harness.report_result``; read by ``Ra
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import sys
@@ -193,6 +194,30 @@ def group_method_short_forms(rank: int, ws: int, init: str) -> dict[str, Any]:
     got["reduce_scatter_base"] = out.tolist()
     dist.destroy_process_group()
     return got
+
+
+@scenario
+def refused_reductions(rank: int, ws: int, init: str) -> list[str]:
+    """Reductions undefined for the dtype, on the default group and on a subgroup: every rank
+    raises before any message goes, naming the op and the dtype it was given."""
+    _init(rank, ws, init)
+    sub = dist.new_group(list(range(ws)))
+    said = []
+    for group in (None, sub):
+        for call, dtype, op in (
+            (dist.all_reduce, torch.bfloat16, dist.ReduceOp.BAND),
+            (functools.partial(dist.reduce, dst=0), torch.int64, dist.ReduceOp.AVG),
+        ):
+            try:
+                call(torch.ones(2, dtype=dtype), op=op, group=group)
+                said.append("no error")
+            except RuntimeError as exc:
+                said.append(f"{type(exc).__name__}: {exc}")
+    t = torch.ones(2)
+    dist.all_reduce(t, group=sub)  # (nothing was left in flight)
+    said.append(f"sum {t[0].item():g}")
+    dist.destroy_process_group()
+    return said
 
 
 def _np(t: torch.Tensor) -> np.ndarray[Any, Any]:
