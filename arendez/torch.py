@@ -397,7 +397,17 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
     def barrier(self, opts: Any = None) -> Work:
         if self._engine:
             return self._run([], Stage(), self._engine.barrier)
-        return self._run([], Stage(), arendez.barrier)
+        limit = seconds(getattr(opts, "timeout", None))  # (torch's unset timeout: the group's)
+        return self._run([], Stage(), arendez.barrier, None, limit)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """torch's ``pg.monitored_barrier``: a barrier whose timeout (the group's if None) is a
+        ``CollectiveTimeoutError`` naming the ranks that did not arrive (all of them, always).
+        (``dist.monitored_barrier`` itself refuses every backend but gloo by name.)"""
+        if self._engine:  # (a subgroup's own timeout bounds it)
+            self._run([], Stage(), self._engine.barrier).wait()
+            return
+        self._run([], Stage(), arendez.barrier, None, seconds(timeout)).wait()
 
     # -- point to point (ranks are group ranks) ----------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:

@@ -312,6 +312,9 @@ def test_the_group_objects_short_overloads_give_gloos_results() -> None:
     assert (zero["scatter"], one["scatter"]) == ([0.0, 0.0], [1.0, 1.0])
     assert zero["broadcast"] == one["broadcast"] == [0.0, 0.0]
     assert (zero["reduce_scatter_base"], one["reduce_scatter_base"]) == ([1.0, 3.0], [5.0, 7.0])
+    assert zero["late"].startswith("CollectiveTimeoutError: barrier (seq ")
+    assert zero["late"].endswith("timed out after 0.5s; ranks that never arrived: [1]"), zero
+    assert one["late"].startswith("CollectiveCancelledError: rank 0 timed out after 0.5s in barrier"), one
 
 
 @pytest.mark.timeout(60)

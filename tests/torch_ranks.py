@@ -192,6 +192,14 @@ def group_method_short_forms(rank: int, ws: int, init: str) -> dict[str, Any]:
     out = torch.zeros(2)
     pg._reduce_scatter_base(out, torch.arange(2.0 * ws) + rank).wait()
     got["reduce_scatter_base"] = out.tolist()
+    pg.monitored_barrier(datetime.timedelta(seconds=10))  # (dist.monitored_barrier: gloo only)
+    if rank == 1:
+        time.sleep(1.5)
+    try:
+        pg.monitored_barrier(datetime.timedelta(seconds=0.5))
+        got["late"] = "passed"
+    except RuntimeError as exc:
+        got["late"] = f"{type(exc).__name__}: {exc}"
     dist.destroy_process_group()
     return got
 
