@@ -411,7 +411,7 @@ class Server:
 
 #: A server a rank hosts (tcp://, env://, a TCPStore master) serves its own job, as torch's
 #: master store does, which caps no key count: 100 times the standalone server's keys per job.
-HOSTED_LIMITS = StateLimits(max_keys_per_job=10_000_000, max_bytes_per_job=4 << 30)
+HOSTED_LIMITS = StateLimits(max_keys_per_job=10_000_000, max_bytes_per_job=4 << 30, max_store_bytes=4 << 30)
 
 
 async def start_server(

@@ -107,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"keys + values (default {lim.max_bytes_per_job})",
     )
     p.add_argument(
+        "--max-store-bytes",
+        type=arg(validate.at_least, 1, "--max-store-bytes"),
+        default=lim.max_store_bytes,
+        help=f"keys + values of every job together (default {lim.max_store_bytes})",
+    )
+    p.add_argument(
         "--http-port",
         type=arg(validate.port, "--http-port"),
         help="serve /metrics, /status and a dashboard on this port",
@@ -181,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = StateLimits(
         max_keys_per_job=args.max_keys_per_job,
         max_bytes_per_job=args.max_bytes_per_job,
+        max_store_bytes=args.max_store_bytes,
         max_jobs=args.max_jobs,
         max_world_size=args.max_world_size,
     )

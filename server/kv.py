@@ -20,6 +20,15 @@ MAX_LIST_BYTES = 32 << 20
 
 
 @dataclass
+class Tally:
+    """The bytes of keys and values every job of the server holds together; ``limit`` is
+    ``--max-store-bytes`` (so many jobs within their own limits cannot exhaust the server)."""
+
+    limit: int
+    nbytes: int = 0
+
+
+@dataclass
 class KeyValueStore:
     """The keys and values of one job (``nbytes``: keys + values held), and its queues.
 
@@ -33,6 +42,7 @@ class KeyValueStore:
     limits: StateLimits
     kv: dict[str, bytes] = field(default_factory=dict)
     nbytes: int = 0  # keys + values held (queues included)
+    tally: Tally | None = None  # the server's, shared by its jobs
     queues: dict[str, deque[bytes]] = field(default_factory=dict)
 
     def _check_key(self, key: object) -> str:
@@ -63,20 +73,29 @@ class KeyValueStore:
                 "(limit: arendez-server --max-keys-per-job)"
             )
 
-    def _grown(self, delta: int) -> int:
+    def _grow(self, delta: int) -> None:
+        """Count ``delta`` more bytes held, or refuse them past the job's or the server's limit."""
         grown = self.nbytes + delta
         if grown > self.limits.max_bytes_per_job:
             raise LimitError(
                 f"job {self.name!r} would hold more than {self.limits.max_bytes_per_job} bytes "
                 "(limit: arendez-server --max-bytes-per-job)"
             )
-        return grown
+        tally = self.tally
+        if tally is not None:
+            if delta > 0 and tally.nbytes + delta > tally.limit:
+                raise LimitError(
+                    f"the server's jobs would hold more than {tally.limit} bytes of keys and values "
+                    "together (limit: arendez-server --max-store-bytes)"
+                )
+            tally.nbytes += delta
+        self.nbytes = grown
 
     def _put(self, key: str, value: bytes) -> None:
         old = self.kv.get(key)
         if old is None:
             self._room_for_key()
-        self.nbytes = self._grown(len(value) - (len(old) if old is not None else -len(key)))
+        self._grow(len(value) - (len(old) if old is not None else -len(key)))
         self.kv[key] = value
 
     def set(self, key: object, value: object) -> None:
@@ -126,7 +145,7 @@ class KeyValueStore:
         old = self.kv.pop(name, None)
         if old is None:
             return False
-        self.nbytes -= len(name) + len(old)
+        self._grow(-(len(name) + len(old)))
         return True
 
     def present(self, key: str) -> bool:
@@ -153,7 +172,7 @@ class KeyValueStore:
         created = queue is None
         if created:
             self._room_for_key()
-        self.nbytes = self._grown(len(item) + QUEUE_ITEM_BYTES + (len(name) if created else 0))
+        self._grow(len(item) + QUEUE_ITEM_BYTES + (len(name) if created else 0))
         if queue is None:
             queue = self.queues[name] = deque()
         queue.append(item)
@@ -165,10 +184,10 @@ class KeyValueStore:
         if queue is None:
             return None
         item = queue.popleft()
-        self.nbytes -= len(item) + QUEUE_ITEM_BYTES
+        self._grow(-(len(item) + QUEUE_ITEM_BYTES))
         if not queue:
             del self.queues[name]
-            self.nbytes -= len(name)
+            self._grow(-len(name))
         return item
 
     def queue_pop_now(self, key: object) -> bytes:

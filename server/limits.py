@@ -13,5 +13,6 @@ class StateLimits:
     max_value: int = MAX_VALUE
     max_keys_per_job: int = 100_000
     max_bytes_per_job: int = 256 << 20
+    max_store_bytes: int = 4 << 30  # every job's keys + values together
     max_jobs: int = 10_000
     max_world_size: int = 65_536

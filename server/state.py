@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from arendez.errors import LimitError, RendezvousError
 
-from .kv import KeyValueStore
+from .kv import KeyValueStore, Tally
 from .limits import StateLimits
 from .rounds import Departure, Lease, Member, MemberState, Round
 
@@ -291,6 +291,7 @@ class ServerState:
     def __init__(self, limits: StateLimits = StateLimits()) -> None:  # noqa: B008 (frozen: shared safely)
         self.limits = limits
         self.jobs: dict[str, Job] = {}
+        self.tally = Tally(limits.max_store_bytes)  # (a job is dropped only once its store is empty)
         #: Leases by key; one lives while a keeper connection or a member holds it.
         self.leases: weakref.WeakValueDictionary[bytes, Lease] = weakref.WeakValueDictionary()
 
@@ -310,7 +311,7 @@ class ServerState:
                 raise LimitError(
                     f"server already holds {self.limits.max_jobs} jobs (limit: arendez-server --max-jobs)"
                 )
-            job = self.jobs[name] = Job(name, self.limits)
+            job = self.jobs[name] = Job(name, self.limits, tally=self.tally)
         return job
 
     def drop_if_idle(self, name: str, connected: int) -> None:

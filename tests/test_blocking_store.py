@@ -239,6 +239,22 @@ def test_a_set_of_a_large_value_waits_so_its_refusal_is_raised_by_that_set():
 
 
 @pytest.mark.timeout(30)
+def test_the_servers_store_bytes_bound_all_jobs_together():
+    """Two jobs, each well within ``--max-bytes-per-job``, together past ``--max-store-bytes``."""
+    with (
+        server("--max-store-bytes", str(200 << 10)) as srv,
+        BlockingStore("127.0.0.1", srv.port, "one", timeout=10) as one,
+        BlockingStore("127.0.0.1", srv.port, "two", timeout=10) as two,
+    ):
+        one.set("a", b"x" * (150 << 10))
+        with pytest.raises(LimitError, match=r"more than 204800 bytes .* --max-store-bytes"):
+            two.set("b", b"y" * (100 << 10))
+        assert one.delete("a") is True
+        two.set("b", b"y" * (100 << 10))
+        assert two.get("b") == b"y" * (100 << 10)
+
+
+@pytest.mark.timeout(30)
 def test_a_wait_for_the_key_of_a_refused_set_raises_the_refusal_at_once():
     """QA: ``get`` of a key whose ``set`` the server refused waited the whole timeout and
     raised a StoreTimeoutError that named no limit; a call that only waits for keys raises the

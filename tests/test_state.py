@@ -25,6 +25,23 @@ def test_byte_and_key_budgets_are_enforced_and_released():
         job.set("e", b"")
 
 
+def test_the_servers_byte_budget_bounds_every_job_together_and_is_released():
+    """Many jobs each within their own limit cannot make the server hold more than
+    ``--max-store-bytes`` (QA21: 256 MiB per job, times 10,000 jobs, was unbounded)."""
+    state = ServerState(StateLimits(max_bytes_per_job=100, max_store_bytes=150))
+    a, b = state.job("a"), state.job("b")
+    a.set("k", b"x" * 79)  # 80 bytes
+    b.queue_push("q", b"y" * 30)  # 31 + 32
+    with pytest.raises(StoreError, match=r"more than 150 bytes .* --max-store-bytes"):
+        b.set("k", b"z" * 20)
+    assert (state.tally.nbytes, a.nbytes, b.nbytes) == (143, 80, 63)
+    assert b.queue_pop("q") == b"y" * 30  # (the queue goes: its name's byte too)
+    a.delete("k")
+    assert state.tally.nbytes == 0
+    b.set("k", b"z" * 99)
+    assert state.tally.nbytes == 100
+
+
 def test_rounds_assign_ranks_and_a_rejoin_starts_a_new_round():
     job = Job("j", StateLimits())
     r1, a = job.join(-1, 2, "h:1", 0.0)
