@@ -34,7 +34,7 @@ from .errors import (
 )
 from .store_membership import EventHandler, Membership, MembershipOps
 from .store_ops import KeyValueOps, PrefixStore
-from .store_requests import CALL_TIMEOUT, Encoder, Requests
+from .store_requests import Encoder, Requests
 from .store_wire import STORE_ERRORS, STORE_PROTOCOL
 
 log = logging.getLogger("arendez.store")
@@ -104,21 +104,33 @@ class Store(MembershipOps, KeyValueOps):
 
     # -- connection management -------------------------------------------------------------
     async def connect(self, timeout: float | None = None) -> Store:
-        """Connect (retrying until ``timeout``) and start keeping the connection alive. (The
-        first call of a store not connected does this; ``async with Store(...)`` too.)"""
+        """Connect (retrying until ``timeout``) and start keeping the connection alive; if that
+        fails, the store is closed. A store whose calls already connected it just waits for the
+        connection. (The first call of a store never connected starts connecting, and a call
+        that fails to reach the server leaves it retrying for the next one.)"""
         timeout = validate.optional_seconds(timeout)
-        loop = self._loop = self._requests.loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._maintain()))
+        first = self._loop is None
+        loop = self._start(self.timeout if timeout is None else timeout)
         try:
-            self._connect_by = loop.time() + (timeout or self.timeout)
-            await self._wait_connected(self._connect_by)
+            await self._wait_connected(loop.time() + (self.timeout if timeout is None else timeout))
         except BaseException:
-            await self.close()
+            if first:
+                await self.close()
             raise
         return self
 
+    def _start(self, budget: float) -> asyncio.AbstractEventLoop:
+        """Start keeping the connection alive (once); ``budget``: how long the first connect
+        may take before a warning says how long is left."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = self._requests.loop = asyncio.get_running_loop()
+            self._connect_by = loop.time() + budget
+            self._tasks.append(loop.create_task(self._maintain()))
+        return loop
+
     async def __aenter__(self) -> Store:
-        return await self.connect() if self._loop is None else self
+        return await self.connect()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
@@ -383,7 +395,7 @@ class Store(MembershipOps, KeyValueOps):
         the call's budget (waiting for the connection first if it is down)."""
         budget = self.timeout if timeout is None else float(timeout)
         if self._loop is None and not self._closed:  # never connected: the first call connects
-            await self.connect(budget if wait else min(budget, CALL_TIMEOUT))
+            self._start(budget)
         loop = self._loop or asyncio.get_running_loop()
         deadline = Requests.deadline(loop, budget, wait)
         conn = self._conn

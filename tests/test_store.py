@@ -375,3 +375,31 @@ async def test_a_store_never_connected_connects_on_its_first_call(arendez_server
         await store.close()
     async with dist.Store("127.0.0.1", arendez_server.port, "lazy", timeout=10) as again:
         assert await again.get("a") == b"1"
+
+
+@pytest.mark.timeout(30)
+async def test_a_first_call_that_cannot_reach_the_server_leaves_the_store_retrying():
+    """A call's own deadline bounds its wait for the first connection; the store keeps trying,
+    so a sibling call with a longer deadline, or a later call, reaches a server that started
+    late, and ``connect()`` then only waits for that connection (review of QA21's fix: one
+    failed first call closed the store for every caller)."""
+    from tests.harness import free_port
+
+    port = free_port()
+    store = dist.Store("127.0.0.1", port, "late", timeout=10)
+    srv = None
+    try:
+        short = asyncio.ensure_future(store.check(["k"], timeout=0.5))
+        long = asyncio.ensure_future(store.get("k", timeout=20))
+        with pytest.raises(dist.StoreConnectTimeoutError, match="unreachable"):
+            await short
+        srv = start_server(port=port)
+        await store.connect(10)  # (the connection the calls started: not a second one)
+        await store.set("k", "v")
+        assert await long == b"v"
+        assert await store.check(["k"]) is True
+        assert len(store._tasks) == 1
+    finally:
+        await store.close()
+        if srv is not None:
+            srv.stop()
