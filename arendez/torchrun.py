@@ -21,7 +21,9 @@ token: else ``ARENDEZ_TOKEN``); ``--rdzv-conf read_timeout=S`` bounds each store
 
 from __future__ import annotations
 
+import datetime
 import os
+import pickle
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -56,9 +58,12 @@ def endpoint_url(endpoint: str, run_id: str) -> str:
     token, _, hostport = endpoint.rpartition("@")
     parsed = urllib.parse.urlsplit(f"//{hostport}")
     try:
-        port = parsed.port or DEFAULT_PORT
+        given = parsed.port
     except ValueError:
-        raise RendezvousError(f"--rdzv-endpoint {endpoint!r}: the port is not a number in 1-65535") from None
+        given = 0
+    if given == 0:
+        raise RendezvousError(f"--rdzv-endpoint {endpoint!r}: the port is not a number in 1-65535")
+    port = DEFAULT_PORT if given is None else given
     if not parsed.hostname:
         raise RendezvousError(f"--rdzv-endpoint {endpoint!r} names no host: [token@]host[:port]")
     token = token or os.environ.get("ARENDEZ_TOKEN", "")
@@ -84,16 +89,36 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"torchrun's rendezvous could not reach the arendez-server at {host} "
             f"(--rdzv-endpoint {params.endpoint}; is it running?): {exc}"
         ) from None
-    return dynamic_handler(store, ServerStateBackend(store), params)
+    interval = params.get_as_int("keep_alive_interval", 5) or 5  # (torch's defaults)
+    attempts = params.get_as_int("keep_alive_max_attempt", 3) or 3
+    backend = ServerStateBackend(store, datetime.timedelta(seconds=interval * attempts))
+    handler = dynamic_handler(store, backend, params)
+    shutdown = handler.shutdown
+
+    def shutdown_and_leave() -> bool:
+        """torch's shutdown (it closes the rendezvous), then this node's heartbeat taken out
+        of the state: once every node of a closed run has left, the next run starts afresh."""
+        closed = shutdown()
+        backend.leave(handler._this_node)
+        return closed
+
+    handler.shutdown = shutdown_and_leave  # type: ignore[method-assign]
+    return handler
 
 
 class ServerStateBackend(RendezvousBackend):
     """torch's ``RendezvousBackend`` on an arendez store: the state is one key, changed with
     ``compare_set`` (the token of a state is its bytes, as with torch's ``c10d`` backend;
-    an empty value is no state)."""
+    an empty value is no state).
 
-    def __init__(self, store: Any) -> None:
+    The server keeps the state after the run (unlike ``c10d``'s store, which dies with its
+    agent): a closed one whose nodes are all gone, by torch's own rule (no heartbeat within
+    ``stale_after``; a node that shut down took its heartbeat out), is no state, so the next
+    run with the same ``--rdzv-id`` starts afresh rather than meeting a closed rendezvous."""
+
+    def __init__(self, store: Any, stale_after: datetime.timedelta = datetime.timedelta(seconds=15)) -> None:
         self._store = store
+        self._stale_after = stale_after
 
     @property
     def name(self) -> str:
@@ -108,9 +133,40 @@ class ServerStateBackend(RendezvousBackend):
             ) from exc
 
     def get_state(self) -> tuple[bytes, Any] | None:
-        """The state and its token, or None if there is none yet."""
+        """The state and its token, or None if there is none (or only a finished run's)."""
         state = self._call(self._store.compare_set, STATE_KEY, b"", b"")  # (no waiting for the key)
+        if state and self._finished(state):  # (cleared only if no node changed it meanwhile)
+            state = self._call(self._store.compare_set, STATE_KEY, state, b"")
         return (state, state) if state else None
+
+    def _finished(self, state: bytes) -> bool:
+        """A closed rendezvous none of whose nodes is alive (torch's state, as its handler reads it)."""
+        try:
+            found = pickle.loads(state)
+        except Exception:  # (not a state torch wrote: not ours to clear)
+            return False
+        if not getattr(found, "closed", False):
+            return False
+        expired = datetime.datetime.now(datetime.UTC) - self._stale_after
+        return all(beat < expired for beat in getattr(found, "last_heartbeats", {}).values())
+
+    def leave(self, node: Any) -> None:
+        """Take ``node``'s heartbeat out of the state (it shut down: the run is over for it)."""
+        for _ in range(100):  # (compare-and-set: retried while other nodes change the state)
+            state = self._call(self._store.compare_set, STATE_KEY, b"", b"")
+            if not state:
+                return
+            try:
+                found = pickle.loads(state)
+            except Exception:
+                return
+            beats = getattr(found, "last_heartbeats", None)
+            if not isinstance(beats, dict) or node not in beats:
+                return
+            del beats[node]
+            changed = pickle.dumps(found)
+            if self._call(self._store.compare_set, STATE_KEY, state, changed) == changed:
+                return
 
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
         """Write ``state`` if the stored one is still ``token``'s; the state now stored, its

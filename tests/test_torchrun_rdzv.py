@@ -37,6 +37,7 @@ def test_the_endpoint_becomes_the_jobs_url() -> None:
     [
         ("", "j", "--rdzv-endpoint"),
         ("host:99999", "j", "port"),
+        ("host:0", "j", "port"),
         ("host:http", "j", "port"),
         (":7000", "j", "names no host"),
         ("host:7000", "", "--rdzv-id"),
@@ -65,6 +66,39 @@ def test_the_state_backend_changes_the_state_only_from_the_state_it_read(
         # the first backend's token is stale now: its write is refused, and it gets the state
         assert first.set_state(b"round 2 by first", token) == (b"round 2", b"round 2", False)
         assert first.set_state(b"from nothing") == (b"round 2", b"round 2", False)
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_rendezvous_whose_nodes_are_gone_is_no_state(arendez_server: ServerProcess) -> None:
+    """The server outlives a run (c10d's store dies with its agent): a closed state whose
+    nodes all stopped heartbeating is cleared, one with a node still alive is kept."""
+    import datetime
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from arendez.torchstore import ServerStore
+
+    store = ServerStore(f"arendez://127.0.0.1:{arendez_server.port}/torchrun-closed", 10.0)
+    try:
+        backend = ServerStateBackend(store, datetime.timedelta(seconds=15))
+        now = datetime.datetime.now(datetime.UTC)
+        state = _RendezvousState()
+        state.closed = True
+        node = _NodeDesc("host", 1, 0)
+        state.last_heartbeats[node] = now  # still alive: the run is closing, not over
+        backend.set_state(pickle.dumps(state))
+        assert backend.get_state() is not None
+        backend.leave(node)  # (its shutdown: the last node of the run has left)
+        assert backend.get_state() is None
+        state.last_heartbeats[node] = now - datetime.timedelta(seconds=20)  # killed, long silent
+        backend.set_state(pickle.dumps(state))
+        assert backend.get_state() is None
+        state.closed = False  # an open rendezvous is never cleared, whatever its heartbeats
+        backend.set_state(pickle.dumps(state))
+        assert backend.get_state() is not None
     finally:
         store.close()
 
@@ -121,6 +155,20 @@ def test_two_torchrun_agents_meet_on_the_server_and_their_workers_all_reduce(
         assert agent.returncode == 0, err[-3000:]
     text = "".join(out for out, _ in outs)
     assert _lines(text, "done") == [f"done rank {r} of 2 restart 0" for r in range(2)]
+
+
+@pytest.mark.timeout(150)
+def test_a_second_run_with_the_same_rdzv_id_starts_afresh(
+    arendez_server: ServerProcess, tmp_path: os.PathLike[str]
+) -> None:
+    """(Review: the first run's closed rendezvous stayed on the server, and every later run with
+    that id failed with RendezvousClosedError; torchrun's default id is the same for all.)"""
+    env = {"STEPS": "2", "WORKER_PIDS": os.path.join(tmp_path, "pids")}
+    for run in range(2):
+        with _agents(1, arendez_server.port, "1", env) as (agent,):
+            out, err = agent.communicate(timeout=60)
+        assert agent.returncode == 0, f"run {run}: {err[-3000:]}"
+        assert _lines(out, "done") == ["done rank 0 of 1 restart 0"], out
 
 
 @pytest.mark.timeout(150)
