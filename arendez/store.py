@@ -65,12 +65,16 @@ class Store(MembershipOps, KeyValueOps):
         ssl: _ssl.SSLContext | None = None,
         timeout: float = 300.0,
         heartbeat_interval: float = 0.5,
+        scoped: bool = False,
     ) -> None:
         port = validate.store_address(host, port, job)
         timeout = validate.seconds(timeout, "timeout")
         heartbeat_interval = validate.seconds(heartbeat_interval, "heartbeat_interval")
         self.host, self.port, self.job = host, port, job
         self.timeout = timeout
+        #: The server drops the job's keys once its last scoped client has disconnected (the
+        #: lifetime of a TCPStore master's keys: torchrun's rendezvous uses it).
+        self.scoped = scoped
         self.on_event: EventHandler | None = None
         #: Called when an established connection to the server is lost (before reconnecting).
         self.on_lost: Callable[[], None] | None = None
@@ -144,7 +148,8 @@ class Store(MembershipOps, KeyValueOps):
             self.host, self.port, ssl=self._ssl, timeout=_OPEN_TIMEOUT, limits=_REPLY_LIMITS
         )
         try:
-            welcome = await handshake.client_handshake(conn, self._token, {"job": self.job}, _OPEN_TIMEOUT)
+            hello = {"job": self.job, "scoped": True} if self.scoped else {"job": self.job}
+            welcome = await handshake.client_handshake(conn, self._token, hello, _OPEN_TIMEOUT)
             if welcome.get("store") != STORE_PROTOCOL:
                 raise ProtocolError(
                     f"the store at {self.host}:{self.port} speaks store protocol {welcome.get('store', 1)}, "

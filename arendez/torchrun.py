@@ -9,10 +9,11 @@
 torch's own dynamic rendezvous (joining, waiting for the last call, re-forming after a failure,
 its heartbeats) runs unchanged; what arendez provides is where its state and store live: the
 job's namespace (``--rdzv-id``) on a standalone ``arendez-server``, not a TCPStore hosted by
-one of the agents (with ``c10d``, the job's rendezvous dies with that agent's node; here any
-node may go, and the rest re-form). The agents' store is a torch ``Store``
-(``torchstore.ServerStore``); the workers' store is torch's, as with ``c10d`` (the rank-0
-agent hosts it; ``TORCHELASTIC_USE_AGENT_STORE``).
+one of the agents (with ``c10d``, the job's rendezvous dies with that agent's node; here it
+survives any node; torch's re-forming itself has limits of its own, see the README). The
+agents' store is a torch ``Store`` (``torchstore.ServerStore``, scoped: its keys go with the
+run's last agent); the workers' store is torch's, as with ``c10d`` (the rank-0 agent hosts it;
+``TORCHELASTIC_USE_AGENT_STORE``).
 
 torch finds this handler through the ``torchrun.handlers`` entry point of the installed
 package. ``--rdzv-endpoint`` is ``[token@]host[:port]`` (port: the server's default, 29400;
@@ -36,12 +37,14 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dynamic_handler
 
-from .errors import ArendezError, RendezvousError
+from .errors import ArendezError, AuthenticationError, RendezvousError
 from .rendezvous import DEFAULT_PORT
 from .torchstore import ServerStore
 
 #: The key of torch's rendezvous state in the job's namespace.
 STATE_KEY = "torchrun/state"
+#: The longest ``--rdzv-id`` (in UTF-8 bytes): the server's job names hold 256 characters.
+MAX_RUN_ID = 200
 
 
 def endpoint_url(endpoint: str, run_id: str) -> str:
@@ -55,6 +58,10 @@ def endpoint_url(endpoint: str, run_id: str) -> str:
         raise RendezvousError("--rdzv-backend arendez needs --rdzv-id (the job's name on the server)")
     if "/" in run_id or "?" in run_id or "#" in run_id:
         raise RendezvousError(f"--rdzv-id {run_id!r} may not hold '/', '?' or '#'")
+    if len(run_id.encode()) > MAX_RUN_ID:
+        raise RendezvousError(
+            f"--rdzv-id is {len(run_id.encode())} bytes long; at most {MAX_RUN_ID} are allowed"
+        )
     token, _, hostport = endpoint.rpartition("@")
     parsed = urllib.parse.urlsplit(f"//{hostport}")
     try:
@@ -81,13 +88,17 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"--rdzv-conf read_timeout must be a positive number of seconds, not {read_timeout}"
         )
     url = endpoint_url(params.endpoint, params.run_id)
+    host = url.rpartition("@")[2].removeprefix("arendez://").partition("/")[0]  # (no token shown)
     try:
-        store = ServerStore(url, float(read_timeout))
-    except ArendezError as exc:
-        host = url.rpartition("@")[2].removeprefix("arendez://").partition("/")[0]
+        store = ServerStore(url, float(read_timeout), scoped=True)  # (gone with the last agent)
+    except AuthenticationError as exc:
         raise RendezvousConnectionError(
-            f"torchrun's rendezvous could not reach the arendez-server at {host} "
-            f"(--rdzv-endpoint {params.endpoint}; is it running?): {exc}"
+            f"the arendez-server at {host} refused torchrun's rendezvous: {exc} "
+            "(the token: ARENDEZ_TOKEN, or --rdzv-endpoint token@host:port)"
+        ) from None
+    except ArendezError as exc:
+        raise RendezvousConnectionError(
+            f"torchrun's rendezvous could not reach the arendez-server at {host} (is it running?): {exc}"
         ) from None
     interval = params.get_as_int("keep_alive_interval", 5) or 5  # (torch's defaults)
     attempts = params.get_as_int("keep_alive_max_attempt", 3) or 3

@@ -41,9 +41,11 @@ def close_stores() -> None:
 
 
 class ServerStore(_TorchStore):  # type: ignore[misc]
-    """A torch ``Store`` kept in a job's namespace on an arendez server (for ``arendez://``)."""
+    """A torch ``Store`` kept in a job's namespace on an arendez server (for ``arendez://``;
+    ``scoped``: its keys go once the last scoped client of the job has disconnected, as a
+    TCPStore master's keys go with it, for torchrun's rendezvous)."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, *, scoped: bool = False) -> None:
         super().__init__()
         parsed = urllib.parse.urlsplit(url)
         if not parsed.hostname:
@@ -53,7 +55,7 @@ class ServerStore(_TorchStore):  # type: ignore[misc]
         self._timeout = timeout
         token = urllib.parse.unquote(parsed.username) if parsed.username else os.environ.get("ARENDEZ_TOKEN")
         self._store: Any = shared.call(
-            _open_store, parsed.hostname, port, parsed.path.strip("/") + "/torch", token, timeout
+            _open_store, parsed.hostname, port, parsed.path.strip("/") + "/torch", token, timeout, scoped
         )
 
     def _call(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
@@ -100,8 +102,10 @@ class ServerStore(_TorchStore):  # type: ignore[misc]
         shared.call(self._store.close)
 
 
-async def _open_store(host: str, port: int, job: str, token: str | None, timeout: float) -> Any:
-    store = arendez.Store(host, port, job, token=token, timeout=timeout)
+async def _open_store(
+    host: str, port: int, job: str, token: str | None, timeout: float, scoped: bool = False
+) -> Any:
+    store = arendez.Store(host, port, job, token=token, timeout=timeout, scoped=scoped)
     return await store.connect(timeout)
 
 

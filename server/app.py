@@ -236,7 +236,7 @@ class Server:
             conn.send(welcome)
         limit = request_limit(cfg.limits.max_value, cfg.limits.max_key)
         conn.set_limits(wire.Limits(max_header=limit, max_payload=0))
-        session = Session(self, conn, job)
+        session = Session(self, conn, job, scoped=hello.get("scoped") is True)
         conn.start_session(session, limit)
         self._sessions[job].add(session)
         conn.set_handlers(lambda header, payload: self._handle(session, header), lambda exc: self._lost(conn))
@@ -260,7 +260,7 @@ class Server:
             job.withdraw(session.round, session.rank)  # once complete, the lease decides
         if peers is not None and not peers:
             del self._sessions[session.job]
-            self.state.drop_if_idle(session.job, 0)
+            self.state.drop_if_idle(session.job, 0, with_store=session.scoped)
 
     # -- requests --------------------------------------------------------------------------
     def _handle(self, session: Session, request: Any) -> None:

@@ -98,6 +98,12 @@ class KeyValueStore:
         self._grow(len(value) - (len(old) if old is not None else -len(key)))
         self.kv[key] = value
 
+    def clear(self) -> None:
+        """Forget every key, value and queue (their bytes no longer count)."""
+        self._grow(-self.nbytes)
+        self.kv.clear()
+        self.queues.clear()
+
     def set(self, key: object, value: object) -> None:
         self._put(self._check_key(key), self._check_value(value))
 

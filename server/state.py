@@ -314,10 +314,15 @@ class ServerState:
             job = self.jobs[name] = Job(name, self.limits, tally=self.tally)
         return job
 
-    def drop_if_idle(self, name: str, connected: int) -> None:
-        """Forget a job no connection uses, whose round is over and whose store is empty."""
+    def drop_if_idle(self, name: str, connected: int, with_store: bool = False) -> None:
+        """Forget a job no connection uses, whose round is over and whose store is empty (or,
+        ``with_store``, whatever it holds: a store scoped to its clients' connections)."""
         job = self.jobs.get(name)
-        if job is not None and connected == 0 and not job.in_use and not job.kv and not job.queues:
+        if job is None or connected or job.in_use:
+            return
+        if with_store:
+            job.clear()
+        if not job.kv and not job.queues:
             del self.jobs[name]
 
     def expire(self, now: float, lease: float, arm_grace: float = 0.0) -> list[Departure]:

@@ -42,6 +42,18 @@ def test_the_servers_byte_budget_bounds_every_job_together_and_is_released():
     assert state.tally.nbytes == 100
 
 
+def test_a_scoped_job_is_dropped_with_its_store_once_idle():
+    state = ServerState(StateLimits(max_store_bytes=1000))
+    state.job("kept").set("k", b"v")
+    state.job("scoped").set("k", b"v" * 100)
+    state.job("scoped").queue_push("q", b"x")
+    state.drop_if_idle("kept", 0)
+    state.drop_if_idle("scoped", 1, with_store=True)  # (a client still connected)
+    assert sorted(state.jobs) == ["kept", "scoped"]
+    state.drop_if_idle("scoped", 0, with_store=True)
+    assert list(state.jobs) == ["kept"] and state.tally.nbytes == 2
+
+
 def test_rounds_assign_ranks_and_a_rejoin_starts_a_new_round():
     job = Job("j", StateLimits())
     r1, a = job.join(-1, 2, "h:1", 0.0)

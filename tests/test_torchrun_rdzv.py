@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import PY, ROOT, ServerProcess, free_port, popen
+from tests.harness import PY, ROOT, ServerProcess, free_port, popen, server
 
 pytest.importorskip("torch")
 
@@ -42,6 +42,7 @@ def test_the_endpoint_becomes_the_jobs_url() -> None:
         (":7000", "j", "names no host"),
         ("host:7000", "", "--rdzv-id"),
         ("host:7000", "a/b", "--rdzv-id 'a/b'"),
+        ("host:7000", "x" * 201, "at most 200"),
     ],
 )
 def test_a_bad_endpoint_or_run_id_is_refused_by_name(endpoint: str, run_id: str, named: str) -> None:
@@ -68,6 +69,24 @@ def test_the_state_backend_changes_the_state_only_from_the_state_it_read(
         assert first.set_state(b"from nothing") == (b"round 2", b"round 2", False)
     finally:
         store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_wrong_token_is_named_as_such_and_the_token_is_not_shown(tmp_path: os.PathLike[str]) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from arendez.torchrun import create_handler
+
+    secret = os.path.join(tmp_path, "token")
+    with open(secret, "w") as f:
+        f.write("right-token")
+    with server("--token-file", secret) as srv:
+        params = RendezvousParameters(
+            "arendez", f"wrong-token@127.0.0.1:{srv.port}", "j", 1, 1, read_timeout=5
+        )
+        with pytest.raises(RendezvousConnectionError, match="refused torchrun's rendezvous") as caught:
+            create_handler(params)
+    assert "wrong-token" not in str(caught.value)
 
 
 @pytest.mark.timeout(60)
@@ -118,7 +137,7 @@ def test_a_server_that_is_gone_is_a_rendezvous_connection_error_naming_it() -> N
 def _agent(port: int, nnodes: str, env: dict[str, str]) -> subprocess.Popen[str]:
     argv = [PY, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1"]
     argv += ["--max-restarts", "1", "--rdzv-backend", "arendez", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    argv += ["--rdzv-id", "job", "--rdzv-conf", _QUICK, _SCRIPT]
+    argv += ["--rdzv-id", env.get("RDZV_ID", "job"), "--rdzv-conf", _QUICK, _SCRIPT]
     return popen(argv, env=env)
 
 
@@ -169,6 +188,18 @@ def test_a_second_run_with_the_same_rdzv_id_starts_afresh(
             out, err = agent.communicate(timeout=60)
         assert agent.returncode == 0, f"run {run}: {err[-3000:]}"
         assert _lines(out, "done") == ["done rank 0 of 1 restart 0"], out
+
+
+@pytest.mark.timeout(150)
+def test_finished_runs_leave_no_job_behind_on_the_server(tmp_path: os.PathLike[str]) -> None:
+    """(QA21: each run's store stayed, so a server with --max-jobs 2 refused the third run.)"""
+    env = {"STEPS": "1", "WORKER_PIDS": os.path.join(tmp_path, "pids")}
+    with server("--max-jobs", "2") as srv:
+        for run in range(3):
+            env["RDZV_ID"] = f"run{run}"
+            with _agents(1, srv.port, "1", env) as (agent,):
+                _, err = agent.communicate(timeout=60)
+            assert agent.returncode == 0, f"run {run}: {err[-3000:]}"
 
 
 @pytest.mark.timeout(150)
