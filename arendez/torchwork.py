@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import callbacks
 from .errors import WaitTimeoutError
-from .loop import Completion, shared
+from .loop import INTERRUPT_GRACE_SECONDS, Completion, shared
 from .torchstore import seconds
 
 # torch's stubs type this class's virtual methods with overloads our trampoline overrides do not
@@ -80,10 +80,17 @@ class Work(_TorchWork):  # type: ignore[misc]
     def wait(self, timeout: Any = None) -> bool:
         """Block until done (without the GIL); re-raise the arendez error (e.g. ``RankFailedError``).
         After ``timeout`` raises ``WaitTimeoutError`` (a ``RuntimeError``) and the call goes on,
-        as with gloo: a later ``wait()`` returns once it finishes."""
+        as with gloo: a later ``wait()`` returns once it finishes. A wait interrupted (Ctrl-C)
+        cancels the call on every rank before the ``KeyboardInterrupt`` goes on (gloo defers
+        Ctrl-C until the call ends)."""
         assert self._done is not None
         limit = seconds(timeout)
-        if not self._done.wait(limit):
+        try:
+            waited = self._done.wait(limit)
+        except BaseException:  # (Ctrl-C: the call is cancelled, as arendez.sync's blocking calls)
+            self._done.cancel(INTERRUPT_GRACE_SECONDS)
+            raise
+        if not waited:
             raise WaitTimeoutError("Work.wait: the call", limit or 0.0)
         if self._done.error is not None:
             raise self._done.error

@@ -90,3 +90,22 @@ def test_ctrl_c_in_a_blocking_collective_cancels_it_on_every_rank() -> None:
     assert one.stdout.startswith("cancelled: rank 0 cancelled all_reduce"), one.stdout
     assert one.stdout.endswith("next sum 2\n"), one.stdout
     assert "Traceback" not in zero.stderr, zero.stderr[-2000:]
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_in_a_blocking_torch_collective_cancels_it_on_every_rank() -> None:
+    """The torch backend: torch's dist.all_reduce waits in our Work.wait, which Ctrl-C
+    interrupts; the call is cancelled there too (gloo defers the interrupt until the call ends)."""
+    pytest.importorskip("torch")
+    script = str(ROOT / "tests" / "scripts" / "torch_interrupted.py")
+    port = str(free_port())
+    procs = [popen([sys.executable, script, str(r), "2", port]) for r in range(2)]
+    assert procs[0].stdout is not None
+    assert procs[0].stdout.readline().strip() == "waiting"
+    time.sleep(0.5)
+    os.killpg(procs[0].pid, signal.SIGINT)
+    zero, one = collect(procs, 60)
+    assert zero.returncode == 0 and one.returncode == 0, zero.stderr[-2000:] + one.stderr[-2000:]
+    assert zero.stdout.splitlines() == ["interrupted x=1", "later x=1", "next sum 2"], zero.stdout
+    assert one.stdout.startswith("CollectiveCancelledError: rank 0 cancelled all_reduce"), one.stdout
+    assert one.stdout.endswith("next sum 2\n"), one.stdout
