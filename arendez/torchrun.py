@@ -23,6 +23,7 @@ token: else ``ARENDEZ_TOKEN``); ``--rdzv-conf read_timeout=S`` bounds each store
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import urllib.parse
@@ -41,9 +42,11 @@ from .errors import ArendezError, AuthenticationError, RendezvousError
 from .rendezvous import DEFAULT_PORT
 from .torchstore import ServerStore
 
+log = logging.getLogger("arendez.torchrun")
+
 #: The key of torch's rendezvous state in the job's namespace.
 STATE_KEY = "torchrun/state"
-#: The longest ``--rdzv-id`` (in UTF-8 bytes): the server's job names hold 256 characters.
+#: The longest ``--rdzv-id``, URL-encoded: the server's job names hold 256 characters.
 MAX_RUN_ID = 200
 
 
@@ -58,9 +61,10 @@ def endpoint_url(endpoint: str, run_id: str) -> str:
         raise RendezvousError("--rdzv-backend arendez needs --rdzv-id (the job's name on the server)")
     if "/" in run_id or "?" in run_id or "#" in run_id:
         raise RendezvousError(f"--rdzv-id {run_id!r} may not hold '/', '?' or '#'")
-    if len(run_id.encode()) > MAX_RUN_ID:
+    job = urllib.parse.quote(run_id, safe="")
+    if len(job) > MAX_RUN_ID:
         raise RendezvousError(
-            f"--rdzv-id is {len(run_id.encode())} bytes long; at most {MAX_RUN_ID} are allowed"
+            f"--rdzv-id is {len(job)} characters long once URL-encoded; at most {MAX_RUN_ID} are allowed"
         )
     token, _, hostport = endpoint.rpartition("@")
     parsed = urllib.parse.urlsplit(f"//{hostport}")
@@ -76,7 +80,7 @@ def endpoint_url(endpoint: str, run_id: str) -> str:
     token = token or os.environ.get("ARENDEZ_TOKEN", "")
     who = f"{urllib.parse.quote(token, safe='')}@" if token else ""
     host = f"[{parsed.hostname}]" if ":" in parsed.hostname else parsed.hostname
-    return f"arendez://{who}{host}:{port}/torchrun-{urllib.parse.quote(run_id, safe='')}"
+    return f"arendez://{who}{host}:{port}/torchrun-{job}"
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -102,15 +106,19 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         ) from None
     interval = params.get_as_int("keep_alive_interval", 5) or 5  # (torch's defaults)
     attempts = params.get_as_int("keep_alive_max_attempt", 3) or 3
-    backend = ServerStateBackend(store, datetime.timedelta(seconds=interval * attempts))
+    backend = ServerStateBackend(store, datetime.timedelta(seconds=interval * attempts), params.run_id)
     handler = dynamic_handler(store, backend, params)
     shutdown = handler.shutdown
 
     def shutdown_and_leave() -> bool:
         """torch's shutdown (it closes the rendezvous), then this node's heartbeat taken out
-        of the state: once every node of a closed run has left, the next run starts afresh."""
+        of the state: once every node of a closed run has left, the next run starts afresh.
+        Never raises (torch calls it in a ``finally``: the run's own outcome stands)."""
         closed = shutdown()
-        backend.leave(handler._this_node)
+        try:
+            backend.leave(handler._this_node)
+        except Exception as exc:  # (the server gone at the end of the run: say so, go on)
+            log.warning("torchrun's rendezvous could not record this node's leaving: %s", exc)
         return closed
 
     handler.shutdown = shutdown_and_leave  # type: ignore[method-assign]
@@ -127,15 +135,19 @@ class ServerStateBackend(RendezvousBackend):
     ``stale_after``; a node that shut down took its heartbeat out), is no state, so the next
     run with the same ``--rdzv-id`` starts afresh rather than meeting a closed rendezvous."""
 
-    def __init__(self, store: Any, stale_after: datetime.timedelta = datetime.timedelta(seconds=15)) -> None:
+    def __init__(
+        self, store: Any, stale_after: datetime.timedelta = datetime.timedelta(seconds=15), run_id: str = ""
+    ) -> None:
         self._store = store
         self._stale_after = stale_after
+        #: the keys torch's handler writes for the rounds of this run (its store's prefix)
+        self._rounds = f"torch.rendezvous.{run_id}."
 
     @property
     def name(self) -> str:
         return "arendez"
 
-    def _call(self, op: Callable[..., bytes], *args: Any) -> bytes:
+    def _call(self, op: Callable[..., Any], *args: Any) -> Any:
         try:
             return op(*args)
         except ArendezError as exc:
@@ -148,7 +160,15 @@ class ServerStateBackend(RendezvousBackend):
         state = self._call(self._store.compare_set, STATE_KEY, b"", b"")  # (no waiting for the key)
         if state and self._finished(state):  # (cleared only if no node changed it meanwhile)
             state = self._call(self._store.compare_set, STATE_KEY, state, b"")
+            if not state:  # the finished run's round keys go too (round 0 again: its exit barrier's
+                self._forget_rounds()  # last_member, its MASTER_PORT would be met by the new run)
         return (state, state) if state else None
+
+    def _forget_rounds(self) -> None:
+        """Delete the keys of a finished run's rounds (before this node takes part in any)."""
+        for key in self._call(self._store.list_keys):
+            if key.startswith(self._rounds):
+                self._call(self._store.delete_key, key)
 
     def _finished(self, state: bytes) -> bool:
         """A closed rendezvous none of whose nodes is alive (torch's state, as its handler reads it)."""

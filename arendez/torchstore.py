@@ -94,6 +94,10 @@ class ServerStore(_TorchStore):  # type: ignore[misc]
     def num_keys(self) -> int:
         return int(self._call(self._store.num_keys))
 
+    def list_keys(self) -> list[str]:
+        """Every key of the job that holds a value (not torch's API: arendez's own use)."""
+        return list(self._call(self._store.list_keys))
+
     def set_timeout(self, timeout: Any) -> None:
         self._timeout = seconds(timeout) or self._timeout
 

@@ -79,6 +79,9 @@ class ServerConfig:
     lease: float = 2.5
     #: Extra seconds a member's lease gets before its process's keeper first renews it.
     lease_arm_grace: float = 30.0
+    #: Seconds a scoped job's keys outlive its last client (clients reconnecting after a network
+    #: blip come back well within it; a finished torchrun's keys go after it).
+    scoped_grace: float = 10.0
     handshake_timeout: float = 20.0
     #: Listen queue for connection storms (the kernel caps it at net.core.somaxconn).
     backlog: int = 4096
@@ -108,6 +111,9 @@ class Server:
         self._server: asyncio.Server | None = None
         self._local: asyncio.Server | None = None  # the same-host listener (``transports.local``)
         self._sessions: dict[str, set[Session]] = collections.defaultdict(set)
+        #: Jobs a scoped client used: their keys go once no client has been back for
+        #: ``scoped_grace`` seconds after the last one left (a blip is not the end of a run).
+        self._scoped: set[str] = set()
         self._lease_task: asyncio.Task[None] | None = None
         self._closing = False
         self.packer = msgpack.Packer(use_bin_type=True)
@@ -236,7 +242,9 @@ class Server:
             conn.send(welcome)
         limit = request_limit(cfg.limits.max_value, cfg.limits.max_key)
         conn.set_limits(wire.Limits(max_header=limit, max_payload=0))
-        session = Session(self, conn, job, scoped=hello.get("scoped") is True)
+        session = Session(self, conn, job)
+        if hello.get("scoped") is True:
+            self._scoped.add(job)
         conn.start_session(session, limit)
         self._sessions[job].add(session)
         conn.set_handlers(lambda header, payload: self._handle(session, header), lambda exc: self._lost(conn))
@@ -260,7 +268,19 @@ class Server:
             job.withdraw(session.round, session.rank)  # once complete, the lease decides
         if peers is not None and not peers:
             del self._sessions[session.job]
-            self.state.drop_if_idle(session.job, 0, with_store=session.scoped)
+            if session.job in self._scoped:
+                asyncio.get_running_loop().call_later(
+                    self.config.scoped_grace, self._drop_scoped, session.job
+                )
+            else:
+                self.state.drop_if_idle(session.job, 0)
+
+    def _drop_scoped(self, job: str) -> None:
+        """A scoped job's last client left ``scoped_grace`` ago: unless one came back, its keys go."""
+        if self._sessions.get(job) or job not in self._scoped:
+            return
+        self._scoped.discard(job)
+        self.state.drop_if_idle(job, 0, with_store=True)
 
     # -- requests --------------------------------------------------------------------------
     def _handle(self, session: Session, request: Any) -> None:

@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds without heartbeat = failed",
     )
     p.add_argument(
+        "--scoped-grace",
+        type=arg(validate.seconds, "--scoped-grace"),
+        default=10.0,
+        help="seconds a scoped job's keys (torchrun's rendezvous) outlive its last client",
+    )
+    p.add_argument(
         "--log-level", type=arg(validate.log_level), default="INFO", help="DEBUG, INFO, WARNING, ERROR"
     )
     d = ServerConfig()
@@ -199,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         token=read_token(args.token_file),
         ssl=server_context(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
         lease=args.lease,
+        scoped_grace=args.scoped_grace,
         backlog=args.backlog,
         max_connections=args.max_connections,
         max_connections_per_host=args.max_connections_per_host,

@@ -40,13 +40,10 @@ class Pending(Protocol):
 class Session:
     """One client connection after its handshake; the replies to one read go out in one write."""
 
-    def __init__(self, server: Server, conn: ServerConnection, job: str, scoped: bool = False) -> None:
+    def __init__(self, server: Server, conn: ServerConnection, job: str) -> None:
         self.server = server
         self.conn = conn
         self.job = job
-        #: the client asked for a store that lives while the job's clients do (a TCPStore
-        #: master's lifetime): the last such connection to leave takes the job's keys along
-        self.scoped = scoped
         self.rank: int | None = None  # set once this connection is a member of a round
         self.round: Round | None = None
         self.lease: Lease | None = None  # set on the lease connection of a client process

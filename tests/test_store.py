@@ -406,20 +406,27 @@ async def test_a_first_call_that_cannot_reach_the_server_leaves_the_store_retryi
 
 
 @pytest.mark.timeout(30)
-async def test_a_scoped_store_goes_with_its_last_client(arendez_server):
+async def test_a_scoped_store_goes_with_its_last_client_after_a_grace():
     """(torchrun's rendezvous: its keys live as long as its agents' connections, as a TCPStore
-    master's live with it; QA21: finished runs held their job slots and keys for good.)"""
-    port = arendez_server.port
-    first = await dist.Store("127.0.0.1", port, "scoped", timeout=10, scoped=True).connect()
-    second = await dist.Store("127.0.0.1", port, "scoped", timeout=10, scoped=True).connect()
-    await first.set("k", "v")
-    await first.close()
-    assert await second.get("k") == b"v"  # (one client still there)
-    await second.close()
-    deadline = time.monotonic() + 5
-    while True:  # (the server drops it once it has seen the connection close)
-        async with dist.Store("127.0.0.1", port, "scoped", timeout=10) as probe:
-            if await probe.num_keys() == 0:
-                break
-        assert time.monotonic() < deadline, "the scoped job's keys outlived its clients"
-        await asyncio.sleep(0.05)
+    master's live with it; QA21: finished runs held their job slots and keys for good. Review:
+    without a grace, a network blip that cut every client at once wiped a running job's keys.)"""
+    srv = start_server("--scoped-grace", "1")
+    try:
+        port = srv.port
+        first = await dist.Store("127.0.0.1", port, "scoped", timeout=10, scoped=True).connect()
+        await first.set("k", "v")
+        await first.close()
+        await asyncio.sleep(0.3)  # (every client gone for a moment: a blip)
+        second = await dist.Store("127.0.0.1", port, "scoped", timeout=10, scoped=True).connect()
+        await asyncio.sleep(1.2)  # (past the grace, counted from the first one leaving)
+        assert await second.get("k") == b"v"  # (a client came back within the grace)
+        await second.close()
+        deadline = time.monotonic() + 5
+        while True:  # (the server drops it once the grace after the last client has passed)
+            async with dist.Store("127.0.0.1", port, "scoped", timeout=10) as probe:
+                if await probe.num_keys() == 0:
+                    break
+            assert time.monotonic() < deadline, "the scoped job's keys outlived its clients"
+            await asyncio.sleep(0.2)
+    finally:
+        srv.stop()
