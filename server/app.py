@@ -43,6 +43,7 @@ from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, PARKED, as_map, park, 
 from .hooks import ServerHooks
 from .limits import StateLimits
 from .members import Members
+from .rounds import Departure
 from .state import ServerState
 from .waits import KeyWaits
 
@@ -276,11 +277,25 @@ class Server:
                 self.state.drop_if_idle(session.job, 0)
 
     def _drop_scoped(self, job: str) -> None:
-        """A scoped job's last client left ``scoped_grace`` ago: unless one came back, its keys go."""
+        """A scoped job's last client left ``scoped_grace`` ago: unless one came back, its keys go
+        (once its round is over: a member's lease may still run)."""
         if self._sessions.get(job) or job not in self._scoped:
+            return
+        found = self.state.jobs.get(job)
+        if found is not None and found.in_use:
+            asyncio.get_running_loop().call_later(self.config.scoped_grace, self._drop_scoped, job)
             return
         self._scoped.discard(job)
         self.state.drop_if_idle(job, 0, with_store=True)
+
+    def depart(self, departures: list[Departure]) -> None:
+        """Members that stopped being active: their peers are told, and a job that no
+        connection uses any more is forgotten once its round is over (its ranks crashed: their
+        leases ran out after their connections had gone)."""
+        self.members.depart(departures)
+        for job in {gone.job for gone in departures}:
+            if not self._sessions.get(job) and job not in self._scoped:
+                self.state.drop_if_idle(job, 0)
 
     # -- requests --------------------------------------------------------------------------
     def _handle(self, session: Session, request: Any) -> None:
@@ -426,7 +441,7 @@ class Server:
                 # the server itself stalled: heartbeats may be waiting in its sockets, unread.
                 # Read them (next turn) before judging anyone.
                 continue
-            self.members.depart(self.state.expire(now, cfg.lease, cfg.lease_arm_grace))
+            self.depart(self.state.expire(now, cfg.lease, cfg.lease_arm_grace))
 
 
 #: A server a rank hosts (tcp://, env://, a TCPStore master) serves its own job, as torch's

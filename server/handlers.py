@@ -143,7 +143,7 @@ def _lease_end(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
     """The client process ended its lease in order (every rank of it released it after its
     leave): its members still active here left, even if their leaves never arrived."""
     if s.lease is not None:
-        server.members.depart(server.state.end_lease(s.lease))
+        server.depart(server.state.end_lease(s.lease))
         s.lease = None
 
 

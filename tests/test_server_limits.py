@@ -149,3 +149,42 @@ async def test_a_value_past_the_servers_limit_is_refused_by_name_and_the_client_
         blocking.close()
     finally:
         srv.stop()
+
+
+_CRASHING_RANK = (
+    "import os, sys, time, arendez.sync as d; "
+    "d.init_process_group(init_method=sys.argv[1], world_size=2, rank=int(sys.argv[2])); "
+    "print('joined', flush=True); time.sleep(2); os._exit(1)"
+)
+
+
+@pytest.mark.timeout(60)
+async def test_a_job_whose_ranks_all_crashed_gives_its_slot_back_once_their_leases_run_out():
+    """(Review: a job whose connections had all gone before its leases ran out was never
+    forgotten, so crashed jobs used up --max-jobs for good.)"""
+    srv = start_server("--lease", "1", "--max-jobs", "2")
+    try:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", _CRASHING_RANK, f"{srv.url}/crashed", str(r)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        assert [p.communicate(timeout=40)[0].strip() for p in ranks] == ["joined", "joined"]
+        deadline = time.monotonic() + 15  # (the leases: 1 s, once their keepers are gone)
+        while True:
+            try:
+                async with (
+                    dist.Store("127.0.0.1", srv.port, "one", timeout=5) as one,
+                    dist.Store("127.0.0.1", srv.port, "two", timeout=5) as two,
+                ):
+                    await one.set("k", "v")
+                    await two.set("k", "v")  # (both slots: the crashed job's is free again)
+                break
+            except dist.LimitError:
+                assert time.monotonic() < deadline, "the crashed job still holds its --max-jobs slot"
+                await asyncio.sleep(0.3)
+    finally:
+        srv.stop()
