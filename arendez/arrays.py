@@ -108,15 +108,21 @@ def _quietly(ufunc: Combine) -> Combine:
     return combine
 
 
-def _check_ufunc(op: ReduceOp, dtype: np.dtype[Any]) -> Combine:
-    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dtype.kind not in "iub":
+def check_reducible(op: ReduceOp, kind: str, dtype: object) -> None:
+    """``InvalidArgumentError`` naming ``dtype`` if ``op`` is undefined for arrays of numpy's
+    dtype ``kind`` ("b", "i", "u", "f", "c"; the torch backend maps its dtypes onto them)."""
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and kind not in "iub":
         raise InvalidArgumentError(f"ReduceOp.{op.name} needs an integer or bool array, got {dtype}")
-    if op is ReduceOp.AVG and dtype.kind not in "fc":
+    if op is ReduceOp.AVG and kind not in "fc":
         raise InvalidArgumentError(f"ReduceOp.AVG needs a floating-point array, got {dtype}")
-    if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.kind == "c":
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and kind == "c":
         raise InvalidArgumentError(f"ReduceOp.{op.name} is undefined for complex arrays")
-    if dtype.kind not in "biufc":
+    if kind not in "biufc":
         raise InvalidArgumentError(f"cannot reduce arrays of dtype {dtype}")
+
+
+def _check_ufunc(op: ReduceOp, dtype: np.dtype[Any]) -> Combine:
+    check_reducible(op, dtype.kind, dtype)
     return _UFUNCS[op]
 
 

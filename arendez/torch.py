@@ -48,6 +48,7 @@ import torch.distributed as dist
 import arendez
 
 from . import embedded, farewell, torchsparse
+from .arrays import check_reducible
 from .compat import check_gather_coalesced
 from .errors import InvalidArgumentError, RendezvousError
 from .loop import shared
@@ -96,14 +97,8 @@ def _reducible(op: arendez.ReduceOp, *tensors: torch.Tensor) -> arendez.ReduceOp
     if op is arendez.ReduceOp.SUM or op is arendez.ReduceOp.PRODUCT:  # (any dtype: DDP's path)
         return op
     for t in tensors:
-        name = str(t.dtype).removeprefix("torch.")
-        exact = not (t.is_floating_point() or t.is_complex())
-        if op in (arendez.ReduceOp.BAND, arendez.ReduceOp.BOR, arendez.ReduceOp.BXOR) and not exact:
-            raise InvalidArgumentError(f"ReduceOp.{op.name} needs an integer or bool array, got {name}")
-        if op is arendez.ReduceOp.AVG and exact:
-            raise InvalidArgumentError(f"ReduceOp.AVG needs a floating-point array, got {name}")
-        if op in (arendez.ReduceOp.MIN, arendez.ReduceOp.MAX) and t.is_complex():
-            raise InvalidArgumentError(f"ReduceOp.{op.name} is undefined for complex arrays")
+        kind = "c" if t.is_complex() else "f" if t.is_floating_point() else "i"  # (bool too: "iub")
+        check_reducible(op, kind, str(t.dtype).removeprefix("torch."))
     return op
 
 
