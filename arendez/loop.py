@@ -134,6 +134,17 @@ class Completion:
         self._lock.release()  # the next waiter passes straight through
         return True
 
+    def wait_or_cancel(self, timeout: float | None = None) -> bool:
+        """``wait``; if the wait is interrupted (Ctrl-C's ``KeyboardInterrupt``, an exception
+        from a signal handler), the call is cancelled first (up to ``INTERRUPT_GRACE_SECONDS``),
+        as cancelling its task would: a collective's peers hear of it, and it writes no buffer
+        of the caller's afterwards. Then the exception goes on."""
+        try:
+            return self.wait(timeout)
+        except BaseException:
+            self.cancel(INTERRUPT_GRACE_SECONDS)
+            raise
+
     @property
     def error(self) -> BaseException | None:
         """The exception the coroutine raised (None while pending or after success)."""
@@ -234,17 +245,10 @@ class LoopThread:
         return done
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn(*args, **kwargs)`` on the loop and block until it returns (or re-raise).
-
-        A wait interrupted (Ctrl-C's ``KeyboardInterrupt``, an exception from a signal handler)
-        cancels the call before the exception goes on, as cancelling its task would: a
-        collective's peers hear of it, and it writes no buffer of the caller's afterwards."""
+        """Run ``fn(*args, **kwargs)`` on the loop and block until it returns (or re-raise); an
+        interrupted wait cancels the call (``Completion.wait_or_cancel``)."""
         done = self.start(fn, args, kwargs)
-        try:
-            done.wait()
-        except BaseException:
-            done.cancel(INTERRUPT_GRACE_SECONDS)
-            raise
+        done.wait_or_cancel()
         result: T = done.result()
         return result
 

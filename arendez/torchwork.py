@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import callbacks
 from .errors import WaitTimeoutError
-from .loop import INTERRUPT_GRACE_SECONDS, Completion, shared
+from .loop import Completion, shared
 from .torchstore import seconds
 
 # torch's stubs type this class's virtual methods with overloads our trampoline overrides do not
@@ -85,12 +85,7 @@ class Work(_TorchWork):  # type: ignore[misc]
         Ctrl-C until the call ends)."""
         assert self._done is not None
         limit = seconds(timeout)
-        try:
-            waited = self._done.wait(limit)
-        except BaseException:  # (Ctrl-C: the call is cancelled, as arendez.sync's blocking calls)
-            self._done.cancel(INTERRUPT_GRACE_SECONDS)
-            raise
-        if not waited:
+        if not self._done.wait_or_cancel(limit):  # (Ctrl-C: cancelled, as arendez.sync's calls)
             raise WaitTimeoutError("Work.wait: the call", limit or 0.0)
         if self._done.error is not None:
             raise self._done.error
