@@ -72,8 +72,9 @@ class Store(MembershipOps, KeyValueOps):
         heartbeat_interval = validate.seconds(heartbeat_interval, "heartbeat_interval")
         self.host, self.port, self.job = host, port, job
         self.timeout = timeout
-        #: The server drops the job's keys once its last scoped client has disconnected (the
-        #: lifetime of a TCPStore master's keys: torchrun's rendezvous uses it).
+        #: The server drops the job's keys once none of its clients has been connected for
+        #: ``arendez-server --scoped-grace`` (the lifetime of a TCPStore master's keys, give or
+        #: take a network blip: torchrun's rendezvous uses it).
         self.scoped = scoped
         self.on_event: EventHandler | None = None
         #: Called when an established connection to the server is lost (before reconnecting).
@@ -112,11 +113,12 @@ class Store(MembershipOps, KeyValueOps):
         fails, the store is closed. A store whose calls already connected it just waits for the
         connection. (The first call of a store never connected starts connecting, and a call
         that fails to reach the server leaves it retrying for the next one.)"""
-        timeout = validate.optional_seconds(timeout)
+        budget = validate.optional_seconds(timeout)
+        budget = self.timeout if budget is None else budget
         first = self._loop is None
-        loop = self._start(self.timeout if timeout is None else timeout)
+        loop = self._start(budget)
         try:
-            await self._wait_connected(loop.time() + (self.timeout if timeout is None else timeout))
+            await self._wait_connected(loop.time() + budget)
         except BaseException:
             if first:
                 await self.close()

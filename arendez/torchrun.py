@@ -155,9 +155,22 @@ class ServerStateBackend(RendezvousBackend):
                 f"the arendez store of torchrun's rendezvous failed: {exc}"
             ) from exc
 
+    def _read(self) -> bytes:
+        """The stored state (empty: none), without waiting for the key to be set."""
+        state: bytes = self._call(self._store.compare_set, STATE_KEY, b"", b"")
+        return state
+
+    @staticmethod
+    def _decoded(state: bytes) -> Any:
+        """torch's state object, as its handler reads it (None if it is not one torch wrote)."""
+        try:
+            return pickle.loads(state)
+        except Exception:
+            return None
+
     def get_state(self) -> tuple[bytes, Any] | None:
         """The state and its token, or None if there is none (or only a finished run's)."""
-        state = self._call(self._store.compare_set, STATE_KEY, b"", b"")  # (no waiting for the key)
+        state = self._read()
         if state and self._finished(state):  # (cleared only if no node changed it meanwhile)
             state = self._call(self._store.compare_set, STATE_KEY, state, b"")
             if not state:  # the finished run's round keys go too (round 0 again: its exit barrier's
@@ -172,10 +185,7 @@ class ServerStateBackend(RendezvousBackend):
 
     def _finished(self, state: bytes) -> bool:
         """A closed rendezvous none of whose nodes is alive (torch's state, as its handler reads it)."""
-        try:
-            found = pickle.loads(state)
-        except Exception:  # (not a state torch wrote: not ours to clear)
-            return False
+        found = self._decoded(state)  # (not one torch wrote: not ours to clear)
         if not getattr(found, "closed", False):
             return False
         expired = datetime.datetime.now(datetime.UTC) - self._stale_after
@@ -184,13 +194,8 @@ class ServerStateBackend(RendezvousBackend):
     def leave(self, node: Any) -> None:
         """Take ``node``'s heartbeat out of the state (it shut down: the run is over for it)."""
         for _ in range(100):  # (compare-and-set: retried while other nodes change the state)
-            state = self._call(self._store.compare_set, STATE_KEY, b"", b"")
-            if not state:
-                return
-            try:
-                found = pickle.loads(state)
-            except Exception:
-                return
+            state = self._read()
+            found = self._decoded(state) if state else None
             beats = getattr(found, "last_heartbeats", None)
             if not isinstance(beats, dict) or node not in beats:
                 return

@@ -42,8 +42,8 @@ def close_stores() -> None:
 
 class ServerStore(_TorchStore):  # type: ignore[misc]
     """A torch ``Store`` kept in a job's namespace on an arendez server (for ``arendez://``;
-    ``scoped``: its keys go once the last scoped client of the job has disconnected, as a
-    TCPStore master's keys go with it, for torchrun's rendezvous)."""
+    ``scoped``: its keys go once no client of the job has been connected for the server's
+    ``--scoped-grace``, as a TCPStore master's keys go with it, for torchrun's rendezvous)."""
 
     def __init__(self, url: str, timeout: float, *, scoped: bool = False) -> None:
         super().__init__()

@@ -291,7 +291,7 @@ class ServerState:
     def __init__(self, limits: StateLimits = StateLimits()) -> None:  # noqa: B008 (frozen: shared safely)
         self.limits = limits
         self.jobs: dict[str, Job] = {}
-        self.tally = Tally(limits.max_store_bytes)  # (a job is dropped only once its store is empty)
+        self.tally = Tally(limits.max_store_bytes)  # (a job's bytes leave it as its keys do)
         #: Leases by key; one lives while a keeper connection or a member holds it.
         self.leases: weakref.WeakValueDictionary[bytes, Lease] = weakref.WeakValueDictionary()
 
