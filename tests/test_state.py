@@ -25,6 +25,7 @@ def test_byte_and_key_budgets_are_enforced_and_released():
         job.set("e", b"")
 
 
+@pytest.mark.timeout(10)
 def test_the_servers_byte_budget_bounds_every_job_together_and_is_released():
     """Many jobs each within their own limit cannot make the server hold more than
     ``--max-store-bytes`` (QA21: 256 MiB per job, times 10,000 jobs, was unbounded)."""
@@ -42,6 +43,7 @@ def test_the_servers_byte_budget_bounds_every_job_together_and_is_released():
     assert state.tally.nbytes == 100
 
 
+@pytest.mark.timeout(10)
 def test_a_scoped_job_is_dropped_with_its_store_once_idle():
     state = ServerState(StateLimits(max_store_bytes=1000))
     state.job("kept").set("k", b"v")

@@ -26,12 +26,14 @@ _SCRIPT = str(ROOT / "tests" / "scripts" / "torchrun_steps.py")
 _QUICK = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,read_timeout=20"
 
 
+@pytest.mark.timeout(10)
 def test_the_endpoint_becomes_the_jobs_url() -> None:
     assert endpoint_url("10.0.0.5:7000", "job7") == "arendez://10.0.0.5:7000/torchrun-job7"
     assert endpoint_url("s3cret@host", "j") == "arendez://s3cret@host:29400/torchrun-j"
     assert endpoint_url("[::1]:7000", "j") == "arendez://[::1]:7000/torchrun-j"
 
 
+@pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("endpoint", "run_id", "named"),
     [
