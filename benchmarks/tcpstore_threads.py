@@ -8,7 +8,10 @@ the last one ``set`` s ``done``; every rank then ``wait`` s for ``done`` and ``g
 neighbour's address. The time runs from the start signal (every process has imported its module and made its
 threads) to the last rank's end.
 
-torch and arendez run the same code (only the import differs), alternating run by run. Run it in
+torch and arendez run the same code (only the import differs), alternating run by run. A third
+backend, ``torch-client``, runs torch's own C++ client against ``arendez-server --tcpstore-port``
+(the server speaks torch's TCPStore protocol there; ``--backends torch arendez torch-client``).
+Run it in
 a private network namespace (TCPStore reverse-resolves its peers and stalls on the resolver
 otherwise): ``--netns`` re-executes the script under ``unshare -n`` with loopback up.
 
@@ -31,7 +34,14 @@ from typing import Any
 import bench_common
 
 PY = sys.executable
-MODULES = {"torch": "torch.distributed", "arendez": "arendez.sync"}
+#: Each backend's client module: torch's client on torch's server, arendez's on arendez-server, and
+#: torch's client on arendez-server's TCPStore port.
+MODULES = {"torch": "torch.distributed", "arendez": "arendez.sync", "torch-client": "torch.distributed"}
+LABELS = {
+    "torch": "torch TCPStore",
+    "arendez": "arendez.sync.TCPStore",
+    "torch-client": "torch's client on arendez-server",
+}
 MASTER = """
 import sys, time
 from datetime import timedelta
@@ -93,14 +103,16 @@ def run_case(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     module = MODULES[backend]
-    master = subprocess.Popen(
-        [PY, "-c", MASTER.format(module=module), str(port)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    if backend == "torch-client":  # (the server, not a master TCPStore: it serves until stdin ends)
+        argv = [PY, "-m", "arendez_server", "--port", "0", "--tcpstore-port", str(port)]
+        argv += ["--log-level", "WARNING"]
+    else:
+        argv = [PY, "-c", MASTER.format(module=module), str(port)]
+    master = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert master.stdout is not None and master.stdout.readline().strip() == "up"
+        assert master.stdout is not None
+        while (line := master.stdout.readline().strip()) != "up" and "TCPStore clients on" not in line:
+            assert line, "the store server did not start"
         ctx = mp.get_context("spawn")  # (a fresh interpreter per process: no inherited threads)
         out, go = ctx.Queue(), ctx.Event()
         per = -(-world // procs)
@@ -130,6 +142,8 @@ def run_case(
     finally:
         if master.stdin is not None:
             master.stdin.close()
+        if backend == "torch-client":
+            master.terminate()
         try:
             master.wait(10)
         except subprocess.TimeoutExpired:
@@ -167,20 +181,27 @@ def main() -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-    print("| N | run | torch TCPStore | arendez.sync.TCPStore | torch/arendez | errors (torch / arendez) |")
-    print("|---|---|---|---|---|---|")
+    others = [b for b in args.backends if b != "torch"]
+    head = ["N", "run", LABELS["torch"]]
+    for b in others:
+        head += [LABELS[b], "torch/that"]
+    print("| " + " | ".join([*head, "errors (" + " / ".join(["torch", *others]) + ")"]) + " |")
+    print("|" + "---|" * (len(head) + 1))
+    fmt = lambda r: f"{r['seconds'] * 1000:,.0f} ms" if r else "—"  # noqa: E731
     for world in args.worlds:
         for run in range(1, args.repeat + 1):
             by = {r["backend"]: r for r in rows if r["world"] == world and r["run"] == run}
-            t, a = by.get("torch"), by.get("arendez")
-            ratio = f"{t['seconds'] / a['seconds']:.2f}x" if t and a else "—"
-            fmt = lambda r: f"{r['seconds'] * 1000:,.0f} ms" if r else "—"  # noqa: E731
-            errs = " / ".join(str(r["errors"]) if r else "—" for r in (t, a))
-            print(f"| {world} | {run} | {fmt(t)} | {fmt(a)} | {ratio} | {errs} |")
+            t = by.get("torch")
+            cells = [str(world), str(run), fmt(t)]
+            for b in others:
+                a = by.get(b)
+                cells += [fmt(a), f"{t['seconds'] / a['seconds']:.2f}x" if t and a else "—"]
+            cells.append(" / ".join(str(by[b]["errors"]) if b in by else "—" for b in ["torch", *others]))
+            print("| " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    return 0 if all(r["errors"] == 0 for r in rows if r["backend"] == "arendez") else 1
+    return 0 if all(r["errors"] == 0 for r in rows if r["backend"] != "torch") else 1
 
 
 if __name__ == "__main__":

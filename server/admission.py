@@ -10,19 +10,31 @@ from __future__ import annotations
 import collections
 import logging
 import resource
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from arendez.errors import LimitError
 
 from .hooks import ServerHooks
 
-if TYPE_CHECKING:
-    from .connection import ServerConnection
-
 log = logging.getLogger("arendez.server")
 
 #: File descriptors kept free of connections (listener, logs, the interpreter's own).
 FD_RESERVE = 64
+
+
+class Admitted(Protocol):
+    """A client connection as admission counts it: an arendez client's (``ServerConnection``)
+    or a torch ``TCPStore`` client's (``tcpstore_front``)."""
+
+    host: str
+    deadline: float  # the handshake's
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def abort(self) -> None: ...
+
+    async def wait_closed(self, timeout: float) -> None: ...
 
 
 def raise_fd_limit() -> int:
@@ -51,8 +63,8 @@ class Admission:
         self.max_connections = max_connections
         self.max_connections_per_host = max_connections_per_host
         self.hooks = hooks
-        self.conns: set[ServerConnection] = set()
-        self.handshaking: set[ServerConnection] = set()  # their handshake is not done yet
+        self.conns: set[Admitted] = set()
+        self.handshaking: set[Admitted] = set()  # their handshake is not done yet
         self.per_host: collections.Counter[str] = collections.Counter()
 
     def fit_fd_limit(self, raise_limit: bool) -> None:
@@ -71,12 +83,12 @@ class Admission:
                 asked,
             )
 
-    def add(self, conn: ServerConnection) -> None:
+    def add(self, conn: Admitted) -> None:
         """Count a connection that was just made (``conn.host`` set)."""
         self.conns.add(conn)
         self.per_host[conn.host] += 1
 
-    def remove(self, conn: ServerConnection) -> bool:
+    def remove(self, conn: Admitted) -> bool:
         """Stop counting a connection that closed; False if it was not counted (already removed)."""
         if conn not in self.conns:
             return False

@@ -37,6 +37,7 @@ from arendez.errors import (
 from arendez.store_wire import STORE_PROTOCOL, arity_error, request_limit
 from arendez.transports import local
 
+from . import tcpstore_front
 from .admission import Admission
 from .connection import ServerConnection, Session
 from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, PARKED, as_map, park, start_join
@@ -83,6 +84,10 @@ class ServerConfig:
     #: Seconds a scoped job's keys outlive its last client (clients reconnecting after a network
     #: blip come back well within it; a finished torchrun's keys go after it).
     scoped_grace: float = 10.0
+    #: Serve torch's own TCPStore clients on this port too (``tcpstore_front``; 0 picks one);
+    #: their keys are those of job ``tcpstore_job``. Not with a token or TLS.
+    tcpstore_port: int | None = None
+    tcpstore_job: str = "tcpstore"
     handshake_timeout: float = 20.0
     #: Listen queue for connection storms (the kernel caps it at net.core.somaxconn).
     backlog: int = 4096
@@ -111,16 +116,19 @@ class Server:
         self.waits = KeyWaits()
         self._server: asyncio.Server | None = None
         self._local: asyncio.Server | None = None  # the same-host listener (``transports.local``)
+        self._torch: asyncio.Server | None = None  # torch's TCPStore clients (``tcpstore_front``)
+        self.tcpstore_job = cfg.tcpstore_job
         self._sessions: dict[str, set[Session]] = collections.defaultdict(set)
         #: Jobs a scoped client used: their keys go once no client has been back for
         #: ``scoped_grace`` seconds after the last one left (a blip is not the end of a run).
         self._scoped: set[str] = set()
         self._lease_task: asyncio.Task[None] | None = None
-        self._closing = False
+        self.closing = False
         self.packer = msgpack.Packer(use_bin_type=True)
         #: Time every request for the hooks (not when they are the do-nothing ones).
-        self._timed = type(cfg.hooks).request is not ServerHooks.request
+        self.timed = type(cfg.hooks).request is not ServerHooks.request
         self.port = 0
+        self.tcpstore_port: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -151,6 +159,15 @@ class Server:
         await self._server.start_serving()
         self.port = self._server.sockets[0].getsockname()[1]
         await self._listen_locally(limits)
+        if cfg.tcpstore_port is not None:
+            if cfg.token or cfg.ssl is not None:
+                raise ValueError(
+                    "the TCPStore port serves torch's clients, which cannot authenticate: it cannot "
+                    "be opened on a server with a token or TLS"
+                )
+            self._torch = await tcpstore_front.listen(self, cfg.host, cfg.tcpstore_port, cfg.backlog)
+            self.tcpstore_port = self._torch.sockets[0].getsockname()[1]
+            log.info("torch TCPStore clients: %s:%d (job %r)", cfg.host, self.tcpstore_port, cfg.tcpstore_job)
         self._lease_task = loop.create_task(self._watch_leases())
         log.info("arendez-server listening on %s", self.url)
 
@@ -176,10 +193,10 @@ class Server:
 
     async def close(self, timeout: float = 2.0) -> None:
         """Stop accepting, tell every client, close their connections within ``timeout``."""
-        if self._closing:
+        if self.closing:
             return
-        self._closing = True
-        for listener in (self._server, self._local):
+        self.closing = True
+        for listener in (self._server, self._local, self._torch):
             if listener is not None:
                 listener.close()
         if self._lease_task is not None:
@@ -188,11 +205,11 @@ class Server:
         conns = list(self.admission.conns)
         bye = wire.encode({"event": "server_shutdown"})
         for conn in conns:  # mid-handshake, the notice would pass for a welcome: those just close
-            if conn.is_open and conn.session is not None:
+            if isinstance(conn, ServerConnection) and conn.is_open and conn.session is not None:
                 conn.send_encoded(bye)
         if conns:
             await asyncio.gather(*(c.wait_closed(timeout) for c in conns), return_exceptions=True)
-        for listener in (self._server, self._local):
+        for listener in (self._server, self._local, self._torch):
             if listener is not None:
                 try:
                     async with asyncio.timeout(timeout):
@@ -212,7 +229,7 @@ class Server:
         conn.host = host = conn.remote_host
         self.admission.add(conn)
         conn.set_handlers(lambda header, payload: self._on_hello(conn, header), lambda exc: self._lost(conn))
-        if self._closing:
+        if self.closing:
             conn.abort()
             return
         refused = self.admission.refusal(host)
@@ -316,7 +333,7 @@ class Server:
             return
         handler, size = entry
         rid = request[1] if len(request) > 1 else None
-        timed = self._timed
+        timed = self.timed
         started = time.perf_counter() if timed else 0.0
         error = None
         try:
@@ -356,7 +373,7 @@ class Server:
                 return
             self._start_blocking(session, rid, header)
             return
-        timed = self._timed
+        timed = self.timed
         started = time.perf_counter() if timed else 0.0
         error = None
         try:

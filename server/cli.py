@@ -54,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a scoped job's keys (torchrun's rendezvous) outlive its last client",
     )
     p.add_argument(
+        "--tcpstore-port",
+        type=arg(validate.port, "--tcpstore-port"),
+        help="also serve torch's own TCPStore clients on this port (0 picks one); their keys are "
+        "job 'tcpstore's, as arendez.sync.TCPStore's. Not with a token or TLS: they cannot authenticate",
+    )
+    p.add_argument(
         "--log-level", type=arg(validate.log_level), default="INFO", help="DEBUG, INFO, WARNING, ERROR"
     )
     d = ServerConfig()
@@ -133,6 +139,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
+    token = args.token_file or os.environ.get("ARENDEZ_TOKEN")
+    if args.tcpstore_port is not None and (args.tls_cert or token):
+        p.error(
+            "--tcpstore-port serves torch's TCPStore clients, which cannot authenticate: it cannot be "
+            "used with a token (--token-file, ARENDEZ_TOKEN) or TLS"
+        )
     if args.tls_cert:
         try:
             validate.certificate_pair(args.tls_cert, args.tls_key)
@@ -171,6 +183,8 @@ async def _run(config: ServerConfig, http_host: str, http_port: int | None) -> N
     http = None if http_port is None else await start_http(server, http_host, http_port)
     _tune_gc()
     print(f"arendez-server listening on {server.url}", flush=True)
+    if server.tcpstore_port is not None:
+        print(f"arendez-server TCPStore clients on {config.host}:{server.tcpstore_port}", flush=True)
     if http is not None:
         print(f"arendez-server http on {http.url}", flush=True)
     stop = asyncio.Event()
@@ -206,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         ssl=server_context(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
         lease=args.lease,
         scoped_grace=args.scoped_grace,
+        tcpstore_port=args.tcpstore_port,
         backlog=args.backlog,
         max_connections=args.max_connections,
         max_connections_per_host=args.max_connections_per_host,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from arendez.errors import StoreTimeoutError
 
@@ -20,6 +20,12 @@ from .state import Job
 if TYPE_CHECKING:
     from .connection import Session
     from .hooks import ServerHooks
+
+
+class Waker(Protocol):
+    """What may park on a key besides a future: woken (``wake``) when the key changes."""
+
+    def wake(self) -> None: ...
 
 
 def timer_at(deadline: float, callback: Callable[[], object]) -> asyncio.TimerHandle:
@@ -121,11 +127,12 @@ class KeyWait:
 
 
 class KeyWaits:
-    """What waits on each ``(job, key)`` (``KeyWait`` s and futures, in arrival order); empty
+    """What waits on each ``(job, key)`` (``KeyWait`` s, other ``Waker`` s and futures, in
+    arrival order); empty
     (and so skipped by setters) while none waits."""
 
     def __init__(self) -> None:
-        self.waiters: dict[tuple[str, str], dict[KeyWait | asyncio.Future[None], None]] = {}
+        self.waiters: dict[tuple[str, str], dict[Waker | asyncio.Future[None], None]] = {}
 
     def changed(self, job: str, key: str) -> None:
         """Wake the waiters of ``key`` in ``job`` (at once when nothing waits at all)."""
@@ -133,15 +140,15 @@ class KeyWaits:
             return
         waiters = self.waiters.pop((job, key), None)
         for waiter in waiters or ():  # (taken off the key already: ``wake`` re-parks if need be)
-            if isinstance(waiter, KeyWait):
+            if not isinstance(waiter, asyncio.Future):
                 waiter.wake()
             elif not waiter.done():
                 waiter.set_result(None)
 
-    def park(self, job: str, key: str, waiter: KeyWait | asyncio.Future[None]) -> None:
+    def park(self, job: str, key: str, waiter: Waker | asyncio.Future[None]) -> None:
         self.waiters.setdefault((job, key), {})[waiter] = None
 
-    def unpark(self, job: str, key: str, waiter: KeyWait | asyncio.Future[None]) -> None:
+    def unpark(self, job: str, key: str, waiter: Waker | asyncio.Future[None]) -> None:
         waiters = self.waiters.get((job, key))
         if waiters is not None:
             waiters.pop(waiter, None)

@@ -1,0 +1,382 @@
+"""torch's own ``TCPStore`` clients on the server (``arendez-server --tcpstore-port``).
+
+A second listener speaks torch's TCPStore wire protocol (``tcpstore_wire``), so that torch's C++
+client (``torch.distributed.TCPStore(host, port, is_master=False)``, torchrun's ``c10d``
+rendezvous with this server as its endpoint, and the store torch's workers then share) keeps its
+keys on this server, in one job (``tcpstore``, the job ``arendez.sync.TCPStore`` uses: clients of
+both kinds share its keys). The key mapping: torch's client puts ``/`` before every key, which is
+taken off here (``/k`` is ``k``); its worker count ``init/`` is the count
+``arendez.sync.TCPStore`` keeps; any other key without the ``/`` is refused.
+
+torch's clients cannot authenticate, so the port refuses to open on a server with a token or
+TLS. Every limit of the server applies (connections, keys, bytes, key and value sizes, keys per
+request); the protocol has no error reply, so a request past one, or one the store refuses (an
+``add`` on a key that holds no integer), closes that client's connection, which torch's client
+raises as ``DistNetworkError``; the server's log names the reason. A connection must validate
+within the handshake timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from arendez import burstlog
+from arendez.errors import ArendezError, ProtocolError, StoreError
+from arendez.store_wire import MAX_KEYS, request_limit
+
+from . import tcpstore_wire as tw
+from .tcpstore_wire import Query
+
+if TYPE_CHECKING:
+    from .app import Server
+    from .state import Job
+
+log = logging.getLogger("arendez.server")
+
+#: The job torch's clients use (``arendez.tcpstore``'s: one key space for both kinds of client).
+JOB = "tcpstore"
+#: torch's client's worker count key (sent without the prefix), and ``arendez.tcpstore``'s.
+TORCH_WORKERS_KEY = "init/"
+ARENDEZ_WORKERS_KEY = "__arendez_tcpstore/workers"
+#: Unanswered bytes a client may have sent before the server stops reading from it (replies it
+#: does not read stop it the same way: the transport's write buffer pauses our reads).
+MAX_BUFFERED = 1 << 20
+
+
+def _closings(items: Any) -> str:
+    window = burstlog.WINDOW
+    return f"{len(items)} more TCPStore client(s) closed in the last {window:g} s; the last: {items[-1]}"
+
+
+_CLOSINGS = burstlog.BurstLog(log, _closings)
+
+
+def store_key(raw: bytes) -> str:
+    """The server's key for a key torch's client sent."""
+    try:
+        key = raw.decode()
+    except UnicodeDecodeError:
+        raise ProtocolError(f"TCPStore key is not UTF-8: {raw!r:.80}") from None
+    if key.startswith("/"):
+        return key[1:]
+    if key == TORCH_WORKERS_KEY:
+        return ARENDEZ_WORKERS_KEY
+    raise ProtocolError(f"TCPStore key {key!r:.80} lacks the '/' torch's client puts before every key")
+
+
+def client_key(key: str) -> str:
+    """``store_key`` undone: the key torch's client expects in ``list_keys``."""
+    return TORCH_WORKERS_KEY if key == ARENDEZ_WORKERS_KEY else "/" + key
+
+
+class TorchStoreConnection(asyncio.Protocol):
+    """One torch ``TCPStore`` client: its requests answered in order, one ``wait`` at a time."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        limits = server.config.limits
+        self.reader = tw.RequestReader(request_limit(limits.max_value, limits.max_key), MAX_KEYS)
+        self.transport: asyncio.Transport | None = None
+        self.host = ""
+        self.peer = ""
+        self.deadline = 0.0  # the handshake's (``Admission.sweep_handshakes``)
+        self.session = None  # (not an arendez client: the server's shutdown notice is not for it)
+        self.validated = False
+        self.waiting: KeysWait | None = None
+        self._out: list[bytes] = []
+        self._closed = asyncio.get_running_loop().create_future()
+
+    # -- the connection ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # (uvloop's is no subclass of it)
+        peer = self.transport.get_extra_info("peername")
+        self.host = peer[0] if isinstance(peer, tuple) else str(peer)
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        admission = self.server.admission
+        admission.add(self)
+        refused = admission.refusal(self.host)
+        if self.server.closing:
+            self.abort()
+            return
+        if refused is not None:
+            self._close(refused)
+            return
+        self.deadline = time.monotonic() + self.server.config.handshake_timeout
+        admission.handshaking.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.admission.remove(self)
+        if self.waiting is not None:
+            self.waiting.cancel()
+            self.waiting = None
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def pause_writing(self) -> None:  # replies it does not read: read nothing more from it
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    @property
+    def is_open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def wait_closed(self, timeout: float) -> None:
+        """Close (the server is shutting down) and wait up to ``timeout`` for it."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._closed)
+        except TimeoutError:
+            self.abort()
+
+    def _close(self, why: ArendezError) -> None:
+        """Refuse this client: close, and say why in the server's log (its client cannot)."""
+        item = f"{self.peer}: {why}"
+        _CLOSINGS.note(None, logging.WARNING, item, "closing a TCPStore client at %s: %s", self.peer, why)
+        self._out.clear()
+        if self.waiting is not None:
+            self.waiting.cancel()
+            self.waiting = None
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- requests ------------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        reader = self.reader
+        reader.feed(data)
+        try:
+            if not self.validated and reader.peek() != Query.VALIDATE:
+                raise ProtocolError("not a TCPStore client: its first request was no VALIDATE")
+            self._serve()
+            if reader.buffered() > MAX_BUFFERED:  # (requests behind a wait that does not end)
+                raise ProtocolError(f"client sent {reader.buffered()} bytes that wait for an answer")
+        except ArendezError as exc:
+            self._close(exc)
+            return
+        self._flush()
+
+    def _serve(self) -> None:
+        """Answer the whole requests that have arrived, in order; behind a ``wait`` only its
+        ``CANCEL_WAIT`` is taken (torch's client sends nothing else while it waits)."""
+        reader = self.reader
+        while self.is_open:
+            if self.waiting is not None and reader.peek() != Query.CANCEL_WAIT:
+                return
+            request = reader.next()
+            if request is None:
+                return
+            self._answer(request)
+
+    def _answer(self, request: tuple[Any, ...]) -> None:
+        kind = request[0]
+        if not self.validated:
+            if kind != Query.VALIDATE or request[1] != tw.VALIDATION_MAGIC:
+                raise ProtocolError("not a TCPStore client: its first request was no VALIDATE")
+            self.validated = True
+            self.server.admission.handshaking.discard(self)
+            return
+        server = self.server
+        timed = server.timed
+        started = time.perf_counter() if timed else 0.0
+        try:
+            reply = _HANDLERS[kind](self, request)
+        except StoreError as exc:  # (limits and refusals: the client can only be closed)
+            if timed:
+                server.config.hooks.request(f"tcpstore.{kind.name.lower()}", 0.0, type(exc).__name__)
+            raise
+        if reply:
+            self._out.append(reply)
+        if timed:
+            server.config.hooks.request(f"tcpstore.{kind.name.lower()}", time.perf_counter() - started, None)
+
+    def _flush(self) -> None:
+        if self._out and self.is_open:
+            assert self.transport is not None
+            self.transport.writelines(self._out)
+        self._out.clear()
+
+    def send_now(self, data: bytes) -> None:
+        """A reply outside a read (a wait that ended): at once, then what queued behind it."""
+        if not self.is_open:
+            return
+        self._out.append(data)
+        try:
+            self._serve()
+        except ArendezError as exc:
+            self._close(exc)
+            return
+        self._flush()
+
+    @property
+    def job(self) -> Job:
+        state = self.server.state
+        return state.jobs.get(self.server.tcpstore_job) or state.job(self.server.tcpstore_job)
+
+    def changed(self, key: str) -> None:
+        self.server.waits.changed(self.server.tcpstore_job, key)
+
+    # -- each query ------------------------------------------------------------------------
+    def _set(self, request: tuple[Any, ...]) -> bytes:
+        key = store_key(request[1])
+        self.job.set(key, request[2])
+        self.changed(key)
+        return b""
+
+    def _compare_set(self, request: tuple[Any, ...]) -> bytes:
+        key = store_key(request[1])
+        value = self.job.compare_set(key, request[2], request[3])
+        self.changed(key)
+        return tw.blob(value)
+
+    def _get(self, request: tuple[Any, ...]) -> bytes:
+        key = store_key(request[1])
+        value = self.job.get(key)
+        if value is None:  # (torch's client waits for the key first: it was deleted since)
+            raise StoreError(f"get of {key!r:.80}, which is not set")
+        return tw.blob(value)
+
+    def _add(self, request: tuple[Any, ...]) -> bytes:
+        key = store_key(request[1])
+        total = self.job.add(key, request[2])
+        self.changed(key)
+        return tw.i64(total)
+
+    def _check(self, request: tuple[Any, ...]) -> bytes:
+        keys = [store_key(k) for k in request[1]]
+        return tw.READY if self.job.has_all(keys) else tw.NOT_READY
+
+    def _wait(self, request: tuple[Any, ...]) -> bytes:
+        keys = [store_key(k) for k in request[1]]
+        if self.job.has_all(keys):
+            return tw.STOP_WAITING
+        self.waiting = KeysWait(self, keys)
+        self.waiting.wake()
+        return b""
+
+    def _cancel_wait(self, request: tuple[Any, ...]) -> bytes:
+        if self.waiting is not None:  # (else it ended already: its STOP_WAITING went first)
+            self.waiting.cancel()
+            self.waiting = None
+        return tw.WAIT_CANCELED
+
+    def _num_keys(self, request: tuple[Any, ...]) -> bytes:
+        return tw.i64(len(self.job.kv))
+
+    def _delete(self, request: tuple[Any, ...]) -> bytes:
+        return tw.i64(1 if self.job.delete(store_key(request[1])) else 0)
+
+    def _append(self, request: tuple[Any, ...]) -> bytes:
+        key = store_key(request[1])
+        self.job.append(key, request[2])
+        self.changed(key)
+        return b""
+
+    def _multi_get(self, request: tuple[Any, ...]) -> bytes:
+        keys = [store_key(k) for k in request[1]]
+        values = self.job.get_all(keys)
+        if values is None:
+            raise StoreError("multi_get of a key that is not set")
+        return tw.blobs(values)
+
+    def _multi_set(self, request: tuple[Any, ...]) -> bytes:
+        pairs = request[1]
+        keys = [store_key(k) for k, _ in pairs]
+        self.job.set_all(keys, [v for _, v in pairs])
+        for key in keys:
+            self.changed(key)
+        return b""
+
+    def _ping(self, request: tuple[Any, ...]) -> bytes:
+        return tw.u32(request[1])
+
+    def _queue_push(self, request: tuple[Any, ...]) -> bytes:
+        key = store_key(request[1])
+        self.job.queue_push(key, request[2])
+        self.changed(key)
+        return b""
+
+    def _queue_pop(self, request: tuple[Any, ...]) -> bytes:
+        return tw.popped(self.job.queue_pop(store_key(request[1])))
+
+    def _queue_len(self, request: tuple[Any, ...]) -> bytes:
+        return tw.i64(self.job.queue_len(store_key(request[1])))
+
+    def _list_keys(self, request: tuple[Any, ...]) -> bytes:
+        held = self.job.keys()  # (checked against one answer's size)
+        return tw.key_list([client_key(k) for k in held])
+
+    def _validate_again(self, request: tuple[Any, ...]) -> bytes:
+        raise ProtocolError("a second VALIDATE")
+
+
+_HANDLERS: dict[int, Callable[[TorchStoreConnection, tuple[Any, ...]], bytes]] = {
+    Query.VALIDATE: TorchStoreConnection._validate_again,
+    Query.SET: TorchStoreConnection._set,
+    Query.COMPARE_SET: TorchStoreConnection._compare_set,
+    Query.GET: TorchStoreConnection._get,
+    Query.ADD: TorchStoreConnection._add,
+    Query.CHECK: TorchStoreConnection._check,
+    Query.WAIT: TorchStoreConnection._wait,
+    Query.GETNUMKEYS: TorchStoreConnection._num_keys,
+    Query.DELETE_KEY: TorchStoreConnection._delete,
+    Query.APPEND: TorchStoreConnection._append,
+    Query.MULTI_GET: TorchStoreConnection._multi_get,
+    Query.MULTI_SET: TorchStoreConnection._multi_set,
+    Query.CANCEL_WAIT: TorchStoreConnection._cancel_wait,
+    Query.PING: TorchStoreConnection._ping,
+    Query.QUEUE_PUSH: TorchStoreConnection._queue_push,
+    Query.QUEUE_POP: TorchStoreConnection._queue_pop,
+    Query.QUEUE_LEN: TorchStoreConnection._queue_len,
+    Query.LIST_KEYS: TorchStoreConnection._list_keys,
+}
+
+
+class KeysWait:
+    """A client's ``wait``: parked on its first missing key (``waits.KeyWaits``) until every key
+    is there; no deadline of its own (torch's client sends ``CANCEL_WAIT`` at its timeout)."""
+
+    __slots__ = ("_conn", "_keys", "parked")
+
+    def __init__(self, conn: TorchStoreConnection, keys: list[str]) -> None:
+        self._conn, self._keys = conn, keys
+        self.parked: str | None = None
+
+    def wake(self) -> None:
+        conn = self._conn
+        if conn.waiting is not self:
+            return
+        self.parked = None
+        job = conn.job
+        for key in self._keys:
+            if not job.present(key):
+                self.parked = key
+                conn.server.waits.park(conn.server.tcpstore_job, key, self)
+                return
+        conn.waiting = None
+        conn.send_now(tw.STOP_WAITING)
+
+    def cancel(self) -> None:
+        if self.parked is not None:
+            self._conn.server.waits.unpark(self._conn.server.tcpstore_job, self.parked, self)
+            self.parked = None
+
+
+async def listen(server: Server, host: str, port: int, backlog: int) -> asyncio.Server:
+    """Serve torch's TCPStore clients on ``host:port`` for ``server``."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(
+        lambda: TorchStoreConnection(server), host, port, reuse_address=True, backlog=backlog
+    )

@@ -1,0 +1,210 @@
+"""torch's ``TCPStore`` wire protocol, sans-I/O: its clients' requests parsed, its replies built.
+
+torch's C++ ``TCPStore`` client (torch 2.13, as captured from it talking to torch's own server)
+sends a query type byte, then the query's fields, little-endian, with no framing: strings and
+byte strings as a ``uint64`` length and the bytes, counts as ``uint64``, ``add``'s amount as
+``int64``. The first request is ``VALIDATE`` (a ``uint32`` magic number), then ``PING`` (a
+``uint32`` nonce the server sends back). The server never reports an error: it closes the
+connection, and the client raises ``DistNetworkError``. Replies are values of the same
+encodings, or nothing (``set``, ``append``, ``multi_set``, ``queue_push``).
+
+``RequestReader`` bounds what it buffers: a request longer than ``max_request`` bytes, or naming
+more than ``max_keys`` keys, is refused (``LimitError``) as soon as its header says so; bytes that
+cannot be a request are a ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Any
+
+from arendez.errors import LimitError, ProtocolError
+
+#: What a ``VALIDATE`` request carries (torch's ``validationMagicNumber``).
+VALIDATION_MAGIC = 0x3C85F7CE
+
+
+class Query(enum.IntEnum):
+    """torch's ``QueryType`` (``TCPStoreBackend.hpp``)."""
+
+    VALIDATE = 0
+    SET = 1
+    COMPARE_SET = 2
+    GET = 3
+    ADD = 4
+    CHECK = 5
+    WAIT = 6
+    GETNUMKEYS = 7
+    DELETE_KEY = 8
+    APPEND = 9
+    MULTI_GET = 10
+    MULTI_SET = 11
+    CANCEL_WAIT = 12
+    PING = 13
+    QUEUE_PUSH = 14
+    QUEUE_POP = 15
+    QUEUE_LEN = 16
+    LIST_KEYS = 17
+
+
+#: ``check``'s answer (``CheckResponseType``).
+READY, NOT_READY = b"\x00", b"\x01"
+#: ``wait``'s answers (``WaitResponseType``): the keys are there; the wait was cancelled.
+STOP_WAITING, WAIT_CANCELED = b"\x00", b"\x01"
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+#: The fields of each query after its type byte: s = string, b = byte string, q = int64,
+#: I = uint32, K = a count of strings, P = a count of (string, byte string) pairs.
+_FIELDS: dict[int, str] = {
+    Query.VALIDATE: "I",
+    Query.SET: "sb",
+    Query.COMPARE_SET: "sbb",
+    Query.GET: "s",
+    Query.ADD: "sq",
+    Query.CHECK: "K",
+    Query.WAIT: "K",
+    Query.GETNUMKEYS: "",
+    Query.DELETE_KEY: "s",
+    Query.APPEND: "sb",
+    Query.MULTI_GET: "K",
+    Query.MULTI_SET: "P",
+    Query.CANCEL_WAIT: "",
+    Query.PING: "I",
+    Query.QUEUE_PUSH: "sb",
+    Query.QUEUE_POP: "s",
+    Query.QUEUE_LEN: "s",
+    Query.LIST_KEYS: "",
+}
+
+
+class _Short(Exception):
+    """The buffer ends before the request does; ``need``: the bytes it needs at least."""
+
+    def __init__(self, need: int) -> None:
+        self.need = need
+
+
+class RequestReader:
+    """Requests out of the bytes a client sent, one at a time, each ``(Query, *fields)``."""
+
+    def __init__(self, max_request: int, max_keys: int) -> None:
+        self.max_request = max_request
+        self.max_keys = max_keys
+        self._buf = bytearray()
+        self._need = 1  # bytes the next request needs at least (no parse before they are here)
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def peek(self) -> int | None:
+        """The query type of the next request, if its first byte is here."""
+        return self._buf[0] if self._buf else None
+
+    def next(self) -> tuple[Any, ...] | None:
+        """The next whole request, taken out of the buffer; None until it has all arrived."""
+        buf = self._buf
+        if len(buf) < self._need:
+            return None
+        try:
+            request, end = self._parse(buf)
+        except _Short as short:
+            self._need = short.need
+            self._check_size(short.need)
+            return None
+        del buf[:end]
+        self._need = 1
+        return request
+
+    def _check_size(self, need: int) -> None:
+        if need > self.max_request:
+            raise LimitError(
+                f"a TCPStore request of more than {self.max_request} bytes (the server's limit: its "
+                "largest value and key, plus 4096)"
+            )
+
+    def _parse(self, buf: bytearray) -> tuple[tuple[Any, ...], int]:
+        kind = buf[0]
+        fields = _FIELDS.get(kind)
+        if fields is None:
+            raise ProtocolError(f"unknown TCPStore query type {kind}")
+        out: list[Any] = [Query(kind)]
+        pos = 1
+        for field in fields:
+            if field == "I":
+                out.append(self._fixed(buf, pos, _U32))
+                pos += 4
+            elif field == "q":
+                out.append(self._fixed(buf, pos, _I64))
+                pos += 8
+            elif field in "sb":
+                value, pos = self._bytes(buf, pos)
+                out.append(value)
+            else:  # a count of keys, or of key-value pairs
+                count = self._fixed(buf, pos, _U64)
+                pos += 8
+                if count > self.max_keys:
+                    raise LimitError(
+                        f"a TCPStore request names {count} keys, over the server's limit of "
+                        f"{self.max_keys} keys per request"
+                    )
+                items: list[Any] = []
+                for _ in range(count):
+                    key, pos = self._bytes(buf, pos)
+                    if field == "P":
+                        value, pos = self._bytes(buf, pos)
+                        items.append((key, value))
+                    else:
+                        items.append(key)
+                out.append(items)
+        return tuple(out), pos
+
+    @staticmethod
+    def _fixed(buf: bytearray, pos: int, form: struct.Struct) -> int:
+        if len(buf) < pos + form.size:
+            raise _Short(pos + form.size)
+        value: int = form.unpack_from(buf, pos)[0]
+        return value
+
+    def _bytes(self, buf: bytearray, pos: int) -> tuple[bytes, int]:
+        size = self._fixed(buf, pos, _U64)
+        start, end = pos + 8, pos + 8 + size
+        if end > self.max_request:
+            self._check_size(end)
+        if len(buf) < end:
+            raise _Short(end)
+        return bytes(buf[start:end]), end
+
+
+def u32(value: int) -> bytes:
+    return _U32.pack(value)
+
+
+def i64(value: int) -> bytes:
+    return _I64.pack(value)
+
+
+def blob(value: bytes) -> bytes:
+    """A byte string as torch's client reads one: its ``uint64`` length, then the bytes."""
+    return _U64.pack(len(value)) + value
+
+
+def blobs(values: list[bytes]) -> bytes:
+    """``multi_get``'s answer: each value as a byte string, no count ahead."""
+    return b"".join(blob(v) for v in values)
+
+
+def key_list(keys: list[str]) -> bytes:
+    """``list_keys``'s answer: the count, then each key as a string."""
+    return _U64.pack(len(keys)) + b"".join(blob(k.encode()) for k in keys)
+
+
+def popped(item: bytes | None) -> bytes:
+    """``queue_pop``'s answer: ``uint64`` 0 for an empty queue, else 1 and the value."""
+    return _U64.pack(0) if item is None else _U64.pack(1) + blob(item)
