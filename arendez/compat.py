@@ -198,6 +198,8 @@ def irecv(
     out = as_array(tensor)
     if source is not None:
         g.group_rank(source, "src")
+        if source == g.world.rank:  # (nothing would ever match it: the wait would be the timeout)
+            raise ValueError("cannot receive from this rank itself")
     others = [r for r in g.ranks if r != g.world.rank] if source is None else [source]
     world = g.world
     fut = world.p2p.post(source, g.gid, int(tag), byte_view(out), world.dead)

@@ -33,13 +33,14 @@ def _unblocks(data: bytes) -> Any:
 
 @on_group()
 async def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
-    """Fill ``object_list[i]`` with rank ``i``'s ``obj``."""
+    """Fill ``object_list[i]`` with rank ``i``'s ``obj`` (entries past the group's size are
+    left as they are, as torch does)."""
     g: ProcessGroup = group
-    if len(object_list) != g.size:
+    if len(object_list) < g.size:
         raise InvalidArgumentError(f"object_list must have {g.size} entries, got {len(object_list)}")
     mine, failed = objcodec.encode_or_note(obj)
     parts = await g.run("all_gather_object", "all_gather_object", lambda c: _all_gather_bytes(c, mine))
-    object_list[:] = objcodec.decode_all(parts, g.ranks, "all_gather_object", failed)
+    object_list[: g.size] = objcodec.decode_all(parts, g.ranks, "all_gather_object", failed)
 
 
 @on_group()
@@ -73,12 +74,12 @@ async def gather_object(
     g: ProcessGroup = group
     dst = named_rank(g, dst, group_dst, "dst", default=0)
     root = g.group_rank(index(dst, "dst"), "dst")
-    if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
+    if g.rank == root and (object_gather_list is None or len(object_gather_list) < g.size):
         raise InvalidArgumentError(f"object_gather_list on the dst rank must have {g.size} entries")
     mine, failed = objcodec.encode_or_note(obj)
     parts = await g.run("gather_object", f"gather_object|{dst}", lambda c: _gather_bytes(c, mine, root))
     if parts is not None and object_gather_list is not None:
-        object_gather_list[:] = objcodec.decode_all(parts, g.ranks, "gather_object", failed)
+        object_gather_list[: g.size] = objcodec.decode_all(parts, g.ranks, "gather_object", failed)
     elif failed is not None:  # (only the root hears of it: as with any gather, the rest go on)
         raise objcodec.own_error(g.ranks[g.rank], "gather_object", failed) from failed
 

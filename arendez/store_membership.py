@@ -61,6 +61,7 @@ class MembershipOps:
     _left: bool
     _lease: _lease.LeaseKeeper | None
     _conn: Any
+    _server_leaving: bool
 
     async def _call(self, op: str, timeout: float | None = None, wait: bool = False, **fields: Any) -> Any:
         raise NotImplementedError
@@ -182,7 +183,9 @@ class MembershipOps:
             return
         self._membership = None
         self._left = True
-        timeout = min(timeout, LEAVE_OFFLINE_SECONDS if self._conn is None else LEAVE_SECONDS)
+        conn = self._conn  # (closed but not yet let go of: its loss is being handled, it is down)
+        down = conn is None or not conn.is_open or self._server_leaving
+        timeout = min(timeout, LEAVE_OFFLINE_SECONDS if down else LEAVE_SECONDS)
         try:
             with contextlib.suppress(StoreError):
                 await self._call("leave", timeout)

@@ -9,7 +9,9 @@ costs one ``call_soon_threadsafe`` and one lock release (see ``arendez.loop``).
 
 from __future__ import annotations
 
+import datetime
 import functools
+import sys as _sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,25 +37,91 @@ reduce_op = compat.reduce_op
 _init_process_group = _blocking(api.init_process_group)  # (a world left up is closed at exit: loop.py)
 
 
+#: torch's ``init_process_group`` parameters in order (torch 2.13): positional ones bind so.
+_INIT_PARAMS = (
+    "backend", "init_method", "timeout", "world_size", "rank", "store", "group_name", "pg_options",
+    "device_id",
+)  # fmt: skip
+#: torch's default for a CPU (gloo) group, which a ported script may rely on (a long checkpoint
+#: or evaluation on one rank before the next collective); the async API's stays 300 s.
+default_pg_timeout = datetime.timedelta(minutes=30)
+
+
+def _cpu_backend(name: object) -> str:
+    """The backend a torch spelling names for CPU tensors: ``"GLOO"`` or a device map
+    (``"cpu:gloo,cuda:nccl"``: its ``cpu`` entry); refused as ``Backend`` refuses it."""
+    text = str(name).lower()
+    if ":" in text:
+        entries = dict(entry.split(":", 1) for entry in text.split(",") if ":" in entry)
+        if "cpu" not in entries:
+            raise ValueError(f"backend {name!r} names no backend for the cpu device, which arendez serves")
+        text = entries["cpu"].strip()
+    return str(Backend(text))
+
+
 @functools.wraps(api.init_process_group)
 def init_process_group(*args: Any, **kwargs: Any) -> Any:
-    """As ``arendez.init_process_group``, blocking; ``store=`` also takes this module's
-    ``TCPStore`` (or a ``PrefixStore`` over one): the ranks meet on its server."""
+    """As ``arendez.init_process_group``, blocking, with torch's signature and defaults: the
+    parameters bind in torch's order, ``timeout`` defaults to ``default_pg_timeout`` (30
+    minutes, as torch's), ``backend`` may be spelled as torch takes it (``"GLOO"``,
+    ``"cpu:gloo,cuda:nccl"``), and ``pg_options``/``device_id`` may be None (``device_id`` a CPU
+    device). ``store=`` also takes this module's ``TCPStore`` (or a ``PrefixStore`` over one):
+    the ranks meet on its server."""
+    if len(args) > len(_INIT_PARAMS):
+        raise TypeError(f"init_process_group() takes at most {len(_INIT_PARAMS)} positional arguments")
+    for name, value in zip(_INIT_PARAMS, args, strict=False):
+        if name in kwargs:
+            raise TypeError(f"init_process_group() got multiple values for argument '{name}'")
+        kwargs[name] = value
+    if kwargs.pop("pg_options", None) is not None:
+        raise ValueError("init_process_group(): pg_options is not supported by arendez (give None)")
+    device = kwargs.pop("device_id", None)
+    if device is not None and str(device) != "cpu":
+        raise ValueError(f"init_process_group(): device_id={device!r} is not supported: arendez runs on CPU")
+    if kwargs.get("backend") is not None:
+        kwargs["backend"] = _cpu_backend(kwargs["backend"])
+    if kwargs.get("timeout") is None:
+        kwargs["timeout"] = default_pg_timeout
     flightrec.install_signal_handler()  # (from this thread: the loop thread cannot install them)
     farewell.install_sigterm_handler()
     store = kwargs.get("store")
+    if store is not None and not isinstance(store, Store) and _is_torch_store(store):
+        return _init_through_torch_store(kwargs)
     if not isinstance(store, Store):
-        return _init_process_group(*args, **kwargs)
+        return _init_process_group(**kwargs)
     host, port, job = meeting_point(kwargs.pop("store"))  # (the world joins that server's job)
     kwargs["init_method"] = f"arendez://{endpoint((host, port))}/{job}"
-    world = _init_process_group(*args, **kwargs)
+    world = _init_process_group(**kwargs)
     _meeting_stores.append(store)  # (a master's server lives while the world does, as in torch)
+    return world
+
+
+def _is_torch_store(store: object) -> bool:
+    torch_dist = _sys.modules.get("torch.distributed")
+    return torch_dist is not None and isinstance(store, torch_dist.Store)
+
+
+def _init_through_torch_store(kwargs: dict[str, Any]) -> Any:
+    """``store=`` a torch ``Store`` (torch's own ``TCPStore``, ``FileStore``, a ``PrefixStore``):
+    rank 0 hosts a store server and publishes its URL there, as the torch backend does."""
+    from . import torch as backend  # (imports torch, which the store's owner did already)
+
+    store = kwargs.pop("store")
+    rank, size = kwargs.get("rank", -1), kwargs.get("world_size", -1)
+    if not isinstance(rank, int) or not isinstance(size, int) or rank < 0 or size < 1:
+        raise ValueError(f"init_process_group(store=...) needs rank and world_size, got {rank} and {size}")
+    limit = kwargs["timeout"]
+    seconds = limit.total_seconds() if isinstance(limit, datetime.timedelta) else float(limit)
+    kwargs["init_method"] = backend.meeting_url(store, rank, size, seconds)
+    kwargs["backend"] = kwargs.get("backend") or "tcp"
+    world = _init_process_group(**kwargs)
+    _meeting_stores.append(store)
     return world
 
 
 #: The stores the default worlds met on, held until they are destroyed (as torch's process group
 #: holds its store): a master ``TCPStore`` passed inline keeps its server up.
-_meeting_stores: list[Store] = []
+_meeting_stores: list[Any] = []
 
 _destroy_process_group = _blocking(api.destroy_process_group)
 
@@ -183,7 +251,6 @@ is_ucc_available = compat.is_ucc_available
 is_xccl_available = compat.is_xccl_available
 get_pg_count = compat.get_pg_count
 supports_complex = compat.supports_complex
-default_pg_timeout = compat.default_pg_timeout
 DistError = compat.DistError
 DistBackendError = compat.DistBackendError
 DistNetworkError = compat.DistNetworkError

@@ -98,6 +98,7 @@ def blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]:
     """``fn``, blocking: run on the shared loop thread, with torch's calling conventions."""
     name = fn.__name__
     reduces = name in _REDUCING
+    objects = name.endswith("_object") or name.endswith("_object_list")  # (pickled as they are)
     names = _TORCH_PARAMS.get(name)
     at = _sys.maxsize if names is None else _first_torch_only(names)
     torch_only = {"async_op", *_TORCH_ONLY}
@@ -112,7 +113,7 @@ def blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]:
             else:
                 args, async_op = _as_torch(name, args, kwargs)
         outputs = _outputs(name, args, kwargs) if async_op else []  # (the caller's, not stand-ins)
-        if "torch" in _sys.modules:  # (bfloat16 and non-contiguous tensors go as stand-ins)
+        if "torch" in _sys.modules and not objects:  # (bfloat16, non-contiguous tensors: stand-ins)
             staged = _staged(fn, args, kwargs, reduces)
             if staged is not None:
                 run, args, kwargs = staged

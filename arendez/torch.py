@@ -76,6 +76,23 @@ def _host_of(store: Any) -> str:
     return os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
 
+def meeting_url(store: Any, rank: int, size: int, timeout: float) -> str:
+    """Where the ranks meeting through torch ``store`` form their arendez world: the URL rank 0
+    publishes in it for a job on the store server it hosts (an ``arendez://`` store's own)."""
+    base = _unwrap(store)
+    if isinstance(base, ServerStore):
+        return base.url
+    # A store passed in again after destroy still holds the previous URL: every rank counts
+    # itself in, and init k (all its ranks count before any can finish it) reads round k's key.
+    key = f"{_URL_KEY}/{(int(store.add(_URL_KEY + '/joins', 1)) - 1) // size}"
+    if rank == 0:
+        url: str = shared.call(_host, _host_of(store))
+        store.set(key, url)
+        return url
+    store.wait([key], datetime.timedelta(seconds=timeout))
+    return str(store.get(key).decode())
+
+
 def _create(opts: Any, backend_options: Any = None) -> ProcessGroupArendez:
     """torch's creator: the default group joins (or hosts) an arendez world; subgroups map onto it."""
     store, rank, size = opts.store, opts.group_rank, opts.group_size
@@ -87,19 +104,7 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupArendez:
         tag = (1 << 40) + int(hashlib.sha1(f"{opts.group_id}|{ranks}".encode()).hexdigest()[:8], 16)
         return ProcessGroupArendez(rank, size, ranks, tag, timeout)
     pg = ProcessGroupArendez(rank, size, None, 0)
-    base = _unwrap(store)
-    if isinstance(base, ServerStore):
-        url = base.url
-    else:
-        # A store passed in again after destroy still holds the previous URL: every rank counts
-        # itself in, and init k (all its ranks count before any can finish it) reads round k's key.
-        key = f"{_URL_KEY}/{(int(store.add(_URL_KEY + '/joins', 1)) - 1) // size}"
-        if rank == 0:
-            url = shared.call(_host, _host_of(store))
-            store.set(key, url)
-        else:
-            store.wait([key], datetime.timedelta(seconds=timeout))
-            url = store.get(key).decode()
+    url = meeting_url(store, rank, size, timeout)
     farewell.install_sigterm_handler()  # (from torch's thread: the loop thread cannot)
     shared.call(arendez.init_process_group, "tcp", url, world_size=size, rank=rank, timeout=timeout)
     return pg

@@ -524,3 +524,73 @@ def test_exit_without_destroy_warns_once_and_peers_raise_no_alarm() -> None:
         for alarm in ("connection lost", "reconnecting", "lost the store", "failed"):
             assert alarm not in res.stderr, f"rank {res.rank} raised an alarm: {res.stderr}"
     assert took < 45  # bounded: the exit hook gives destroy at most EXIT_DESTROY_SECONDS
+
+
+@pytest.mark.timeout(60)
+def test_sync_objects_keep_their_tensors_dtype_and_torch_list_conventions() -> None:
+    """A bfloat16 tensor given as the object itself arrives as bfloat16 (the facade's stand-ins,
+    bit views for the data collectives, were handed to the object collectives too: it arrived as
+    int16); an output list longer than the group keeps its extra entries, as torch's does; an
+    ``irecv`` from this rank itself fails at once (it waited out the group timeout)."""
+    torch = pytest.importorskip("torch")
+    sync.init_process_group(timeout=datetime.timedelta(seconds=30))
+    try:
+        t = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+        out: list[Any] = [None, "extra"]
+        sync.all_gather_object(out, t)
+        assert out[0].dtype == torch.bfloat16 and out[0].tolist() == [1.5, -2.0] and out[1] == "extra"
+        gathered: list[Any] = [None, None]
+        sync.gather_object(torch.zeros(2, dtype=torch.complex32), gathered, dst=0)
+        assert gathered[0].dtype == torch.complex32
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="this rank itself"):  # (at wait, as gloo's)
+            sync.irecv(torch.zeros(2), src=0).wait()
+        assert time.monotonic() - started < 5
+    finally:
+        sync.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_sync_init_takes_torch_signature_and_defaults() -> None:
+    """torch's positional order, its backend spellings, ``pg_options``/``device_id`` of None, and
+    its 30-minute default timeout (a ported script's long step on one rank must not time out at
+    the async API's 300 s)."""
+    from arendez import registry
+    from arendez.loop import shared
+
+    async def group_timeout() -> float:
+        group = registry.default_group()
+        assert group is not None
+        return group.timeout
+
+    sync.init_process_group("cpu:gloo,cuda:nccl", None, None, 1, 0, pg_options=None, device_id=None)
+    try:
+        assert shared.call(group_timeout) == 1800.0
+        assert sync.default_pg_timeout == datetime.timedelta(minutes=30)
+    finally:
+        sync.destroy_process_group()
+    sync.init_process_group("GLOO", timeout=datetime.timedelta(seconds=42))
+    try:
+        assert shared.call(group_timeout) == 42.0
+    finally:
+        sync.destroy_process_group()
+    with pytest.raises(ValueError, match="no backend for the cpu device"):
+        sync.init_process_group("cuda:nccl")
+    with pytest.raises(ValueError, match="cannot apply"):
+        sync.init_process_group("nccl")
+    with pytest.raises(ValueError, match="device_id"):
+        sync.init_process_group(device_id="cuda:0")
+    assert not sync.is_initialized()
+
+
+@pytest.mark.timeout(90)
+def test_sync_init_meets_through_torch_own_tcpstore() -> None:
+    """``init_process_group(store=torch.distributed.TCPStore(...))``, the store of a script
+    ported by its import line: the ranks meet through it (it was a TypeError)."""
+    pytest.importorskip("torch")
+    port = free_port()
+    script = Path(__file__).parent / "scripts" / "sync_torch_store.py"
+    results = collect([popen([PY, str(script), str(r), "2", str(port)]) for r in range(2)], 60)
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert [res.stdout.strip() for res in results] == ["RANK 0 SUM 3.0", "RANK 1 SUM 3.0"]

@@ -430,3 +430,30 @@ async def test_a_scoped_store_goes_with_its_last_client_after_a_grace():
             await asyncio.sleep(0.2)
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("state", ["connected", "closed, loss not yet handled", "gone", "server leaving"])
+def test_leave_waits_long_only_for_a_connected_server(state: str) -> None:
+    """A leave gives a connected server ``LEAVE_SECONDS`` to answer, and a server that is gone
+    ``LEAVE_OFFLINE_SECONDS``, including a connection whose close is not yet handled (the
+    server process died a moment ago: a survivor's destroy took 5 s, not 1, in 4 of 16 trials)."""
+    from arendez import store_membership
+    from arendez.store_membership import Membership
+
+    class Conn:
+        is_open = state != "closed, loss not yet handled"
+
+    budgets: list[float] = []
+    store = Store("127.0.0.1", 1, "job")
+
+    async def call(op: str, timeout: float | None = None, wait: bool = False, **fields: Any) -> Any:
+        budgets.append(float(timeout or 0))
+
+    store._call = call  # type: ignore[method-assign]
+    store._membership = Membership(0, 1, [], b"n")
+    store._conn = None if state == "gone" else Conn()
+    store._server_leaving = state == "server leaving"
+    asyncio.run(store.leave(timeout=20))
+    want = store_membership.LEAVE_SECONDS if state == "connected" else store_membership.LEAVE_OFFLINE_SECONDS
+    assert budgets == [want]
