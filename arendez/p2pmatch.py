@@ -58,7 +58,7 @@ class P2PMatcher:
         posted = self._claim(peer, gid, tag, nbytes, fp)
         self._receiving.setdefault(peer, collections.deque()).append(posted)
         if posted is not None and posted.error is None:
-            return posted.out
+            return posted.out[:nbytes]  # (a shorter message fills the buffer's start)
         return None
 
     def deliver(self, peer: int, gid: int, tag: int, payload: memoryview | None, fp: str = "") -> None:
@@ -76,7 +76,7 @@ class P2PMatcher:
             posted.fut.set_exception(posted.error)
             return
         if payload is not None and payload.obj is not posted.out.obj:
-            posted.out[:] = payload
+            posted.out[: payload.nbytes] = payload
             self.stats.copied_bytes += payload.nbytes
         posted.fut.set_result(peer)
 
@@ -101,7 +101,7 @@ class P2PMatcher:
                     fut.set_exception(error)
                 else:
                     if data is not None:
-                        out[:] = data
+                        out[:size] = data
                         self.stats.copied_bytes += size
                     fut.set_result(sender)
                 return fut
@@ -169,13 +169,15 @@ def _mismatch(
     want: int, expect: str | None, peer: int, nbytes: int, fp: str
 ) -> CollectiveMismatchError | None:
     """Why a recv of ``want`` bytes (of fingerprint ``expect``) cannot take a message of
-    ``nbytes`` (of fingerprint ``fp``) from rank ``peer``, or None."""
+    ``nbytes`` (of fingerprint ``fp``) from rank ``peer``, or None. A plain recv (no ``expect``)
+    takes a message shorter than its buffer, into the buffer's start, as gloo's and MPI's do; a
+    longer one would be truncated, and is refused."""
     if expect is not None and fp != expect:
         theirs, ours = (" ".join(f.split("|")).strip() for f in (fp, expect))
         return CollectiveMismatchError(
             f"rank {peer} sent its part of {theirs!r} where this rank runs {ours!r} "
             "(every member must make the same collectives, with the same dtype and op, in the same order)"
         )
-    if want != nbytes:
+    if nbytes > want or (expect is not None and nbytes != want):
         return CollectiveMismatchError(f"recv of {want} bytes from rank {peer} got a send of {nbytes}")
     return None

@@ -1,5 +1,9 @@
 """A torchrun node lost: ``--rdzv-backend arendez`` against ``c10d``, side by side in one run.
 
+A third configuration, ``c10d-server``, runs torch's own ``c10d`` backend with an
+``arendez-server --tcpstore-port`` as its endpoint: the rendezvous store (and the store the workers
+share) is then the server, not the first agent.
+
     python benchmarks/torchrun_rdzv.py                  # 3 trials each (~2 minutes)
     python benchmarks/torchrun_rdzv.py --trials 5
 
@@ -99,11 +103,12 @@ def main() -> int:
     )
     parser.add_argument("--trials", type=int, default=3)
     args = parser.parse_args()
-    rows: dict[str, list[dict[str, Any]]] = {"arendez": [], "c10d": []}
+    rows: dict[str, list[dict[str, Any]]] = {"arendez": [], "c10d": [], "c10d-server": []}
     with tempfile.TemporaryDirectory() as folder:
-        server_port = _free_port()
+        server_port, tcpstore_port = _free_port(), _free_port()
+        argv = [PY, "-m", "arendez_server", "--port", str(server_port), "--log-level", "ERROR"]
         server = subprocess.Popen(
-            [PY, "-m", "arendez_server", "--port", str(server_port), "--log-level", "ERROR"],
+            [*argv, "--tcpstore-port", str(tcpstore_port)],
             stdout=subprocess.PIPE,
             text=True,
             env=dict(os.environ, PYTHONPATH=str(ROOT)),
@@ -112,11 +117,12 @@ def main() -> int:
         server.stdout.readline()
         try:
             for n in range(args.trials):  # (alternating, so both see the same load)
-                for backend in ("arendez", "c10d"):
-                    port = server_port if backend == "arendez" else _free_port()
-                    got = trial(backend, f"127.0.0.1:{port}", f"t{n}-{backend}", folder)
-                    print(backend, n, got, flush=True)
-                    rows[backend].append(got)
+                for label in rows:
+                    port = {"arendez": server_port, "c10d-server": tcpstore_port}.get(label) or _free_port()
+                    backend = label.split("-")[0]
+                    got = trial(backend, f"127.0.0.1:{port}", f"t{n}-{label}", folder)
+                    print(label, n, got, flush=True)
+                    rows[label].append(got)
         finally:
             server.terminate()
             server.wait(10)

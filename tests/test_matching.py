@@ -129,3 +129,30 @@ async def test_early_payloads_land_in_a_pooled_buffer_that_is_reused():
         await group.run("test", "fp", body)
     assert [value for _, value in landed] == [1.0, 2.0, 3.0]
     assert all(buffer is landed[0][0] for buffer, _ in landed), "each early frame got a fresh buffer"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("posted_first", [True, False])
+async def test_a_shorter_message_fills_the_start_of_a_recv_and_a_longer_one_is_refused(posted_first: bool):
+    """As gloo's and MPI's recv: a buffer larger than the message takes it at its start, the
+    rest untouched (QA: 5 floats sent into a recv of 10 were a CollectiveMismatchError); a
+    message longer than the buffer is refused, and the next message still matches in order."""
+    world = World(rank=1, world_size=2, timeout=5)
+    big, small, after = np.full(10, -1.0, np.float32), np.zeros(2, np.float32), np.zeros(3, np.float32)
+    wire_bytes = (
+        _p2p(0, 0, np.arange(5, dtype=np.float32))
+        + _p2p(0, 0, np.arange(4, dtype=np.float32))
+        + _p2p(0, 0, np.full(3, 7.0, np.float32))
+    )
+    if not posted_first:
+        _in_one_read(world, 0, wire_bytes)  # (all three stashed: no recv was posted)
+    a = world.p2p.post(0, 0, 0, byte_view(big), world.dead)
+    b = world.p2p.post(0, 0, 0, byte_view(small), world.dead)
+    c = world.p2p.post(0, 0, 0, byte_view(after), world.dead)
+    if posted_first:
+        _in_one_read(world, 0, wire_bytes)
+    assert await asyncio.wait_for(a, 1) == 0
+    assert big.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] + [-1.0] * 5
+    with pytest.raises(arendez.CollectiveMismatchError, match="recv of 8 bytes from rank 0 got a send of 16"):
+        await asyncio.wait_for(b, 1)
+    assert await asyncio.wait_for(c, 1) == 0 and after.tolist() == [7.0] * 3
