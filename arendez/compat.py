@@ -29,7 +29,7 @@ from .errors import (
     WaitTimeoutError,
 )
 from .group import ProcessGroup
-from .p2p import recv, send
+from .p2p import check_receivable, recv, send
 from .queries import (
     Backend,
     get_backend,
@@ -194,7 +194,7 @@ def irecv(
     if g is None:
         return None
     source = named_rank(g, src, group_src, "src")
-    g.check_usable("irecv")
+    check_receivable(g, "irecv", source, int(tag))
     out = as_array(tensor)
     if source is not None:
         g.group_rank(source, "src")

@@ -6,7 +6,7 @@ from typing import Any
 
 from . import wire
 from .arrays import as_array, byte_view
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, RankFailedError
 from .group import ProcessGroup
 from .registry import named_rank, on_group, root_rank
 from .validate import index
@@ -64,8 +64,8 @@ async def recv(
     """Receive into ``tensor`` from global rank ``src`` (or ``group_src``; any rank if neither);
     return the sender's global rank."""
     g: ProcessGroup = group
-    g.check_usable("recv")
     src = named_rank(g, src, group_src, "src")
+    check_receivable(g, "recv", src, _tag(tag))
     return await _recv(g, as_array(tensor), src, tag, None)
 
 
@@ -75,8 +75,20 @@ async def recv_as(tensor: Any, src: int, group: Any, tag: int, fingerprint: str)
     ``CollectiveMismatchError`` naming both (gloo checks this only under
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; a mismatch is otherwise silent)."""
     g: ProcessGroup = group
-    g.check_usable("recv", among=(src,))
+    check_receivable(g, "recv", src, _tag(tag), among=(src,))
     return await _recv(g, as_array(tensor), src, tag, fingerprint)
+
+
+def check_receivable(
+    g: ProcessGroup, name: str, src: int | None, tag: int, among: tuple[int, ...] | None = None
+) -> None:
+    """``g.check_usable``, except that a message from ``src`` that arrived before a rank failed
+    is received all the same (as gloo's: a rank that sends and then dies has sent it)."""
+    try:
+        g.check_usable(name, among)
+    except RankFailedError:
+        if src is None or not g.world.p2p.has_stashed(src, g.gid, tag):
+            raise
 
 
 async def _recv(g: ProcessGroup, out: Any, src: int | None, tag: int, expect: str | None) -> int:

@@ -111,6 +111,11 @@ class P2PMatcher:
         self._posted.append(Posted(src, gid, tag, out, fut, expect))
         return fut
 
+    def has_stashed(self, src: int, gid: int, tag: int) -> bool:
+        """Whether a message from ``src`` of group ``gid`` and ``tag`` arrived and waits for its
+        receive (a rank that failed since may have sent it: it is delivered all the same)."""
+        return any(g == gid and t == tag and sender == src for sender, g, t, _, _ in self._stash)
+
     def cancel(self, fut: asyncio.Future[int]) -> None:
         """Withdraw the receive ``fut`` (timed out or cancelled): it must not eat a message."""
         self._posted = [p for p in self._posted if p.fut is not fut]

@@ -594,3 +594,16 @@ def test_sync_init_meets_through_torch_own_tcpstore() -> None:
     for res in results:
         assert res.returncode == 0, res.stderr[-3000:]
     assert [res.stdout.strip() for res in results] == ["RANK 0 SUM 3.0", "RANK 1 SUM 3.0"]
+
+
+@pytest.mark.timeout(90)
+def test_messages_sent_before_the_sender_failed_are_still_received() -> None:
+    """As with gloo: a rank that sends and then dies of an uncaught exception has sent; its
+    messages already here are received after its failure is known (they were a
+    ``RankFailedError``), and the next recv from it is the failure."""
+    port = free_port()
+    script = Path(__file__).parent / "scripts" / "send_then_fail.py"
+    results = collect([popen([PY, str(script), str(r), str(port)]) for r in range(2)], 60)
+    assert results[0].returncode != 0 and "rank 0 fails after sending" in results[0].stderr
+    assert results[1].returncode == 0, results[1].stderr[-3000:]
+    assert results[1].stdout.splitlines() == ["GOT [0.0, 1.0, 2.0, 3.0] [7.0, 7.0]", "THEN RankFailedError"]
