@@ -383,7 +383,10 @@ class Connection(asyncio.BufferedProtocol):
         to us meanwhile (handing back shared memory, say) gets no broken pipe that would cost
         it the bytes still unread in its socket (a Unix socket fails such a write at once)."""
         transport = self._transport
+        deadline = asyncio.get_running_loop().time() + timeout  # (the linger included)
         if linger > 0 and transport is not None and not transport.is_closing() and transport.can_write_eof():
+            # (a TimeoutError is an OSError: a linger that runs out goes on to the close below,
+            # which then has what is left of ``timeout``, not all of it again)
             with contextlib.suppress(OSError, RuntimeError):
                 transport.write_eof()
                 async with asyncio.timeout(min(linger, timeout)):
@@ -391,7 +394,7 @@ class Connection(asyncio.BufferedProtocol):
                 return
         self.close()
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(deadline):
                 await asyncio.shield(self.closed)
         except TimeoutError:
             self.abort()
