@@ -24,6 +24,7 @@ from .errors import (
     ProtocolError,
     QueueEmptyError,
     RendezvousError,
+    RendezvousTimeoutError,
     StoreError,
     StoreTimeoutError,
 )
@@ -80,6 +81,7 @@ STORE_ERRORS = (
     StoreError,
     StoreTimeoutError,
     RendezvousError,
+    RendezvousTimeoutError,
     ProtocolError,
     AuthenticationError,
     LimitError,

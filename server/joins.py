@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from arendez import wire
-from arendez.errors import ArendezError, RendezvousError
+from arendez.errors import ArendezError, RendezvousError, RendezvousTimeoutError
 from arendez.rendezvous import incomplete
 
 from .rounds import Member, Round
@@ -171,14 +171,16 @@ class JoinWait:
         if len(round_.gave_up) < round_.world_size:  # (elastic: arrival numbers, as many bounded)
             round_.gave_up.add(self.rank)
         self._withdraw()
+        exc: RendezvousError  # (a timeout: torch's DistStoreError, as its store's wait raises)
         if round_.elastic:
-            exc = RendezvousError(
+            exc = RendezvousTimeoutError(
                 f"job {session.job!r}: only {len(joined)} rank(s) joined in time, the elastic world needs "
                 f"at least {round_.min_size} (missing: {round_.min_size - len(joined)} rank(s))"
             )
         else:
             refused = "; joins refused meanwhile: " + "; ".join(round_.refused) if round_.refused else ""
-            exc = RendezvousError(f"job {session.job!r}: {incomplete(round_.world_size, joined)}{refused}")
+            short = incomplete(round_.world_size, joined)
+            exc = RendezvousTimeoutError(f"job {session.job!r}: {short}{refused}")
         session.reply_error(self._rid, exc)
         self._server.config.hooks.request("join", time.perf_counter() - self._started, type(exc).__name__)
 
