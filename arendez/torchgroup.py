@@ -135,8 +135,8 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         return self._desc
 
     def _global(self, group_rank: int, arg: str) -> int:
-        if not 0 <= group_rank < len(self._ranks):  # (a ValueError, as torch's own check raises)
-            raise ValueError(
+        if not 0 <= group_rank < len(self._ranks):  # (a ValueError as torch's own checks raise, and
+            raise InvalidArgumentError(  # a RuntimeError as gloo's "invalid root rank")
                 f"{arg}={group_rank} is not a rank of this group: it must be in [0, {len(self._ranks) - 1}]"
             )
         return self._ranks[group_rank]
