@@ -10,6 +10,8 @@ own server (TCPStore's libuv server, or ``arendez-server``); the server's CPU co
 ``/proc`` over the timed window, each client's from ``os.times`` around its loop. Kinds:
 
 - ``tcpstore``: torch's TCPStore client (C++);
+- ``torch-client``: the same client against ``arendez-server --tcpstore-port`` (the server's
+  cost for torch's protocol, with torch's client);
 - ``blocking``: arendez's ``BlockingStore``;
 - ``raw``: the floor of a Python client: the same connection, ready-made request frames,
   ``sendall`` + ``recv_into`` and nothing else (no encoding, no checks);
@@ -36,13 +38,13 @@ import bench_common
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-KINDS = ("tcpstore", "blocking", "raw", "encoded")
+KINDS = ("tcpstore", "torch-client", "blocking", "raw", "encoded")
 
 
 def _connect(kind: str, port: int, index: int) -> tuple[Any, str, str]:
     """One client's store, its own key and the shared one."""
     store: Any
-    if kind == "tcpstore":
+    if kind in ("tcpstore", "torch-client"):
         from torch.distributed import TCPStore
 
         store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60), use_libuv=True)
@@ -139,8 +141,9 @@ def measure(kind: str, clients: int, seconds: float) -> dict[str, Any]:
         assert server.stdout is not None
         port = int(server.stdout.readline().split()[1])
     else:
+        extra = ["--tcpstore-port", "0"] if kind == "torch-client" else []
         server = subprocess.Popen(
-            [PY, "-m", "arendez_server", "--port", "0", "--log-level", "WARNING"],
+            [PY, "-m", "arendez_server", "--port", "0", "--log-level", "WARNING", *extra],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -148,6 +151,8 @@ def measure(kind: str, clients: int, seconds: float) -> dict[str, Any]:
         )
         assert server.stdout is not None
         port = int(server.stdout.readline().strip().rsplit(":", 1)[1])
+        if extra:  # (its second line: the TCPStore port)
+            port = int(server.stdout.readline().strip().rsplit(":", 1)[1])
     try:
         procs = [
             subprocess.Popen(
