@@ -39,7 +39,7 @@ from arendez.transports import local
 
 from . import tcpstore_front
 from .admission import Admission
-from .connection import ServerConnection, Session
+from .connection import Backlogged, ServerConnection, Session
 from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, PARKED, as_map, park, start_join
 from .hooks import ServerHooks
 from .limits import StateLimits
@@ -88,6 +88,9 @@ class ServerConfig:
     #: their keys are those of job ``tcpstore_job``. Not with a token or TLS.
     tcpstore_port: int | None = None
     tcpstore_job: str = "tcpstore"
+    #: Seconds the keys of ``tcpstore_job`` outlive its last client once torch clients used it
+    #: (0: they go with it, as a torch store goes with the run that hosts it).
+    tcpstore_grace: float = 0.0
     handshake_timeout: float = 20.0
     #: Listen queue for connection storms (the kernel caps it at net.core.somaxconn).
     backlog: int = 4096
@@ -111,7 +114,7 @@ class Server:
         self.state = ServerState(cfg.limits)
         self.admission = Admission(cfg.max_connections, cfg.max_connections_per_host, cfg.hooks)
         #: Connections whose replies wait to be read (``Session.check_unread``).
-        self.backlogged: set[ServerConnection] = set()
+        self.backlogged: set[Backlogged] = set()
         self.members = Members(self.state, cfg.hooks)
         self.waits = KeyWaits()
         self._server: asyncio.Server | None = None
@@ -122,6 +125,8 @@ class Server:
         #: Jobs a scoped client used: their keys go once no client has been back for
         #: ``scoped_grace`` seconds after the last one left (a blip is not the end of a run).
         self._scoped: set[str] = set()
+        #: torch TCPStore clients connected now (``tcpstore_front``): their job's keys stay while any is
+        self._torch_clients = 0
         self._lease_task: asyncio.Task[None] | None = None
         self.closing = False
         self.packer = msgpack.Packer(use_bin_type=True)
@@ -288,19 +293,36 @@ class Server:
             del self._sessions[session.job]
             if session.job in self._scoped:
                 asyncio.get_running_loop().call_later(
-                    self.config.scoped_grace, self._drop_scoped, session.job
+                    self._grace(session.job), self._drop_scoped, session.job
                 )
             else:
                 self.state.drop_if_idle(session.job, 0)
 
+    def torch_client_came(self) -> None:
+        """A torch TCPStore client validated: its job's keys now last as long as its clients (a
+        torch store goes with the run that hosts it; torchrun's c10d and gloo's init count on a
+        fresh one each run), as a scoped job's."""
+        self._torch_clients += 1
+        self._scoped.add(self.tcpstore_job)
+
+    def torch_client_left(self) -> None:
+        self._torch_clients -= 1
+        job = self.tcpstore_job
+        if not self._torch_clients and not self._sessions.get(job):
+            asyncio.get_running_loop().call_later(self._grace(job), self._drop_scoped, job)
+
+    def _grace(self, job: str) -> float:
+        return self.config.tcpstore_grace if job == self.tcpstore_job else self.config.scoped_grace
+
     def _drop_scoped(self, job: str) -> None:
-        """A scoped job's last client left ``scoped_grace`` ago: unless one came back, its keys go
+        """A scoped job's last client left its grace ago: unless one came back, its keys go
         (once its round is over: a member's lease may still run)."""
-        if self._sessions.get(job) or job not in self._scoped:
+        torch_held = job == self.tcpstore_job and self._torch_clients
+        if self._sessions.get(job) or torch_held or job not in self._scoped:
             return
         found = self.state.jobs.get(job)
         if found is not None and found.in_use:
-            asyncio.get_running_loop().call_later(self.config.scoped_grace, self._drop_scoped, job)
+            asyncio.get_running_loop().call_later(self._grace(job), self._drop_scoped, job)
             return
         self._scoped.discard(job)
         self.state.drop_if_idle(job, 0, with_store=True)

@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
         "job 'tcpstore's, as arendez.sync.TCPStore's. Not with a token or TLS: they cannot authenticate",
     )
     p.add_argument(
+        "--tcpstore-grace",
+        type=arg(validate.seconds, "--tcpstore-grace", allow_zero=True),
+        default=0.0,
+        help="seconds the TCPStore port's keys outlive its last client (default 0: they go with it, "
+        "as a torch store with its run)",
+    )
+    p.add_argument(
         "--log-level", type=arg(validate.log_level), default="INFO", help="DEBUG, INFO, WARNING, ERROR"
     )
     d = ServerConfig()
@@ -221,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         lease=args.lease,
         scoped_grace=args.scoped_grace,
         tcpstore_port=args.tcpstore_port,
+        tcpstore_grace=args.tcpstore_grace,
         backlog=args.backlog,
         max_connections=args.max_connections,
         max_connections_per_host=args.max_connections_per_host,

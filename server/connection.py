@@ -31,6 +31,12 @@ DROP_DELAY = 0.2
 HELLO_FRAMES = 2
 
 
+class Backlogged(Protocol):
+    """A connection whose replies wait to be read (an arendez client's or a torch one's)."""
+
+    def buffered(self) -> int: ...
+
+
 class Pending(Protocol):
     """A request of a session still waiting: a task, or a join (``joins.JoinWait``)."""
 

@@ -25,10 +25,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from arendez import burstlog
-from arendez.errors import ArendezError, ProtocolError, StoreError
+from arendez.errors import ArendezError, LimitError, ProtocolError, StoreError
 from arendez.store_wire import MAX_KEYS, request_limit
 
 from . import tcpstore_wire as tw
+from .connection import CHECK_TOTAL_FROM, FLUSH_AT, MAX_UNREAD_REPLIES
 from .tcpstore_wire import Query
 
 if TYPE_CHECKING:
@@ -42,9 +43,9 @@ JOB = "tcpstore"
 #: torch's client's worker count key (sent without the prefix), and ``arendez.tcpstore``'s.
 TORCH_WORKERS_KEY = "init/"
 ARENDEZ_WORKERS_KEY = "__arendez_tcpstore/workers"
-#: Unanswered bytes a client may have sent before the server stops reading from it (replies it
-#: does not read stop it the same way: the transport's write buffer pauses our reads).
-MAX_BUFFERED = 1 << 20
+#: Bytes beyond one whole request a client may have sent while its requests wait (behind a
+#: ``wait``, or while it does not read its replies): then it is closed.
+MAX_BUFFERED_EXTRA = 64 << 10
 
 
 def _closings(items: Any) -> str:
@@ -87,8 +88,13 @@ class TorchStoreConnection(asyncio.Protocol):
         self.session = None  # (not an arendez client: the server's shutdown notice is not for it)
         self.validated = False
         self.waiting: KeysWait | None = None
+        #: True while the client leaves replies unread (the transport's buffer is full): no
+        #: request is answered, nor read, until it reads them (no reply piles up unbounded).
+        self.paused = False
         self._out: list[bytes] = []
-        self._closed = asyncio.get_running_loop().create_future()
+        self._out_bytes = 0
+        self._loop = asyncio.get_running_loop()
+        self._closed = self._loop.create_future()
 
     # -- the connection ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -110,19 +116,31 @@ class TorchStoreConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.admission.remove(self)
+        self.server.backlogged.discard(self)
+        if self.validated:
+            self.server.torch_client_left()
         if self.waiting is not None:
             self.waiting.cancel()
             self.waiting = None
         if not self._closed.done():
             self._closed.set_result(None)
 
-    def pause_writing(self) -> None:  # replies it does not read: read nothing more from it
+    def pause_writing(self) -> None:  # replies it does not read: answer and read nothing more
+        self.paused = True
+        self.server.backlogged.add(self)
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        self.paused = False
+        self.server.backlogged.discard(self)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
+            self._serve_and_flush()  # (what it sent meanwhile)
+
+    def buffered(self) -> int:
+        """Reply bytes the client has not read yet."""
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
     @property
     def is_open(self) -> bool:
@@ -133,8 +151,11 @@ class TorchStoreConnection(asyncio.Protocol):
             self.transport.abort()
 
     async def wait_closed(self, timeout: float) -> None:
-        """Close (the server is shutting down) and wait up to ``timeout`` for it."""
-        if self.transport is not None and not self.transport.is_closing():
+        """Close (the server is shutting down) and wait up to ``timeout`` for it (at once for a
+        client that leaves replies unread: it would not read them now)."""
+        if self.transport is not None and self.buffered():
+            self.abort()
+        elif self.transport is not None and not self.transport.is_closing():
             self.transport.close()
         try:
             async with asyncio.timeout(timeout):
@@ -146,7 +167,7 @@ class TorchStoreConnection(asyncio.Protocol):
         """Refuse this client: close, and say why in the server's log (its client cannot)."""
         item = f"{self.peer}: {why}"
         _CLOSINGS.note(None, logging.WARNING, item, "closing a TCPStore client at %s: %s", self.peer, why)
-        self._out.clear()
+        self._flush()  # (the answers to the requests before it go first, as torch's server does)
         if self.waiting is not None:
             self.waiting.cancel()
             self.waiting = None
@@ -157,28 +178,41 @@ class TorchStoreConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         reader = self.reader
         reader.feed(data)
+        if not self.validated and reader.peek() != Query.VALIDATE:
+            self._close(ProtocolError("not a TCPStore client: its first request was no VALIDATE"))
+            return
+        self._serve_and_flush()
+
+    def _serve_and_flush(self) -> None:
+        reader = self.reader
         try:
-            if not self.validated and reader.peek() != Query.VALIDATE:
-                raise ProtocolError("not a TCPStore client: its first request was no VALIDATE")
             self._serve()
-            if reader.buffered() > MAX_BUFFERED:  # (requests behind a wait that does not end)
-                raise ProtocolError(f"client sent {reader.buffered()} bytes that wait for an answer")
+            if (self.waiting is not None or self.paused) and (
+                reader.buffered() > reader.max_request + MAX_BUFFERED_EXTRA
+            ):
+                raise LimitError(
+                    f"client sent {reader.buffered()} bytes that wait for an answer while it "
+                    f"{'waits' if self.waiting is not None else 'leaves replies unread'}"
+                )
         except ArendezError as exc:
             self._close(exc)
             return
         self._flush()
 
     def _serve(self) -> None:
-        """Answer the whole requests that have arrived, in order; behind a ``wait`` only its
-        ``CANCEL_WAIT`` is taken (torch's client sends nothing else while it waits)."""
+        """Answer the whole requests that have arrived, in order, until the client leaves too
+        many replies unread (``paused``); behind a ``wait`` only its ``CANCEL_WAIT`` is taken
+        (torch's client sends nothing else while it waits)."""
         reader = self.reader
-        while self.is_open:
+        while self.is_open and not self.paused:
             if self.waiting is not None and reader.peek() != Query.CANCEL_WAIT:
                 return
             request = reader.next()
             if request is None:
                 return
             self._answer(request)
+            if self._out_bytes >= FLUSH_AT:
+                self._flush()  # (a full buffer pauses us here: ``pause_writing``)
 
     def _answer(self, request: tuple[Any, ...]) -> None:
         kind = request[0]
@@ -187,6 +221,7 @@ class TorchStoreConnection(asyncio.Protocol):
                 raise ProtocolError("not a TCPStore client: its first request was no VALIDATE")
             self.validated = True
             self.server.admission.handshaking.discard(self)
+            self.server.torch_client_came()
             return
         server = self.server
         timed = server.timed
@@ -199,26 +234,48 @@ class TorchStoreConnection(asyncio.Protocol):
             raise
         if reply:
             self._out.append(reply)
+            self._out_bytes += len(reply)
         if timed:
             server.config.hooks.request(f"tcpstore.{kind.name.lower()}", time.perf_counter() - started, None)
 
     def _flush(self) -> None:
-        if self._out and self.is_open:
+        out, self._out, self._out_bytes = self._out, [], 0
+        if out and self.is_open:
             assert self.transport is not None
-            self.transport.writelines(self._out)
-        self._out.clear()
+            self.transport.writelines(out)
+            self._check_unread()
 
-    def send_now(self, data: bytes) -> None:
-        """A reply outside a read (a wait that ended): at once, then what queued behind it."""
-        if not self.is_open:
+    def _check_unread(self) -> None:
+        """Close a client past the replies it may leave unread (``MAX_UNREAD_REPLIES``), or the
+        one past the server's ``--max-unread-bytes`` for all clients together."""
+        unread = self.buffered()
+        if unread <= CHECK_TOTAL_FROM:
             return
-        self._out.append(data)
-        try:
-            self._serve()
-        except ArendezError as exc:
-            self._close(exc)
+        budget = self.server.config.max_unread_bytes
+        if unread > MAX_UNREAD_REPLIES:
+            self._close(
+                LimitError(f"client left {unread} bytes of replies unread (limit {MAX_UNREAD_REPLIES})")
+            )
+        elif (total := sum(c.buffered() for c in self.server.backlogged)) > budget:
+            self._close(
+                LimitError(
+                    f"client left {unread} bytes of replies unread while all clients left {total} "
+                    f"(the server's limit, --max-unread-bytes: {budget})"
+                )
+            )
+        else:
             return
-        self._flush()
+        self.abort()  # (a close would keep the unread replies until it reads them)
+
+    def wait_ended(self, wait: KeysWait) -> None:
+        """``wait``'s keys are all there (called soon after, not inside the change that did it:
+        a chain of clients each woken by the last one's queued ``set`` would nest without end)."""
+        if self.waiting is not wait or not self.is_open:
+            return  # (cancelled meanwhile: its CANCEL_WAIT was answered instead)
+        self.waiting = None
+        self._out.append(tw.STOP_WAITING)
+        self._out_bytes += 1
+        self._serve_and_flush()
 
     @property
     def job(self) -> Job:
@@ -243,10 +300,8 @@ class TorchStoreConnection(asyncio.Protocol):
 
     def _get(self, request: tuple[Any, ...]) -> bytes:
         key = store_key(request[1])
-        value = self.job.get(key)
-        if value is None:  # (torch's client waits for the key first: it was deleted since)
-            raise StoreError(f"get of {key!r:.80}, which is not set")
-        return tw.blob(value)
+        value = self.job.get(key)  # (a key deleted after the client's wait: empty, as torch's)
+        return tw.blob(b"" if value is None else value)
 
     def _add(self, request: tuple[Any, ...]) -> bytes:
         key = store_key(request[1])
@@ -286,9 +341,14 @@ class TorchStoreConnection(asyncio.Protocol):
 
     def _multi_get(self, request: tuple[Any, ...]) -> bytes:
         keys = [store_key(k) for k in request[1]]
-        values = self.job.get_all(keys)
-        if values is None:
-            raise StoreError("multi_get of a key that is not set")
+        job = self.job
+        values = [job.get(k) or b"" for k in keys]  # (deleted after the client's wait: empty)
+        size = sum(len(v) + 8 for v in values)
+        if size > MAX_UNREAD_REPLIES:
+            limit = MAX_UNREAD_REPLIES
+            raise LimitError(
+                f"multi_get answer of {size} bytes, more than a client may leave unread ({limit})"
+            )
         return tw.blobs(values)
 
     def _multi_set(self, request: tuple[Any, ...]) -> bytes:
@@ -346,12 +406,15 @@ _HANDLERS: dict[int, Callable[[TorchStoreConnection, tuple[Any, ...]], bytes]] =
 
 class KeysWait:
     """A client's ``wait``: parked on its first missing key (``waits.KeyWaits``) until every key
-    is there; no deadline of its own (torch's client sends ``CANCEL_WAIT`` at its timeout)."""
+    has been there (a key seen keeps counting if deleted after, as torch's server counts sets;
+    each wake looks on from the key it stopped at: a wait on N keys set one by one is O(N));
+    no deadline of its own (torch's client sends ``CANCEL_WAIT`` at its timeout)."""
 
-    __slots__ = ("_conn", "_keys", "parked")
+    __slots__ = ("_conn", "_keys", "_next", "parked")
 
     def __init__(self, conn: TorchStoreConnection, keys: list[str]) -> None:
         self._conn, self._keys = conn, keys
+        self._next = 0
         self.parked: str | None = None
 
     def wake(self) -> None:
@@ -359,14 +422,15 @@ class KeysWait:
         if conn.waiting is not self:
             return
         self.parked = None
-        job = conn.job
-        for key in self._keys:
+        job, keys = conn.job, self._keys
+        while self._next < len(keys):
+            key = keys[self._next]
             if not job.present(key):
                 self.parked = key
                 conn.server.waits.park(conn.server.tcpstore_job, key, self)
                 return
-        conn.waiting = None
-        conn.send_now(tw.STOP_WAITING)
+            self._next += 1
+        asyncio.get_running_loop().call_soon(conn.wait_ended, self)
 
     def cancel(self) -> None:
         if self.parked is not None:

@@ -88,6 +88,21 @@ class _Short(Exception):
         self.need = need
 
 
+class _Partial:
+    """A request parsed as far as its bytes have arrived: its fields so far, where the next one
+    starts, and for a list of keys (or pairs), the items so far and how many are still to come.
+    A request that arrives in many small reads is parsed once, not again from its start."""
+
+    __slots__ = ("field", "items", "out", "pos", "remaining")
+
+    def __init__(self, kind: int) -> None:
+        self.out: list[Any] = [Query(kind)]
+        self.pos = 1
+        self.field = 0
+        self.items: list[Any] | None = None
+        self.remaining = 0
+
+
 class RequestReader:
     """Requests out of the bytes a client sent, one at a time, each ``(Query, *fields)``."""
 
@@ -96,6 +111,7 @@ class RequestReader:
         self.max_keys = max_keys
         self._buf = bytearray()
         self._need = 1  # bytes the next request needs at least (no parse before they are here)
+        self._partial: _Partial | None = None
 
     def feed(self, data: bytes) -> None:
         self._buf += data
@@ -130,40 +146,45 @@ class RequestReader:
             )
 
     def _parse(self, buf: bytearray) -> tuple[tuple[Any, ...], int]:
-        kind = buf[0]
-        fields = _FIELDS.get(kind)
-        if fields is None:
-            raise ProtocolError(f"unknown TCPStore query type {kind}")
-        out: list[Any] = [Query(kind)]
-        pos = 1
-        for field in fields:
+        p = self._partial
+        if p is None:
+            if buf[0] not in _FIELDS:
+                raise ProtocolError(f"unknown TCPStore query type {buf[0]}")
+            p = self._partial = _Partial(buf[0])
+        fields = _FIELDS[p.out[0]]
+        while p.field < len(fields):  # (each step takes effect only once its bytes are all here)
+            field = fields[p.field]
             if field == "I":
-                out.append(self._fixed(buf, pos, _U32))
-                pos += 4
+                p.out.append(self._fixed(buf, p.pos, _U32))
+                p.pos += 4
             elif field == "q":
-                out.append(self._fixed(buf, pos, _I64))
-                pos += 8
+                p.out.append(self._fixed(buf, p.pos, _I64))
+                p.pos += 8
             elif field in "sb":
-                value, pos = self._bytes(buf, pos)
-                out.append(value)
+                value, p.pos = self._bytes(buf, p.pos)
+                p.out.append(value)
             else:  # a count of keys, or of key-value pairs
-                count = self._fixed(buf, pos, _U64)
-                pos += 8
-                if count > self.max_keys:
-                    raise LimitError(
-                        f"a TCPStore request names {count} keys, over the server's limit of "
-                        f"{self.max_keys} keys per request"
-                    )
-                items: list[Any] = []
-                for _ in range(count):
-                    key, pos = self._bytes(buf, pos)
+                if p.items is None:
+                    count = self._fixed(buf, p.pos, _U64)
+                    if count > self.max_keys:
+                        raise LimitError(
+                            f"a TCPStore request names {count} keys, over the server's limit of "
+                            f"{self.max_keys} keys per request"
+                        )
+                    p.pos, p.items, p.remaining = p.pos + 8, [], count
+                while p.remaining:
+                    key, pos = self._bytes(buf, p.pos)
                     if field == "P":
                         value, pos = self._bytes(buf, pos)
-                        items.append((key, value))
+                        p.items.append((key, value))
                     else:
-                        items.append(key)
-                out.append(items)
-        return tuple(out), pos
+                        p.items.append(key)
+                    p.pos, p.remaining = pos, p.remaining - 1
+                p.out.append(p.items)
+                p.items = None
+            p.field += 1
+        self._partial = None
+        return tuple(p.out), p.pos
 
     @staticmethod
     def _fixed(buf: bytearray, pos: int, form: struct.Struct) -> int:
