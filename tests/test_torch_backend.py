@@ -328,8 +328,9 @@ def test_a_reduction_undefined_for_the_dtype_is_refused_on_every_rank_of_any_gro
 
 @pytest.mark.timeout(60)
 def test_bad_arguments_raise_what_gloo_raises_naming_them() -> None:
-    """Out-of-range dst/src: torch's ValueError; sizes and ops arendez refuses: RuntimeError
-    (``InvalidArgumentError``), as gloo's."""
+    """Out-of-range dst/src: a ValueError as torch's own checks raise, and a RuntimeError as gloo's
+    "invalid root rank"; sizes and ops arendez refuses: RuntimeError (``InvalidArgumentError``),
+    as gloo's."""
     ws = 2
     for out in _run("bad_rank_args", ws, _tcp()):
         errors = out["errors"]
@@ -340,7 +341,8 @@ def test_bad_arguments_raise_what_gloo_raises_naming_them() -> None:
             ("reduce", "dst", 7),
         ]:
             assert (
-                errors[name] == f"ValueError: {arg}={value} is not a rank of this group: it must be in [0, 1]"
+                errors[name]
+                == f"ValueError+RuntimeError: {arg}={value} is not a rank of this group: it must be in [0, 1]"
             )
         wrong = out["wrong"]
         assert wrong["all_gather_into_tensor"].startswith("RuntimeError: output_tensor must be"), wrong

@@ -476,8 +476,9 @@ def bad_rank_args(rank: int, ws: int, init: str) -> dict[str, Any]:
         try:
             call()
             errors[name] = "returned"
-        except Exception as exc:
-            errors[name] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # (a ValueError as torch's own checks raise, a RuntimeError as gloo's)
+            kinds = [k.__name__ for k in (ValueError, RuntimeError) if isinstance(exc, k)]
+            errors[name] = f"{'+'.join(kinds)}: {exc}"
     wrong = {}  # arguments gloo refuses with a RuntimeError
     for name, call in [
         ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2))),
