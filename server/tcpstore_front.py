@@ -203,8 +203,8 @@ class TorchStoreConnection(asyncio.Protocol):
         """Answer the whole requests that have arrived, in order, until the client leaves too
         many replies unread (``paused``); behind a ``wait`` only its ``CANCEL_WAIT`` is taken
         (torch's client sends nothing else while it waits)."""
-        reader = self.reader
-        while self.is_open and not self.paused:
+        reader, transport = self.reader, self.transport
+        while transport is not None and not transport.is_closing() and not self.paused:
             if self.waiting is not None and reader.peek() != Query.CANCEL_WAIT:
                 return
             request = reader.next()

@@ -81,6 +81,14 @@ _FIELDS: dict[int, str] = {
 }
 
 
+#: The queries of one string and at most one more field (its kind: None, "b" or "q"): parsed
+#: straight from a whole buffer (``RequestReader.next``), the others field by field.
+_ONE_STRING: dict[int, str | None] = {
+    kind: fields[1:] or None for kind, fields in _FIELDS.items() if fields in ("s", "sb", "sq")
+}
+_QUERIES = {int(q): q for q in Query}
+
+
 class _Short(Exception):
     """The buffer ends before the request does; ``need``: the bytes it needs at least."""
 
@@ -126,8 +134,30 @@ class RequestReader:
     def next(self) -> tuple[Any, ...] | None:
         """The next whole request, taken out of the buffer; None until it has all arrived."""
         buf = self._buf
-        if len(buf) < self._need:
+        have = len(buf)
+        if have < self._need:
             return None
+        if self._partial is None and have >= 9 and buf[0] in _ONE_STRING:
+            # the usual requests (get, set, add, a key and maybe a value or an amount), whole
+            kind, (size,) = buf[0], _U64.unpack_from(buf, 1)
+            end = 9 + size
+            if end <= self.max_request and have >= end:
+                rest = _ONE_STRING[kind]
+                if rest is None:
+                    request: tuple[Any, ...] = (_QUERIES[kind], bytes(buf[9:end]))
+                    del buf[:end]
+                    return request
+                if rest == "q" and have >= end + 8:
+                    request = (_QUERIES[kind], bytes(buf[9:end]), _I64.unpack_from(buf, end)[0])
+                    del buf[: end + 8]
+                    return request
+                if rest == "b" and have >= end + 8:
+                    (vsize,) = _U64.unpack_from(buf, end)
+                    vend = end + 8 + vsize
+                    if vend <= self.max_request and have >= vend:
+                        request = (_QUERIES[kind], bytes(buf[9:end]), bytes(buf[end + 8 : vend]))
+                        del buf[:vend]
+                        return request
         try:
             request, end = self._parse(buf)
         except _Short as short:

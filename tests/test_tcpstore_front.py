@@ -162,12 +162,17 @@ def test_reader_takes_requests_split_anywhere() -> None:
     wire = bytes([tw.Query.VALIDATE]) + struct.pack("<I", tw.VALIDATION_MAGIC)
     wire += bytes([tw.Query.SET]) + tw.blob(b"/k") + tw.blob(b"value")
     wire += bytes([tw.Query.MULTI_GET]) + struct.pack("<Q", 2) + tw.blob(b"/a") + tw.blob(b"/b")
+    wire += bytes([tw.Query.ADD]) + tw.blob(b"/n") + struct.pack("<q", -3)
+    wire += bytes([tw.Query.GET]) + tw.blob(b"/n") + bytes([tw.Query.SET]) + tw.blob(b"/e") + tw.blob(b"")
     want = [
         (tw.Query.VALIDATE, tw.VALIDATION_MAGIC),
         (tw.Query.SET, b"/k", b"value"),
         (tw.Query.MULTI_GET, [b"/a", b"/b"]),
+        (tw.Query.ADD, b"/n", -3),
+        (tw.Query.GET, b"/n"),
+        (tw.Query.SET, b"/e", b""),
     ]
-    for chunk in (1, 3, len(wire)):
+    for chunk in (1, 3, 7, 8, 9, 10, 17, len(wire)):
         reader = tw.RequestReader(1 << 20, 10)
         got = []
         for i in range(0, len(wire), chunk):
