@@ -48,6 +48,11 @@ MAX_REQUEST = request_limit(MAX_VALUE, MAX_KEY)
 #: The most keys one request may name (a request that waits holds its keys on the server); the
 #: clients split longer key lists into several requests (``key_batches``).
 MAX_KEYS = 10_000
+#: The server job every ``TCPStore`` client uses (``arendez.tcpstore``, and torch's own client on
+#: ``arendez-server --tcpstore-port``): one server, one key space, as torch's.
+TCPSTORE_JOB = "tcpstore"
+#: That job's count of store users (torch's has one too, ``init/``), not listed.
+TCPSTORE_WORKERS_KEY = "__arendez_tcpstore/workers"
 
 
 def key_batches(keys: list[str], values: list[bytes] | None = None) -> list[slice]:

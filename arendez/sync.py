@@ -18,6 +18,7 @@ from typing import Any
 import arendez as api  # the public async API only
 
 from . import compat, farewell, flightrec
+from . import registry as _registry
 from .errors import *  # noqa: F403 - the same error names as the async API
 from .handshake import endpoint
 from .loop import shared
@@ -110,9 +111,8 @@ def _init_through_torch_store(kwargs: dict[str, Any]) -> Any:
     rank, size = kwargs.get("rank", -1), kwargs.get("world_size", -1)
     if not isinstance(rank, int) or not isinstance(size, int) or rank < 0 or size < 1:
         raise ValueError(f"init_process_group(store=...) needs rank and world_size, got {rank} and {size}")
-    limit = kwargs["timeout"]
-    seconds = limit.total_seconds() if isinstance(limit, datetime.timedelta) else float(limit)
-    kwargs["init_method"] = backend.meeting_url(store, rank, size, seconds)
+    limit = _registry.seconds(kwargs["timeout"], default_pg_timeout.total_seconds())
+    kwargs["init_method"] = backend.meeting_url(store, rank, size, limit)
     kwargs["backend"] = kwargs.get("backend") or "tcp"
     world = _init_process_group(**kwargs)
     _meeting_stores.append(store)

@@ -26,16 +26,12 @@ from .errors import LimitError, StoreConnectTimeoutError, StoreError, StoreTimeo
 from .loop import shared
 from .registry import seconds
 from .settings import env_int
-from .store_wire import MAX_KEYS, key_batches, store_key, to_bytes
+from .store_wire import MAX_KEYS, TCPSTORE_JOB, TCPSTORE_WORKERS_KEY, key_batches, store_key, to_bytes
 from .storemux import SharedStoreClient
 from .syncstore import DEFAULT_TIMEOUT, Store, add_amount, key_list
 
 __all__ = ["TCPStore"]
 
-#: TCPStore's one key of its own (torch's has one too: its count of store users), not listed
-_WORKERS = "__arendez_tcpstore/workers"
-#: the server job every TCPStore client uses (one server, one key space, as torch's)
-_JOB = "tcpstore"
 #: The TCPStore clients of this process that have a connection of their own.
 _own_connections: weakref.WeakSet[TCPStore] = weakref.WeakSet()
 
@@ -115,14 +111,14 @@ class TCPStore(Store):
         self.timeout = datetime.timedelta(seconds=limit)  # (a float given: torch's is a timedelta too)
         self._store: BlockingStore | SharedStoreClient
         if len(_own_connections) < env_int("ARENDEZ_TCPSTORE_OWN_CONNECTIONS", 16, minimum=0):
-            self._store = BlockingStore(host_name, port, _JOB, timeout=limit)
+            self._store = BlockingStore(host_name, port, TCPSTORE_JOB, timeout=limit)
             _own_connections.add(self)
         else:  # many clients in this process: share connections (see the module's docstring)
-            self._store = SharedStoreClient(host_name, port, _JOB, timeout=limit)
+            self._store = SharedStoreClient(host_name, port, TCPSTORE_JOB, timeout=limit)
         self._lock = threading.Lock()  # one request at a time on the connection (torch's too)
         self._connect(limit)
         if world_size is not None and wait_for_workers:  # (torch counts only these users)
-            self._store.add(_WORKERS, 1)
+            self._store.add(TCPSTORE_WORKERS_KEY, 1)
             if is_master:
                 self._wait_for_workers(world_size, limit)
 
@@ -149,7 +145,7 @@ class TCPStore(Store):
         """Poll the count of store users until all ``world_size`` came (as torch's master does:
         one request per poll, so the store keeps a single key of its own)."""
         deadline, pause = time.monotonic() + limit, 0.005
-        while (joined := self._store.add(_WORKERS, 0)) < world_size:
+        while (joined := self._store.add(TCPSTORE_WORKERS_KEY, 0)) < world_size:
             if time.monotonic() + pause >= deadline:
                 self._store.close()
                 raise StoreTimeoutError(
@@ -223,7 +219,7 @@ class TCPStore(Store):
 
     def list_keys(self) -> list[str]:
         with self._lock:
-            return [k for k in self._store.list_keys() if k != _WORKERS]
+            return [k for k in self._store.list_keys() if k != TCPSTORE_WORKERS_KEY]
 
     def append(self, key: str, value: str | bytes) -> None:
         """Append ``value`` to the bytes at ``key`` (created if missing), atomically: one request,
@@ -245,7 +241,7 @@ class TCPStore(Store):
 
     def meeting_point(self) -> tuple[str, int, str]:
         """Where ``init_process_group(store=self)`` meets: this store's server and job."""
-        return self.host, int(self.port), _JOB
+        return self.host, int(self.port), TCPSTORE_JOB
 
     @property
     def libuvBackend(self) -> bool:  # (torch's name)

@@ -34,7 +34,7 @@ from arendez.errors import (
     StoreError,
     StoreTimeoutError,
 )
-from arendez.store_wire import STORE_PROTOCOL, arity_error, request_limit
+from arendez.store_wire import STORE_PROTOCOL, TCPSTORE_JOB, arity_error, request_limit
 from arendez.transports import local
 
 from . import tcpstore_front
@@ -87,7 +87,7 @@ class ServerConfig:
     #: Serve torch's own TCPStore clients on this port too (``tcpstore_front``; 0 picks one);
     #: their keys are those of job ``tcpstore_job``. Not with a token or TLS.
     tcpstore_port: int | None = None
-    tcpstore_job: str = "tcpstore"
+    tcpstore_job: str = TCPSTORE_JOB
     #: Seconds the keys of ``tcpstore_job`` outlive its last client once torch clients used it
     #: (0: they go with it, as a torch store goes with the run that hosts it).
     tcpstore_grace: float = 0.0
@@ -292,9 +292,7 @@ class Server:
         if peers is not None and not peers:
             del self._sessions[session.job]
             if session.job in self._scoped:
-                asyncio.get_running_loop().call_later(
-                    self._grace(session.job), self._drop_scoped, session.job
-                )
+                self._drop_later(session.job)
             else:
                 self.state.drop_if_idle(session.job, 0)
 
@@ -309,10 +307,12 @@ class Server:
         self._torch_clients -= 1
         job = self.tcpstore_job
         if not self._torch_clients and not self._sessions.get(job):
-            asyncio.get_running_loop().call_later(self._grace(job), self._drop_scoped, job)
+            self._drop_later(job)
 
-    def _grace(self, job: str) -> float:
-        return self.config.tcpstore_grace if job == self.tcpstore_job else self.config.scoped_grace
+    def _drop_later(self, job: str) -> None:
+        """Look at a scoped job whose last client left again after its grace (``_drop_scoped``)."""
+        grace = self.config.tcpstore_grace if job == self.tcpstore_job else self.config.scoped_grace
+        asyncio.get_running_loop().call_later(grace, self._drop_scoped, job)
 
     def _drop_scoped(self, job: str) -> None:
         """A scoped job's last client left its grace ago: unless one came back, its keys go
@@ -322,7 +322,7 @@ class Server:
             return
         found = self.state.jobs.get(job)
         if found is not None and found.in_use:
-            asyncio.get_running_loop().call_later(self._grace(job), self._drop_scoped, job)
+            self._drop_later(job)
             return
         self._scoped.discard(job)
         self.state.drop_if_idle(job, 0, with_store=True)

@@ -31,6 +31,24 @@ DROP_DELAY = 0.2
 HELLO_FRAMES = 2
 
 
+def unread_excess(server: Server, unread: int) -> str | None:
+    """Why a client that left ``unread`` bytes of replies unread is past a limit: over
+    ``MAX_UNREAD_REPLIES`` of its own, or while all clients' unread replies pass the server's
+    ``max_unread_bytes``; None if it is not."""
+    if unread <= CHECK_TOTAL_FROM:
+        return None
+    if unread > MAX_UNREAD_REPLIES:
+        return f"client left {unread} bytes of replies unread (limit {MAX_UNREAD_REPLIES})"
+    budget = server.config.max_unread_bytes
+    total = sum(c.buffered() for c in server.backlogged)
+    if total > budget:
+        return (
+            f"client left {unread} bytes of replies unread while all clients left {total} "
+            f"(the server's limit, --max-unread-bytes: {budget})"
+        )
+    return None
+
+
 class Backlogged(Protocol):
     """A connection whose replies wait to be read (an arendez client's or a torch one's)."""
 
@@ -99,24 +117,12 @@ class Session:
         self.check_unread()
 
     def check_unread(self) -> None:
-        """Drop a client that leaves too many replies unread: over ``MAX_UNREAD_REPLIES`` of
-        its own, or while all clients' unread replies pass the server's ``max_unread_bytes``."""
-        unread = self.conn.buffered()
-        if unread <= CHECK_TOTAL_FROM or self.dropped:
+        """Drop a client that leaves too many replies unread (``unread_excess``)."""
+        if self.dropped:
             return
-        if unread > MAX_UNREAD_REPLIES:
-            limit = MAX_UNREAD_REPLIES
-            self.drop(ProtocolError(f"client left {unread} bytes of replies unread (limit {limit})"))
-            return
-        budget = self.server.config.max_unread_bytes
-        total = sum(c.buffered() for c in self.server.backlogged)
-        if total > budget:
-            self.drop(
-                ProtocolError(
-                    f"client left {unread} bytes of replies unread while all clients left {total} "
-                    f"(the server's limit, --max-unread-bytes: {budget})"
-                )
-            )
+        why = unread_excess(self.server, self.conn.buffered())
+        if why is not None:
+            self.drop(ProtocolError(why))
 
     def drop(self, exc: ArendezError) -> None:
         """Stop answering; close soon, once what the client already sent has been read

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 from arendez import burstlog
 from arendez.errors import ArendezError, LimitError, ProtocolError, StoreError
-from arendez.store_wire import MAX_KEYS, request_limit
+from arendez.store_wire import MAX_KEYS, TCPSTORE_WORKERS_KEY, request_limit
 
 from . import tcpstore_wire as tw
-from .connection import CHECK_TOTAL_FROM, FLUSH_AT, MAX_UNREAD_REPLIES
+from .connection import FLUSH_AT, MAX_UNREAD_REPLIES, unread_excess
 from .tcpstore_wire import Query
 
 if TYPE_CHECKING:
@@ -38,11 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("arendez.server")
 
-#: The job torch's clients use (``arendez.tcpstore``'s: one key space for both kinds of client).
-JOB = "tcpstore"
-#: torch's client's worker count key (sent without the prefix), and ``arendez.tcpstore``'s.
+#: torch's client's worker count key (sent without the prefix): ``TCPSTORE_WORKERS_KEY`` here.
 TORCH_WORKERS_KEY = "init/"
-ARENDEZ_WORKERS_KEY = "__arendez_tcpstore/workers"
 #: Bytes beyond one whole request a client may have sent while its requests wait (behind a
 #: ``wait``, or while it does not read its replies): then it is closed.
 MAX_BUFFERED_EXTRA = 64 << 10
@@ -65,13 +62,13 @@ def store_key(raw: bytes) -> str:
     if key.startswith("/"):
         return key[1:]
     if key == TORCH_WORKERS_KEY:
-        return ARENDEZ_WORKERS_KEY
+        return TCPSTORE_WORKERS_KEY
     raise ProtocolError(f"TCPStore key {key!r:.80} lacks the '/' torch's client puts before every key")
 
 
 def client_key(key: str) -> str:
     """``store_key`` undone: the key torch's client expects in ``list_keys``."""
-    return TORCH_WORKERS_KEY if key == ARENDEZ_WORKERS_KEY else "/" + key
+    return TORCH_WORKERS_KEY if key == TCPSTORE_WORKERS_KEY else "/" + key
 
 
 class TorchStoreConnection(asyncio.Protocol):
@@ -93,8 +90,7 @@ class TorchStoreConnection(asyncio.Protocol):
         self.paused = False
         self._out: list[bytes] = []
         self._out_bytes = 0
-        self._loop = asyncio.get_running_loop()
-        self._closed = self._loop.create_future()
+        self._closed = asyncio.get_running_loop().create_future()
 
     # -- the connection ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -246,26 +242,11 @@ class TorchStoreConnection(asyncio.Protocol):
             self._check_unread()
 
     def _check_unread(self) -> None:
-        """Close a client past the replies it may leave unread (``MAX_UNREAD_REPLIES``), or the
-        one past the server's ``--max-unread-bytes`` for all clients together."""
-        unread = self.buffered()
-        if unread <= CHECK_TOTAL_FROM:
-            return
-        budget = self.server.config.max_unread_bytes
-        if unread > MAX_UNREAD_REPLIES:
-            self._close(
-                LimitError(f"client left {unread} bytes of replies unread (limit {MAX_UNREAD_REPLIES})")
-            )
-        elif (total := sum(c.buffered() for c in self.server.backlogged)) > budget:
-            self._close(
-                LimitError(
-                    f"client left {unread} bytes of replies unread while all clients left {total} "
-                    f"(the server's limit, --max-unread-bytes: {budget})"
-                )
-            )
-        else:
-            return
-        self.abort()  # (a close would keep the unread replies until it reads them)
+        """Close a client past the replies it may leave unread (``connection.unread_excess``)."""
+        why = unread_excess(self.server, self.buffered())
+        if why is not None:
+            self._close(LimitError(why))
+            self.abort()  # (a close would keep the unread replies until it reads them)
 
     def wait_ended(self, wait: KeysWait) -> None:
         """``wait``'s keys are all there (called soon after, not inside the change that did it:
