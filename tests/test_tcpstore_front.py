@@ -146,6 +146,7 @@ def test_torchrun_c10d_and_gloo_run_on_the_server_run_after_run(
     assert ours.list_keys() == []
 
 
+@pytest.mark.timeout(10)
 def test_key_mapping() -> None:
     assert store_key(b"/a/b") == "a/b"
     assert client_key("a/b") == "/a/b"
@@ -157,6 +158,7 @@ def test_key_mapping() -> None:
         store_key(b"/\xff")
 
 
+@pytest.mark.timeout(10)
 def test_reader_takes_requests_split_anywhere() -> None:
     """Requests that arrive a byte at a time, and several in one read, parse the same."""
     wire = bytes([tw.Query.VALIDATE]) + struct.pack("<I", tw.VALIDATION_MAGIC)
@@ -375,6 +377,7 @@ def test_a_chain_of_waiters_each_woken_by_the_last_ones_set_all_wake() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.timeout(10)
 def test_a_request_that_arrives_in_pieces_is_parsed_once() -> None:
     """A ``multi_get`` of 2,000 keys fed a key at a time reads each key once (it was parsed again
     from its start at every piece: quadratic, 7.6 s of CPU for 10,000 keys: review)."""
