@@ -5,13 +5,13 @@ shared by all ranks of the process), a join that wakes only its own round's wait
 waits that wake only on their own keys, replies to the requests of one read written at once,
 and failure news sent as one batched event per round per flush, encoded once. The parts:
 ``connection.py`` (a client's reads and replies), ``admission.py`` (connection limits),
-``handlers.py`` (the requests), ``waits.py`` (store waits), ``members.py`` (rounds' news).
+``handlers.py`` (the requests), ``waits.py`` (store waits), ``members.py`` (rounds' news),
+``lifetimes.py`` (when a job nobody uses is dropped).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import errno
 import functools
 import logging
@@ -42,6 +42,7 @@ from .admission import Admission
 from .connection import Backlogged, ServerConnection, Session
 from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, PARKED, as_map, park, start_join
 from .hooks import ServerHooks
+from .lifetimes import JobLifetimes
 from .limits import StateLimits
 from .members import Members
 from .rounds import Departure
@@ -121,12 +122,7 @@ class Server:
         self._local: asyncio.Server | None = None  # the same-host listener (``transports.local``)
         self._torch: asyncio.Server | None = None  # torch's TCPStore clients (``tcpstore_front``)
         self.tcpstore_job = cfg.tcpstore_job
-        self._sessions: dict[str, set[Session]] = collections.defaultdict(set)
-        #: Jobs a scoped client used: their keys go once no client has been back for
-        #: ``scoped_grace`` seconds after the last one left (a blip is not the end of a run).
-        self._scoped: set[str] = set()
-        #: torch TCPStore clients connected now (``tcpstore_front``): their job's keys stay while any is
-        self._torch_clients = 0
+        self.lifetimes = JobLifetimes(self.state, cfg.tcpstore_job, cfg.scoped_grace, cfg.tcpstore_grace)
         self._lease_task: asyncio.Task[None] | None = None
         self.closing = False
         self.packer = msgpack.Packer(use_bin_type=True)
@@ -266,10 +262,8 @@ class Server:
         limit = request_limit(cfg.limits.max_value, cfg.limits.max_key)
         conn.set_limits(wire.Limits(max_header=limit, max_payload=0))
         session = Session(self, conn, job)
-        if hello.get("scoped") is True:
-            self._scoped.add(job)
         conn.start_session(session, limit)
-        self._sessions[job].add(session)
+        self.lifetimes.came(session, scoped=hello.get("scoped") is True)
         conn.set_handlers(lambda header, payload: self._handle(session, header), lambda exc: self._lost(conn))
 
     def _lost(self, conn: ServerConnection) -> None:
@@ -283,58 +277,16 @@ class Server:
         for pending in list(session.tasks):
             pending.cancel()
         self.members.unbind(session)
-        peers = self._sessions.get(session.job)
-        if peers is not None:
-            peers.discard(session)
         job = self.state.jobs.get(session.job)
         if job is not None and session.round is not None and session.rank is not None:
             job.withdraw(session.round, session.rank)  # once complete, the lease decides
-        if peers is not None and not peers:
-            del self._sessions[session.job]
-            if session.job in self._scoped:
-                self._drop_later(session.job)
-            else:
-                self.state.drop_if_idle(session.job, 0)
-
-    def torch_client_came(self) -> None:
-        """A torch TCPStore client validated: its job's keys now last as long as its clients (a
-        torch store goes with the run that hosts it; torchrun's c10d and gloo's init count on a
-        fresh one each run), as a scoped job's."""
-        self._torch_clients += 1
-        self._scoped.add(self.tcpstore_job)
-
-    def torch_client_left(self) -> None:
-        self._torch_clients -= 1
-        job = self.tcpstore_job
-        if not self._torch_clients and not self._sessions.get(job):
-            self._drop_later(job)
-
-    def _drop_later(self, job: str) -> None:
-        """Look at a scoped job whose last client left again after its grace (``_drop_scoped``)."""
-        grace = self.config.tcpstore_grace if job == self.tcpstore_job else self.config.scoped_grace
-        asyncio.get_running_loop().call_later(grace, self._drop_scoped, job)
-
-    def _drop_scoped(self, job: str) -> None:
-        """A scoped job's last client left its grace ago: unless one came back, its keys go
-        (once its round is over: a member's lease may still run)."""
-        torch_held = job == self.tcpstore_job and self._torch_clients
-        if self._sessions.get(job) or torch_held or job not in self._scoped:
-            return
-        found = self.state.jobs.get(job)
-        if found is not None and found.in_use:
-            self._drop_later(job)
-            return
-        self._scoped.discard(job)
-        self.state.drop_if_idle(job, 0, with_store=True)
+        self.lifetimes.went(session)
 
     def depart(self, departures: list[Departure]) -> None:
-        """Members that stopped being active: their peers are told, and a job that no
-        connection uses any more is forgotten once its round is over (its ranks crashed: their
-        leases ran out after their connections had gone)."""
+        """Members that stopped being active: their peers are told (``Members``), and their
+        jobs may be dropped (``JobLifetimes.departed``)."""
         self.members.depart(departures)
-        for job in {gone.job for gone in departures}:
-            if not self._sessions.get(job) and job not in self._scoped:
-                self.state.drop_if_idle(job, 0)
+        self.lifetimes.departed({gone.job for gone in departures})
 
     # -- requests --------------------------------------------------------------------------
     def _handle(self, session: Session, request: Any) -> None:

@@ -114,7 +114,7 @@ class TorchStoreConnection(asyncio.Protocol):
         self.server.admission.remove(self)
         self.server.backlogged.discard(self)
         if self.validated:
-            self.server.torch_client_left()
+            self.server.lifetimes.torch_went()
         if self.waiting is not None:
             self.waiting.cancel()
             self.waiting = None
@@ -217,7 +217,7 @@ class TorchStoreConnection(asyncio.Protocol):
                 raise ProtocolError("not a TCPStore client: its first request was no VALIDATE")
             self.validated = True
             self.server.admission.handshaking.discard(self)
-            self.server.torch_client_came()
+            self.server.lifetimes.torch_came()
             return
         server = self.server
         timed = server.timed

@@ -227,7 +227,7 @@ async def test_a_storm_of_bad_clients_leaves_no_server_connection_alive() -> Non
         assert len(made) >= 5 * len(bombs) + 30 + 5
         assert not alive, f"{len(alive)} of {len(made)} server connections still alive without a gc pass"
         admission = server.admission
-        assert not admission.handshaking and not admission.per_host and not server._sessions
+        assert not admission.handshaking and not admission.per_host and not server.lifetimes.sessions
     finally:
         gc.enable()
         await server.close(1.0)
