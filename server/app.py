@@ -118,6 +118,8 @@ class Server:
         self.backlogged: set[Backlogged] = set()
         self.members = Members(self.state, cfg.hooks)
         self.waits = KeyWaits()
+        #: torch ``barrier`` calls waiting on the TCPStore port, by key (``tcpstore_front``)
+        self.torch_barriers: dict[str, tcpstore_front.Barrier] = {}
         self._server: asyncio.Server | None = None
         self._local: asyncio.Server | None = None  # the same-host listener (``transports.local``)
         self._torch: asyncio.Server | None = None  # torch's TCPStore clients (``tcpstore_front``)

@@ -84,7 +84,7 @@ class TorchStoreConnection(asyncio.Protocol):
         self.deadline = 0.0  # the handshake's (``Admission.sweep_handshakes``)
         self.session = None  # (not an arendez client: the server's shutdown notice is not for it)
         self.validated = False
-        self.waiting: KeysWait | None = None
+        self.waiting: KeysWait | BarrierWait | None = None
         #: True while the client leaves replies unread (the transport's buffer is full): no
         #: request is answered, nor read, until it reads them (no reply piles up unbounded).
         self.paused = False
@@ -248,9 +248,10 @@ class TorchStoreConnection(asyncio.Protocol):
             self._close(LimitError(why))
             self.abort()  # (a close would keep the unread replies until it reads them)
 
-    def wait_ended(self, wait: KeysWait) -> None:
-        """``wait``'s keys are all there (called soon after, not inside the change that did it:
-        a chain of clients each woken by the last one's queued ``set`` would nest without end)."""
+    def wait_ended(self, wait: KeysWait | BarrierWait) -> None:
+        """``wait``'s keys are all there, or its barrier is passed (called soon after, not
+        inside the change that did it: a chain of clients each woken by the last one's queued
+        ``set`` would nest without end)."""
         if self.waiting is not wait or not self.is_open:
             return  # (cancelled meanwhile: its CANCEL_WAIT was answered instead)
         self.waiting = None
@@ -301,6 +302,13 @@ class TorchStoreConnection(asyncio.Protocol):
         self.waiting = KeysWait(self, keys)
         self.waiting.wake()
         return b""
+
+    def _barrier(self, request: tuple[Any, ...]) -> bytes:
+        key, members = store_key(request[1]), request[2]
+        barriers = self.server.torch_barriers
+        barrier = barriers.get(key) or barriers.setdefault(key, Barrier(self.server, key))
+        self.waiting = barrier.arrive(self, members)
+        return b"" if self.waiting is not None else tw.STOP_WAITING
 
     def _cancel_wait(self, request: tuple[Any, ...]) -> bytes:
         if self.waiting is not None:  # (else it ended already: its STOP_WAITING went first)
@@ -382,6 +390,7 @@ _HANDLERS: dict[int, Callable[[TorchStoreConnection, tuple[Any, ...]], bytes]] =
     Query.QUEUE_POP: TorchStoreConnection._queue_pop,
     Query.QUEUE_LEN: TorchStoreConnection._queue_len,
     Query.LIST_KEYS: TorchStoreConnection._list_keys,
+    Query.BARRIER: TorchStoreConnection._barrier,
 }
 
 
@@ -417,6 +426,81 @@ class KeysWait:
         if self.parked is not None:
             self._conn.server.waits.unpark(self._conn.server.tcpstore_job, self.parked, self)
             self.parked = None
+
+
+class Barrier:
+    """torch's ``barrier`` on one key, as torch's server keeps it: each arrival adds 1 to the
+    key's counter (a plain key); an arrival that brings it to its own count goes on and frees
+    every client waiting on the key, as does any other change of the key (a ``set``, ``add``,
+    ``append`` or ``compare_set``, whatever the value; not a ``delete``), while an arrival short
+    of its count frees none (a call with a larger count waits for a later one)."""
+
+    __slots__ = ("_held", "_key", "_server", "waiting")
+
+    def __init__(self, server: Server, key: str) -> None:
+        self._server, self._key = server, key
+        self.waiting: dict[BarrierWait, None] = {}
+        self._held = False  # (during an arrival: its own change of the key frees no one)
+
+    def arrive(self, conn: TorchStoreConnection, members: int) -> BarrierWait | None:
+        """``conn``'s arrival: ``None`` if it goes on at once, else its wait."""
+        self._held = True
+        try:
+            arrived = conn.job.add(self._key, 1)
+            conn.changed(self._key)  # (plain waiters of the key)
+        except BaseException:
+            if not self.waiting:
+                self._forget()
+            raise
+        finally:
+            self._held = False
+        if arrived >= members:
+            self.release()
+            return None
+        wait = BarrierWait(conn, self)
+        if not self.waiting:
+            self._server.waits.park(self._server.tcpstore_job, self._key, self)
+        self.waiting[wait] = None
+        return wait
+
+    def leave(self, wait: BarrierWait) -> None:
+        self.waiting.pop(wait, None)
+        if not self.waiting:
+            self._forget()
+
+    def wake(self) -> None:
+        """The key changed (``waits.KeyWaits`` took this off it)."""
+        if self._held:
+            self._server.waits.park(self._server.tcpstore_job, self._key, self)
+        else:
+            self.release()
+
+    def release(self) -> None:
+        """Let every waiter go on."""
+        waiting, self.waiting = self.waiting, {}
+        self._forget()
+        call_soon = asyncio.get_running_loop().call_soon
+        for wait in waiting:
+            call_soon(wait.conn.wait_ended, wait)
+
+    def _forget(self) -> None:
+        server = self._server
+        server.waits.unpark(server.tcpstore_job, self._key, self)
+        if server.torch_barriers.get(self._key) is self:
+            del server.torch_barriers[self._key]
+
+
+class BarrierWait:
+    """A client's ``barrier`` not yet passed; no deadline of its own (torch's client sends
+    ``CANCEL_WAIT`` at its timeout, and its arrival keeps counting, as on torch's server)."""
+
+    __slots__ = ("_barrier", "conn")
+
+    def __init__(self, conn: TorchStoreConnection, barrier: Barrier) -> None:
+        self.conn, self._barrier = conn, barrier
+
+    def cancel(self) -> None:
+        self._barrier.leave(self)
 
 
 async def listen(server: Server, host: str, port: int, backlog: int) -> asyncio.Server:

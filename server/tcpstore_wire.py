@@ -6,7 +6,8 @@ byte strings as a ``uint64`` length and the bytes, counts as ``uint64``, ``add``
 ``int64``. The first request is ``VALIDATE`` (a ``uint32`` magic number), then ``PING`` (a
 ``uint32`` nonce the server sends back). The server never reports an error: it closes the
 connection, and the client raises ``DistNetworkError``. Replies are values of the same
-encodings, or nothing (``set``, ``append``, ``multi_set``, ``queue_push``).
+encodings, or nothing (``set``, ``append``, ``multi_set``, ``queue_push``); ``barrier`` (a key and
+its count) is answered like a ``wait``, once passed, and ``CANCEL_WAIT`` ends it unpassed.
 
 ``RequestReader`` bounds what it buffers: a request longer than ``max_request`` bytes, or naming
 more than ``max_keys`` keys, is refused (``LimitError``) as soon as its header says so; bytes that
@@ -46,6 +47,7 @@ class Query(enum.IntEnum):
     QUEUE_POP = 15
     QUEUE_LEN = 16
     LIST_KEYS = 17
+    BARRIER = 18
 
 
 #: ``check``'s answer (``CheckResponseType``).
@@ -78,6 +80,7 @@ _FIELDS: dict[int, str] = {
     Query.QUEUE_POP: "s",
     Query.QUEUE_LEN: "s",
     Query.LIST_KEYS: "",
+    Query.BARRIER: "sq",
 }
 
 

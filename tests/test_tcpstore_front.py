@@ -77,6 +77,10 @@ def _outcomes(store: Any) -> list[tuple[str, Any]]:
         ("list_keys", lambda: sorted(store.list_keys())),
         ("binary value", lambda: (store.set("bin", bytes(range(256))), store.get("bin"))),
         ("unicode key", lambda: (store.set("ключ", b"u"), store.get("ключ"))),
+        ("barrier of one", lambda: (store.barrier("b", 1), store.barrier("b", 1), store.get("b"))),
+        ("barrier timeout", lambda: store.barrier("bt", 2, timedelta(milliseconds=200))),
+        ("usable after a barrier timeout", lambda: (store.get("bt"), store.add("bt", 0))),
+        ("barrier on a value", lambda: (store.set("bv", b"x"), store.barrier("bv", 1))),
         ("get absent", lambda: (store.set_timeout(timedelta(milliseconds=200)), store.get("never"))),
     ]
     out: list[tuple[str, Any]] = []
@@ -97,6 +101,55 @@ def test_torch_client_gets_the_answers_of_torch_server(tcpstore_server: tuple[Se
     assert got == want
     assert dict(got)["wait timeout"] == "DistStoreError"  # (the run did reach the failures)
     assert dict(got)["queue_pop empty"] == "QueueEmptyError"
+
+
+def _barrier_outcomes(port: int) -> list[tuple[str, list[str]]]:
+    """torch's ``barrier`` across clients, each case in a fresh key: who goes on and who times
+    out. A later arrival starts once the earlier ones are counted (the key's counter)."""
+    watcher = _client(port)
+
+    def counted(key: str, arrivals: int) -> None:
+        while not (watcher.check([key]) and int(watcher.get(key)) >= arrivals):
+            time.sleep(0.01)
+
+    def case(key: str, counts: list[int], then: Callable[[], Any] | None = None) -> list[str]:
+        outcomes = [""] * len(counts)
+
+        def arrive(i: int, store: Any) -> None:
+            try:
+                store.barrier(key, counts[i], timedelta(seconds=1))
+                outcomes[i] = "passed"
+            except Exception as exc:
+                outcomes[i] = type(exc).__name__
+
+        threads = []
+        for i in range(len(counts)):
+            threads.append(threading.Thread(target=arrive, args=(i, _client(port))))
+            threads[-1].start()
+            counted(key, i + 1)
+        if then is not None:
+            then()
+        for thread in threads:
+            thread.join()
+        return outcomes
+
+    return [
+        ("all of two", case("two", [2, 2])),
+        ("a later call of a larger count frees no one", case("larger", [2, 3])),
+        ("a later call of a smaller count frees all", case("smaller", [3, 2])),
+        ("freed by an add below the count", case("add", [5], lambda: watcher.add("add", 1))),
+        ("freed by a set", case("set", [5], lambda: watcher.set("set", b"x"))),
+        ("not by a delete", case("delete", [5], lambda: watcher.delete_key("delete"))),
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_barrier_goes_as_on_torch_server(tcpstore_server: tuple[ServerProcess, int]) -> None:
+    _, port = tcpstore_server
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    want = _barrier_outcomes(master.port)
+    assert _barrier_outcomes(port) == want
+    assert dict(want)["a later call of a larger count frees no one"] == ["DistStoreError"] * 2
 
 
 @pytest.mark.timeout(60)
