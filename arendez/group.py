@@ -40,10 +40,16 @@ __all__ = ["GroupMember", "Op", "ProcessGroup", "Stats"]
 
 
 class GroupMember:
-    """Markers shared with torch: a rank outside a group gets ``NON_GROUP_MEMBER``."""
+    """Markers shared with torch: a rank outside a group gets ``NON_GROUP_MEMBER`` (-100, as
+    torch's)."""
 
     WORLD: ProcessGroup | None = None
-    NON_GROUP_MEMBER = object()
+    NON_GROUP_MEMBER = -100
+
+
+def not_member(group: object) -> bool:
+    """Whether ``group`` is what ``new_group`` gave a rank outside it."""
+    return type(group) is int and group == GroupMember.NON_GROUP_MEMBER
 
 
 @dataclass(eq=False)

@@ -19,7 +19,7 @@ from . import algorithms as algo
 from . import elastic, embedded, farewell, shm, tls, validate
 from .arrays import ReduceOp
 from .errors import RendezvousError, StoreConnectTimeoutError
-from .group import GroupMember, ProcessGroup
+from .group import GroupMember, ProcessGroup, not_member
 from .handle import Handle
 from .registry import (
     DEFAULT_TIMEOUT,
@@ -407,7 +407,7 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
     ``init_process_group`` while the process lives (``arendez.embedded``).
     """
     world, default = world_or_none(), default_group()
-    if world is None or default is None or group is GroupMember.NON_GROUP_MEMBER:
+    if world is None or default is None or not_member(group):
         return
     loop = asyncio.get_running_loop()
     if group is not None and group is not GroupMember.WORLD and group is not default:

@@ -22,7 +22,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from . import validate
 from .errors import AlreadyInitializedError, InvalidArgumentError, NotInitializedError
-from .group import GroupMember, ProcessGroup, Stats
+from .group import GroupMember, ProcessGroup, Stats, not_member
 from .world import World
 
 P = ParamSpec("P")
@@ -132,7 +132,7 @@ def seconds(timeout: float | datetime.timedelta | None, default: float) -> float
 
 def resolve(group: Any) -> ProcessGroup | None:
     """The group a call acts on; None for a rank outside ``group``."""
-    if group is GroupMember.NON_GROUP_MEMBER:
+    if not_member(group):
         return None
     registry = _get()
     if group is None or group is GroupMember.WORLD:

@@ -20,6 +20,7 @@ import arendez as api  # the public async API only
 from . import compat, farewell, flightrec
 from . import registry as _registry
 from .errors import *  # noqa: F403 - the same error names as the async API
+from .group import not_member as _not_member
 from .handshake import endpoint
 from .loop import shared
 from .synccall import blocking as _blocking
@@ -213,7 +214,7 @@ def isend(
 ) -> Work | None:
     """Start sending ``tensor`` to ``dst``; ``wait()`` on the ``Work`` (None outside ``group``)."""
 
-    if group is GroupMember.NON_GROUP_MEMBER:
+    if _not_member(group):
         return None
 
     async def start() -> int | None:
@@ -227,7 +228,7 @@ def irecv(
 ) -> Work | None:
     """Post a receive into ``tensor`` from ``src`` (any rank if None); ``wait()`` on the ``Work``."""
 
-    if group is GroupMember.NON_GROUP_MEMBER:
+    if _not_member(group):
         return None
 
     async def start() -> int | None:

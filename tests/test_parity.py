@@ -76,6 +76,14 @@ def test_what_cannot_apply_says_so() -> None:
     assert sync.supports_complex(sync.ReduceOp.SUM) and not sync.supports_complex(sync.ReduceOp.MAX)
 
 
+@pytest.mark.timeout(10)
+def test_a_rank_outside_a_group_is_told_so_by_torchs_marker() -> None:
+    """``NON_GROUP_MEMBER`` is torch's -100, and a call given it (or a literal -100) does
+    nothing, as torch's."""
+    assert sync.GroupMember.NON_GROUP_MEMBER == sync.group.NON_GROUP_MEMBER == -100
+    assert sync.isend(np.zeros(1), 0, group=int("-100")) is None  # (not the marker object itself)
+
+
 def test_env_queries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
