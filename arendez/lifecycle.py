@@ -21,6 +21,7 @@ from .arrays import ReduceOp
 from .errors import RendezvousError, StoreConnectTimeoutError
 from .group import GroupMember, ProcessGroup, not_member
 from .handle import Handle
+from .loop import shared
 from .registry import (
     DEFAULT_TIMEOUT,
     default_group,
@@ -75,6 +76,8 @@ async def init_process_group(
         world = await build(where, limit, store)
         farewell.register(world)  # a process that ends without destroy still says goodbye
         install(world)
+        if where.transport == "tcp":
+            shared.keep_on_one_cpu(_local_index(world.rank))
 
 
 def _checked_common(
@@ -155,6 +158,13 @@ def _checked_elastic(
     )
 
 
+def _local_index(rank: int) -> int:
+    """This rank's place among its host's ranks: ``LOCAL_RANK`` if a launcher set it, else the
+    rank (which CPU its loop thread keeps to: ``LoopThread.keep_on_one_cpu``)."""
+    raw = os.environ.get("LOCAL_RANK", "")
+    return int(raw) if raw.isdigit() else rank
+
+
 async def init_elastic(where: Plan, timeout: float, join_timeout: float) -> None:
     """Join an elastic round (``where.min_size`` > 0) and install the world; collectives get
     ``timeout``, the join ``join_timeout``.
@@ -180,6 +190,7 @@ async def init_elastic(where: Plan, timeout: float, join_timeout: float) -> None
                 where = replace(where, came_from=generation, hint=rank, dead=exc.unreachable)
         farewell.register(world)
         install(world)
+        shared.keep_on_one_cpu(_local_index(world.rank))
 
 
 async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> World:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ import pytest
 
 from arendez.errors import RankFailedError
 from arendez.loop import LoopThread
+from tests.harness import PY, collect, free_port, popen
 
 
 @pytest.fixture
@@ -111,3 +114,63 @@ def test_the_hop_does_not_hold_the_gil_while_waiting(hop: LoopThread) -> None:
     finally:
         stop.set()
         counter.join(5)
+
+
+async def _affinity() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.timeout(10)
+def test_the_loop_thread_keeps_to_one_cpu_and_the_caller_keeps_its_own(
+    hop: LoopThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    assert hop.keep_on_one_cpu(1) is None  # (not on the loop thread: nothing changes)
+    assert hop.call(_affinity) == allowed
+    monkeypatch.setenv("ARENDEZ_PIN_LOOP", "0")
+    assert hop.call(_pin, hop, 1) is None
+    assert hop.call(_affinity) == allowed
+    monkeypatch.delenv("ARENDEZ_PIN_LOOP")
+    pinned = hop.call(_pin, hop, len(allowed) + 1)  # (cyclically: the second allowed CPU)
+    if len(allowed) < 2:  # (one CPU: nothing to choose)
+        assert pinned is None
+        return
+    assert pinned == allowed[1]
+    assert hop.call(_affinity) == [allowed[1]]
+    assert sorted(os.sched_getaffinity(0)) == allowed
+
+
+async def _pin(hop: LoopThread, index: int) -> int | None:
+    return hop.keep_on_one_cpu(index)
+
+
+_RANK = """
+import json, os, sys
+import arendez.sync as dist
+from arendez.loop import shared
+dist.init_process_group("arendez", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+async def affinity():
+    return sorted(os.sched_getaffinity(0))
+print(json.dumps({"loop": shared.call(affinity), "main": sorted(os.sched_getaffinity(0))}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pin", ["1", "0"])
+def test_the_loop_threads_of_a_hosts_ranks_keep_to_cpus_of_their_own(pin: str) -> None:
+    """Blocking ranks on one host: each loop thread on the CPU of its ``LOCAL_RANK`` (unless
+    ``ARENDEZ_PIN_LOOP=0``), the main threads on every CPU they had."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    env = {"ARENDEZ_PIN_LOOP": pin}
+    procs = [popen([PY, "-c", _RANK, url, str(r)], env={**env, "LOCAL_RANK": str(r)}) for r in range(2)]
+    results = collect(procs, 50)
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+    seen = [json.loads(res.stdout.strip().splitlines()[-1]) for res in results]
+    allowed = sorted(os.sched_getaffinity(0))
+    assert [s["main"] for s in seen] == [allowed, allowed]
+    if pin == "1" and len(allowed) >= 2:
+        assert [s["loop"] for s in seen] == [[allowed[0]], [allowed[1]]]
+    else:
+        assert [s["loop"] for s in seen] == [allowed, allowed]
