@@ -3,8 +3,13 @@
 while rank 1 is late: argv RANK WORLD PORT MODE."""
 
 import datetime
+import signal
 import sys
 import time
+
+# (a script started from a background job, as `bash .ci/run &`, inherits SIGINT ignored: this
+# one is about what a terminal's Ctrl-C does, so it takes Python's own handler back)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 rank, world, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 if mode == "torch":
