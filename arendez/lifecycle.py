@@ -77,7 +77,7 @@ async def init_process_group(
         farewell.register(world)  # a process that ends without destroy still says goodbye
         install(world)
         if where.transport == "tcp":
-            shared.keep_on_one_cpu(_local_index(world.rank))
+            _settle_loop_thread(world)
 
 
 def _checked_common(
@@ -158,11 +158,19 @@ def _checked_elastic(
     )
 
 
-def _local_index(rank: int) -> int:
-    """This rank's place among its host's ranks: ``LOCAL_RANK`` if a launcher set it, else the
-    rank (which CPU its loop thread keeps to: ``LoopThread.keep_on_one_cpu``)."""
-    raw = os.environ.get("LOCAL_RANK", "")
-    return int(raw) if raw.isdigit() else rank
+def _settle_loop_thread(world: World) -> None:
+    """A world built on the blocking callers' loop thread: keep that thread on one CPU (the
+    ``LOCAL_RANK``-th, else the rank's), and let it poll for a blocking call's answer while the
+    host's ranks (``LOCAL_WORLD_SIZE``, else all of them if the round says they share this host,
+    else this one) have a CPU each (``LoopThread.keep_on_one_cpu``, ``spin_for``)."""
+    if not shared.in_loop_thread():
+        return
+    local_rank, local_size = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local_size.isdigit():  # (first: it counts the CPUs the thread may use before it is pinned)
+        shared.spin_for(int(local_size))
+    else:
+        shared.spin_for(world.world_size if world.one_machine else 1)
+    shared.keep_on_one_cpu(int(local_rank) if local_rank.isdigit() else world.rank)
 
 
 async def init_elastic(where: Plan, timeout: float, join_timeout: float) -> None:
@@ -190,7 +198,7 @@ async def init_elastic(where: Plan, timeout: float, join_timeout: float) -> None
                 where = replace(where, came_from=generation, hint=rank, dead=exc.unreachable)
         farewell.register(world)
         install(world)
-        shared.keep_on_one_cpu(_local_index(world.rank))
+        _settle_loop_thread(world)
 
 
 async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> World:

@@ -3,6 +3,8 @@
 ``LoopThread.call`` runs a coroutine on the loop thread and blocks the calling thread (without
 the GIL) until it is done. The hop is one ``call_soon_threadsafe`` in and one lock release out:
 no ``concurrent.futures.Future``, no condition variable, no chained asyncio future per call.
+Once a world is up the loop thread keeps to one CPU and polls for the answer of a call a thread
+blocks on (``arendez.loopcpu``): waking threads, not Python, was most of the hop.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from .errors import CallCancelledError
+from .loopcpu import Spin, keep_to_one_cpu, usable_cpus
 
 T = TypeVar("T")
 
@@ -166,6 +169,8 @@ class LoopThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        #: How long the loop polls for the answer of a call a thread blocks on (``spin_for``).
+        self.spin = Spin()
 
     def loop(self) -> asyncio.AbstractEventLoop:
         """The running loop (starting its thread if needed)."""
@@ -231,48 +236,56 @@ class LoopThread:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         on_done: Callable[[Completion], None] | None = None,
+        *,
+        spin: bool = False,
     ) -> Completion:
         """Run ``fn(*args, **kwargs)`` as a task on the loop; calls are started in call order.
 
-        ``on_done`` runs on the loop thread right after the result is stored.
+        ``on_done`` runs on the loop thread right after the result is stored; with ``spin`` the
+        caller will block on it at once (``wait_spinning``).
         """
         if self.in_loop_thread():
             raise RuntimeError("a blocking arendez call was made from the arendez loop thread itself")
         done = Completion(on_done)
         coro = fn(*args, **(kwargs or {}))  # building a coroutine runs none of its code
         done._loop = self.loop()
-        done._loop.call_soon_threadsafe(_begin, done, coro)
+        done._loop.call_soon_threadsafe(_begin, done, coro, self.spin, self.spin.budget() if spin else 0.0)
         return done
+
+    def spin_for(self, local_ranks: int) -> float:
+        """Set (and return) how long the loop polls for a blocking call's answer before it
+        sleeps (``loopcpu.Spin``): while this host's ``local_ranks`` have a CPU each. Only from
+        the loop thread (a world it built), before ``keep_on_one_cpu``; elsewhere it changes
+        nothing."""
+        if not self.in_loop_thread():
+            return self.spin.seconds
+        return self.spin.configure(local_ranks, len(usable_cpus()))
 
     def keep_on_one_cpu(self, index: int) -> int | None:
         """Keep the loop thread on one CPU, the ``index``-th (cyclically) of those the process
         may use, if called on the loop thread and ``ARENDEZ_PIN_LOOP`` is not ``0``; return it.
-
-        A blocking call hops to the loop thread and back. When either thread is woken on
-        another CPU that sits idle, a virtual machine pays for waking that virtual CPU: on
-        this project's VM a hop took 65-80 µs so, against 11 µs with both on one CPU. A
-        caller woken by a thread that stays put is placed next to it by the scheduler, so
-        pinning the loop thread alone keeps the hop on one CPU; the caller, and any thread it
-        starts, keeps the CPUs it had. Ranks of one host should pass their local rank, so
-        that their loop threads spread over the CPUs.
-        """
+        A caller woken by a thread that stays put is placed next to it by the scheduler, so the
+        hop stays on one CPU (``arendez.loopcpu``); the caller, and any thread it starts, keeps
+        the CPUs it had. Ranks of one host pass their local rank, so that their loop threads
+        spread over the CPUs."""
         if not self.in_loop_thread() or os.environ.get("ARENDEZ_PIN_LOOP", "1") == "0":
             return None
-        try:
-            allowed = sorted(os.sched_getaffinity(0))
-            if len(allowed) < 2:
-                return None
-            cpu = allowed[index % len(allowed)]
-            os.sched_setaffinity(0, {cpu})  # (0: the calling thread, this loop thread)
-        except (AttributeError, OSError) as exc:  # (no affinity on this platform, or refused)
-            log.debug("arendez: the loop thread stays unpinned: %s", exc)
-            return None
-        return cpu
+        return keep_to_one_cpu(index)
+
+    def wait_spinning(self, done: Completion) -> None:
+        """The caller is about to block on ``done``: let the loop poll for its answer a while
+        (``spin_for``) rather than sleep (a ``Work.wait``; ``call`` polls by itself)."""
+        loop = done._loop
+        if self.spin.seconds and not done._done and loop is not None:
+            seconds = self.spin.budget()
+            if seconds:
+                with contextlib.suppress(RuntimeError):  # (a loop already closed)
+                    loop.call_soon_threadsafe(self.spin.start, done, seconds)
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the loop and block until it returns (or re-raise); an
         interrupted wait cancels the call (``Completion.wait_or_cancel``)."""
-        done = self.start(fn, args, kwargs)
+        done = self.start(fn, args, kwargs, spin=True)
         done.wait_or_cancel()
         result: T = done.result()
         return result
@@ -306,9 +319,11 @@ async def _wind_down(timeout: float) -> None:
         await asyncio.wait(rest, timeout=timeout / 4)
 
 
-def _begin(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:
+def _begin(done: Completion, coro: Coroutine[Any, Any, Any], spin: Spin, seconds: float) -> None:
     done._coro = coro
     done._task = asyncio.get_running_loop().create_task(_drive(done, coro))
+    if seconds:
+        spin.start(done, seconds)
 
 
 async def _drive(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:

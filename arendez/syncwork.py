@@ -74,6 +74,7 @@ class Work:
         ``WaitTimeoutError`` (a ``TimeoutError``) and the call goes on, as with torch's gloo:
         a later ``wait()`` returns once it finishes."""
         limit = None if timeout is None else seconds(timeout, 0.0)
+        shared.wait_spinning(self._done)
         if not self._done.wait(limit):
             raise WaitTimeoutError("the call", limit or 0.0)
         self._done.result()

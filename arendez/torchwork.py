@@ -85,6 +85,7 @@ class Work(_TorchWork):  # type: ignore[misc]
         Ctrl-C until the call ends)."""
         assert self._done is not None
         limit = seconds(timeout)
+        shared.wait_spinning(self._done)
         if not self._done.wait_or_cancel(limit):  # (Ctrl-C: cancelled, as arendez.sync's calls)
             raise WaitTimeoutError("Work.wait: the call", limit or 0.0)
         if self._done.error is not None:

@@ -10,8 +10,10 @@ of two float32 (after warm-up calls and a barrier), five times; the case's figur
 median. Cases, alternating in every round so that all see the same machine load:
 
 - ``gloo``: ``torch.distributed`` with gloo;
-- ``arendez.sync``: the blocking facade, its loop thread kept on one CPU (the default);
-- ``arendez.sync, loop unpinned``: the same with ``ARENDEZ_PIN_LOOP=0``.
+- ``arendez.sync``: the blocking facade as it comes: its loop thread kept on one CPU, and
+  polling for a call's answer up to 1 ms when the host's ranks have a CPU each;
+- ``arendez.sync, ARENDEZ_SPIN_US=0``: kept on one CPU, no polling;
+- ``arendez.sync, neither``: also ``ARENDEZ_PIN_LOOP=0`` (as before both).
 
 ``ddp_bench.py`` measures the same call too, but with gloo as a second group in arendez's
 processes, whose loop thread then shares them; here each backend has its processes to itself.
@@ -30,8 +32,9 @@ from typing import Any
 
 CASES: dict[str, dict[str, str]] = {
     "gloo": {},
-    "arendez.sync": {"ARENDEZ_PIN_LOOP": "1"},
-    "arendez.sync, loop unpinned": {"ARENDEZ_PIN_LOOP": "0"},
+    "arendez.sync": {"ARENDEZ_PIN_LOOP": "1", "ARENDEZ_SPIN_US": "1000"},
+    "arendez.sync, ARENDEZ_SPIN_US=0": {"ARENDEZ_PIN_LOOP": "1", "ARENDEZ_SPIN_US": "0"},
+    "arendez.sync, neither (ARENDEZ_PIN_LOOP=0 too)": {"ARENDEZ_PIN_LOOP": "0", "ARENDEZ_SPIN_US": "0"},
 }
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from arendez.errors import RankFailedError
 from arendez.loop import LoopThread
+from arendez.loopcpu import SPIN_MICROS, Spin
 from tests.harness import PY, collect, free_port, popen
 
 
@@ -151,7 +152,8 @@ from arendez.loop import shared
 dist.init_process_group("arendez", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
 async def affinity():
     return sorted(os.sched_getaffinity(0))
-print(json.dumps({"loop": shared.call(affinity), "main": sorted(os.sched_getaffinity(0))}))
+print(json.dumps({"loop": shared.call(affinity), "main": sorted(os.sched_getaffinity(0)),
+                  "spin": shared.spin.seconds}))
 dist.destroy_process_group()
 """
 
@@ -160,9 +162,10 @@ dist.destroy_process_group()
 @pytest.mark.parametrize("pin", ["1", "0"])
 def test_the_loop_threads_of_a_hosts_ranks_keep_to_cpus_of_their_own(pin: str) -> None:
     """Blocking ranks on one host: each loop thread on the CPU of its ``LOCAL_RANK`` (unless
-    ``ARENDEZ_PIN_LOOP=0``), the main threads on every CPU they had."""
+    ``ARENDEZ_PIN_LOOP=0``), the main threads on every CPU they had; the loops poll for a
+    blocking call's answer (1 ms, ``ARENDEZ_SPIN_US``) while the host has a CPU per rank."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    env = {"ARENDEZ_PIN_LOOP": pin}
+    env = {"ARENDEZ_PIN_LOOP": pin, "ARENDEZ_SPIN_US": "1000" if pin == "1" else "0"}
     procs = [popen([PY, "-c", _RANK, url, str(r)], env={**env, "LOCAL_RANK": str(r)}) for r in range(2)]
     results = collect(procs, 50)
     for res in results:
@@ -170,7 +173,40 @@ def test_the_loop_threads_of_a_hosts_ranks_keep_to_cpus_of_their_own(pin: str) -
     seen = [json.loads(res.stdout.strip().splitlines()[-1]) for res in results]
     allowed = sorted(os.sched_getaffinity(0))
     assert [s["main"] for s in seen] == [allowed, allowed]
+    spin = 0.001 if pin == "1" and len(allowed) >= 2 else 0.0
+    assert [s["spin"] for s in seen] == [spin, spin]
     if pin == "1" and len(allowed) >= 2:
         assert [s["loop"] for s in seen] == [[allowed[0]], [allowed[1]]]
     else:
         assert [s["loop"] for s in seen] == [allowed, allowed]
+
+
+@pytest.mark.timeout(10)
+def test_polling_is_for_a_host_with_a_cpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    spin = Spin()
+    assert spin.configure(local_ranks=2, cpus=2) == SPIN_MICROS / 1e6
+    assert spin.configure(local_ranks=4, cpus=2) == 0.0
+    monkeypatch.setenv("ARENDEZ_SPIN_US", "250")
+    assert spin.configure(local_ranks=1, cpus=2) == 250e-6
+    monkeypatch.setenv("ARENDEZ_SPIN_US", "0")
+    assert spin.configure(local_ranks=1, cpus=2) == 0.0 and spin.budget() == 0.0
+
+
+@pytest.mark.timeout(10)
+def test_polls_that_run_out_back_off_and_an_answer_in_time_resets_them(hop: LoopThread) -> None:
+    """A call answered while the loop polls keeps the polling on; one that outlasts the poll
+    makes the next call skip it, then two, four... calls after each further miss."""
+    hop.spin.configure(local_ranks=1, cpus=2)  # (1 ms)
+    assert hop.call(_echo, 1) == 1
+    assert hop.spin.budget() == 0.001  # (answered in time: the next call polls)
+    skipped = []
+    for _ in range(3):
+        hop.call(_echo, 1, 0.02)  # (outlasts the poll)
+        calls = 0
+        while hop.spin.budget() == 0.0:
+            calls += 1
+        skipped.append(calls)
+    assert skipped == [1, 2, 4]
+    hop.call(_echo, 1)
+    hop.call(_echo, 1, 0.02)
+    assert hop.spin.budget() == 0.0 and hop.spin.budget() == 0.001  # (back to one skipped)
