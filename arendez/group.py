@@ -164,6 +164,8 @@ class ProcessGroup:
             op._check()
             if entry is not None:
                 entry.started = time.time_ns()
+            if self.world.spin.seconds:  # (the loop polls, rather than sleep, for its messages)
+                self.world.spin.poll_until(lambda: op.ended)
             result = await body(op)
             op._check()
             return result

@@ -22,6 +22,7 @@ from .errors import RendezvousError, StoreConnectTimeoutError
 from .group import GroupMember, ProcessGroup, not_member
 from .handle import Handle
 from .loop import shared
+from .loopcpu import usable_cpus
 from .registry import (
     DEFAULT_TIMEOUT,
     default_group,
@@ -77,7 +78,7 @@ async def init_process_group(
         farewell.register(world)  # a process that ends without destroy still says goodbye
         install(world)
         if where.transport == "tcp":
-            _settle_loop_thread(world)
+            _settle_cpus(world)
 
 
 def _checked_common(
@@ -158,18 +159,18 @@ def _checked_elastic(
     )
 
 
-def _settle_loop_thread(world: World) -> None:
-    """A world built on the blocking callers' loop thread: keep that thread on one CPU (the
-    ``LOCAL_RANK``-th, else the rank's), and let it poll for a blocking call's answer while the
-    host's ranks (``LOCAL_WORLD_SIZE``, else all of them if the round says they share this host,
-    else this one) have a CPU each (``LoopThread.keep_on_one_cpu``, ``spin_for``)."""
-    if not shared.in_loop_thread():
-        return
+def _settle_cpus(world: World) -> None:
+    """How a world's loop uses the CPUs (``arendez.loopcpu``): it polls for the messages of a
+    call that is waited on while the host's ranks (``LOCAL_WORLD_SIZE``, else all of them if
+    the round says they share this host, else this one) have a CPU each; the blocking callers'
+    loop thread also keeps to one CPU (the ``LOCAL_RANK``-th, else the rank's), and polls for
+    the whole call (``LoopThread.spin_for``, ``keep_on_one_cpu``)."""
     local_rank, local_size = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
-    if local_size.isdigit():  # (first: it counts the CPUs the thread may use before it is pinned)
-        shared.spin_for(int(local_size))
-    else:
-        shared.spin_for(world.world_size if world.one_machine else 1)
+    here = int(local_size) if local_size.isdigit() else world.world_size if world.one_machine else 1
+    if not shared.in_loop_thread():
+        world.spin.configure(here, len(usable_cpus()))
+        return
+    shared.spin_for(here)  # (first: it counts the CPUs the thread may use before it is pinned)
     shared.keep_on_one_cpu(int(local_rank) if local_rank.isdigit() else world.rank)
 
 
@@ -198,7 +199,7 @@ async def init_elastic(where: Plan, timeout: float, join_timeout: float) -> None
                 where = replace(where, came_from=generation, hint=rank, dead=exc.unreachable)
         farewell.register(world)
         install(world)
-        _settle_loop_thread(world)
+        _settle_cpus(world)
 
 
 async def _inproc_world(where: Plan, timeout: float, given: Store | None) -> World:

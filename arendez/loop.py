@@ -280,7 +280,7 @@ class LoopThread:
             seconds = self.spin.budget()
             if seconds:
                 with contextlib.suppress(RuntimeError):  # (a loop already closed)
-                    loop.call_soon_threadsafe(self.spin.start, done, seconds)
+                    loop.call_soon_threadsafe(self.spin.start, done.done, seconds)
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the loop and block until it returns (or re-raise); an
@@ -323,7 +323,7 @@ def _begin(done: Completion, coro: Coroutine[Any, Any, Any], spin: Spin, seconds
     done._coro = coro
     done._task = asyncio.get_running_loop().create_task(_drive(done, coro))
     if seconds:
-        spin.start(done, seconds)
+        spin.start(done.done, seconds)
 
 
 async def _drive(done: Completion, coro: Coroutine[Any, Any, Any]) -> None:

@@ -1,5 +1,5 @@
 """How the blocking callers' loop thread (``arendez.loop``) uses the CPUs: which one it keeps
-to, and how long it polls for the answer of a call a thread blocks on.
+to, and how long it (or the caller's own loop, for an awaited collective) polls for an answer.
 
 Both are about waking threads. A blocking call hops to the loop thread and back, and its
 collective waits for a peer's message; each hand-over wakes a thread, and when that thread's
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
 
 log = logging.getLogger("arendez")
 
@@ -58,9 +58,10 @@ def _spin_micros() -> int:
 
 
 class Spin:
-    """How long the loop polls its sockets for the answer of a call a thread blocks on, rather
-    than sleep in the kernel: the answer is read as it lands, and the peer's message need not
-    first wake this thread's CPU. Only while the host's ranks have a CPU each (a rank that polls
+    """How long a loop polls its sockets for the answer of a call that is waited on (a blocking
+    caller's, on the loop thread; a collective awaited in the caller's own loop), rather than
+    sleep in the kernel: the answer is read as it lands, and the peer's message need not first
+    wake this thread's CPU. Only while the host's ranks have a CPU each (a rank that polls
     takes the CPU a rank sharing it needs: at 4 ranks on 2 CPUs a forced poll made an 8 B
     all_reduce 2.6x slower), and backing off after polls that ran out."""
 
@@ -85,15 +86,20 @@ class Spin:
             return 0.0
         return self.seconds
 
-    def start(self, done: Any, seconds: float) -> None:
-        """Poll until ``done`` (a ``loop.Completion``) is done, for at most ``seconds``; the
-        loop thread's side."""
+    def start(self, done: Callable[[], bool], seconds: float) -> None:
+        """Poll until ``done()``, for at most ``seconds``; on the loop's thread."""
         loop = asyncio.get_running_loop()
         self._poll(done, loop.time() + seconds, loop)
 
-    def _poll(self, done: Any, until: float, loop: asyncio.AbstractEventLoop) -> None:
+    def poll_until(self, done: Callable[[], bool]) -> None:
+        """``start`` with the next call's ``budget``, if any (a caller on the loop's thread)."""
+        seconds = self.budget()
+        if seconds:
+            self.start(done, seconds)
+
+    def _poll(self, done: Callable[[], bool], until: float, loop: asyncio.AbstractEventLoop) -> None:
         # (one callback kept ready: the loop asks the kernel for events without sleeping)
-        if done.done():
+        if done():
             self._next_skip = 1
         elif loop.time() < until:
             loop.call_soon(self._poll, done, until, loop)

@@ -28,6 +28,7 @@ from .errors import (
 )
 from .flightrec import Recorder
 from .group import ProcessGroup
+from .loopcpu import Spin
 from .mailbox import BufferPool, Key, Mailbox, Outcome, Stats, give
 from .p2pmatch import P2PMatcher
 from .progress import Progress
@@ -101,6 +102,9 @@ class World:
         if world_size == 1:
             self._peers_gone.set()
         self.flight = Recorder(self)  # the last collectives, for dumps (arendez.flightrec)
+        #: How long the loop polls for an awaited collective's messages (``arendez.loopcpu``;
+        #: set by init for a world in the caller's own loop)
+        self.spin = Spin()
         self._doubted: dict[int, str] = {}  # lost links seen just after a stall, not blamed yet
         self._hearing: asyncio.Task[None] | None = None
         self._settling: asyncio.Task[None] | None = None

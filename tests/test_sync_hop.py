@@ -8,13 +8,15 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from arendez.errors import RankFailedError
 from arendez.loop import LoopThread
 from arendez.loopcpu import SPIN_MICROS, Spin
-from tests.harness import PY, collect, free_port, popen
+from tests.harness import PY, collect, free_port, popen, run_function
+from tests.jobs import local as local_jobs
 
 
 @pytest.fixture
@@ -210,3 +212,22 @@ def test_polls_that_run_out_back_off_and_an_answer_in_time_resets_them(hop: Loop
     hop.call(_echo, 1)
     hop.call(_echo, 1, 0.02)
     assert hop.spin.budget() == 0.0 and hop.spin.budget() == 0.001  # (back to one skipped)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("spin_us", "crowded"), [("", False), ("0", False), ("", True)])
+def test_an_awaited_collective_polls_while_the_hosts_ranks_have_a_cpu_each(
+    arendez_server: Any, spin_us: str, crowded: bool
+) -> None:
+    """The async API in the caller's own loop: its world polls for a collective's messages (1
+    ms) when the host's ranks (``LOCAL_WORLD_SIZE``) fit on the CPUs the process may use; not
+    with ``ARENDEZ_SPIN_US=0``, nor when they are more than the CPUs."""
+    cpus = len(os.sched_getaffinity(0))
+    env = {"LOCAL_WORLD_SIZE": str(cpus + 1 if crowded else 2)}
+    if spin_us:
+        env["ARENDEZ_SPIN_US"] = spin_us
+    url = f"{arendez_server.url}/poll-{spin_us or 'default'}-{crowded}"
+    seen = run_function(local_jobs.polling_after_all_reduce, 2, url, env=env)
+    want = 0.001 if not spin_us and not crowded and cpus >= 2 else 0.0
+    assert [s["spin"] for s in seen] == [want, want]
+    assert [s["sum"] for s in seen] == [[3.0] * 3] * 2
