@@ -22,7 +22,7 @@ from .errors import RendezvousError, StoreConnectTimeoutError
 from .group import GroupMember, ProcessGroup, not_member
 from .handle import Handle
 from .loop import shared
-from .loopcpu import usable_cpus
+from .loopcpu import cpus_to_spare
 from .registry import (
     DEFAULT_TIMEOUT,
     default_group,
@@ -168,7 +168,7 @@ def _settle_cpus(world: World) -> None:
     local_rank, local_size = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
     here = int(local_size) if local_size.isdigit() else world.world_size if world.one_machine else 1
     if not shared.in_loop_thread():
-        world.spin.configure(here, len(usable_cpus()))
+        world.spin.configure(here, cpus_to_spare())
         return
     shared.spin_for(here)  # (first: it counts the CPUs the thread may use before it is pinned)
     shared.keep_on_one_cpu(int(local_rank) if local_rank.isdigit() else world.rank)

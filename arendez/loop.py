@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from .errors import CallCancelledError
-from .loopcpu import Spin, keep_to_one_cpu, usable_cpus
+from .loopcpu import Spin, cpus_to_spare, keep_to_one_cpu
 
 T = TypeVar("T")
 
@@ -199,6 +199,7 @@ class LoopThread:
         if self._loop is not None:
             disown_tasks(self._loop)
         self._loop, self._thread, self._lock = None, None, threading.Lock()
+        self.spin = Spin()  # (the parent's world's, not this process's)
 
     def running_loop(self) -> asyncio.AbstractEventLoop | None:
         """The loop if its thread runs it now (never starts one)."""
@@ -259,7 +260,7 @@ class LoopThread:
         nothing."""
         if not self.in_loop_thread():
             return self.spin.seconds
-        return self.spin.configure(local_ranks, len(usable_cpus()))
+        return self.spin.configure(local_ranks, cpus_to_spare())
 
     def keep_on_one_cpu(self, index: int) -> int | None:
         """Keep the loop thread on one CPU, the ``index``-th (cyclically) of those the process

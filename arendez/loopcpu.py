@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 log = logging.getLogger("arendez")
 
@@ -31,6 +32,35 @@ def usable_cpus() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # (no affinity on this platform)
         return list(range(os.cpu_count() or 1))
+
+
+def cpu_quota(cgroups: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> float | None:
+    """How many CPUs' time the process's cgroup may use (its CFS quota: a container's CPU
+    limit, which the affinity mask does not show), or None if unlimited or unknown."""
+    try:  # cgroup v2: "<quota> <period>" in the process's own cgroup ("max": no limit)
+        where = next(line[3:] for line in own.read_text().splitlines() if line.startswith("0::"))
+        for folder in (cgroups / where.lstrip("/"), cgroups):
+            path = folder / "cpu.max"
+            if path.exists():
+                limit, every = path.read_text().split()[:2]
+                return None if limit == "max" else int(limit) / int(every)
+    except (OSError, ValueError, StopIteration):
+        pass
+    try:  # cgroup v1 (a container's own hierarchy): quota -1 is no limit
+        quota = int((cgroups / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((cgroups / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def cpus_to_spare() -> int:
+    """The CPUs the calling thread may keep busy: those it may run on, fewer if the cgroup's
+    quota allows less (a rank that polls under a 2-CPU limit on a 64-core host would be
+    throttled)."""
+    count = len(usable_cpus())
+    quota = cpu_quota()
+    return max(1, min(count, int(quota))) if quota is not None else count
 
 
 def keep_to_one_cpu(index: int) -> int | None:

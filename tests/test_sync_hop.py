@@ -8,13 +8,14 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from arendez.errors import RankFailedError
 from arendez.loop import LoopThread
-from arendez.loopcpu import SPIN_MICROS, Spin
+from arendez.loopcpu import SPIN_MICROS, Spin, cpu_quota
 from tests.harness import PY, collect, free_port, popen, run_function
 from tests.jobs import local as local_jobs
 
@@ -231,3 +232,23 @@ def test_an_awaited_collective_polls_while_the_hosts_ranks_have_a_cpu_each(
     want = 0.001 if not spin_us and not crowded and cpus >= 2 else 0.0
     assert [s["spin"] for s in seen] == [want, want]
     assert [s["sum"] for s in seen] == [[3.0] * 3] * 2
+
+
+@pytest.mark.timeout(10)
+def test_a_containers_cpu_limit_counts(tmp_path: Path) -> None:
+    """The CFS quota of the process's cgroup (v2 ``cpu.max``, or v1) caps the CPUs to poll on."""
+    own = tmp_path / "self-cgroup"
+    own.write_text("0::/job/rank0\n")
+    v2 = tmp_path / "job" / "rank0"
+    v2.mkdir(parents=True)
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert cpu_quota(tmp_path, own) == 1.5
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(tmp_path, own) is None
+    (v2 / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota(tmp_path, own) == 2.0
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota(tmp_path, own) is None
