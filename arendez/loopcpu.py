@@ -99,6 +99,9 @@ class Spin:
         self.seconds = 0.0
         self._skip = 0  # calls left that do not poll
         self._next_skip = 1
+        #: what the poll waits for, each until when (one poll at a time)
+        self._waiting: list[tuple[Callable[[], bool], float]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the poll
 
     def configure(self, local_ranks: int, cpus: int) -> float:
         """``ARENDEZ_SPIN_US`` (default 1000 µs) if ``local_ranks`` fit on ``cpus``, else 0."""
@@ -108,7 +111,7 @@ class Spin:
         return self.seconds
 
     def budget(self) -> float:
-        """Seconds the next blocking call polls (0: none); the caller's side."""
+        """Seconds the next waited-on call polls (0: none); the caller's side."""
         if not self.seconds:
             return 0.0
         if self._skip:
@@ -117,9 +120,14 @@ class Spin:
         return self.seconds
 
     def start(self, done: Callable[[], bool], seconds: float) -> None:
-        """Poll until ``done()``, for at most ``seconds``; on the loop's thread."""
+        """Poll until ``done()``, for at most ``seconds``; on the loop's thread. Calls waited on
+        at once share one poll, which lasts while one of them is pending and within its time."""
         loop = asyncio.get_running_loop()
-        self._poll(done, loop.time() + seconds, loop)
+        if self._loop is not loop:  # (a poll of a loop that has gone does not hold this one up)
+            self._loop, self._waiting = loop, []
+        self._waiting.append((done, loop.time() + seconds))
+        if len(self._waiting) == 1:
+            self._poll(loop)
 
     def poll_until(self, done: Callable[[], bool]) -> None:
         """``start`` with the next call's ``budget``, if any (a caller on the loop's thread)."""
@@ -127,12 +135,18 @@ class Spin:
         if seconds:
             self.start(done, seconds)
 
-    def _poll(self, done: Callable[[], bool], until: float, loop: asyncio.AbstractEventLoop) -> None:
+    def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
         # (one callback kept ready: the loop asks the kernel for events without sleeping)
-        if done():
-            self._next_skip = 1
-        elif loop.time() < until:
-            loop.call_soon(self._poll, done, until, loop)
-        else:  # ran out: back off
-            self._skip = self._next_skip
-            self._next_skip = min(2 * self._next_skip, MAX_SKIPPED)
+        now = loop.time()
+        pending = []
+        for done, until in self._waiting:
+            if done():  # answered while polled for
+                self._next_skip = 1
+            elif now < until:
+                pending.append((done, until))
+            else:  # ran out: back off
+                self._skip = self._next_skip
+                self._next_skip = min(2 * self._next_skip, MAX_SKIPPED)
+        self._waiting = pending
+        if pending:
+            loop.call_soon(self._poll, loop)
