@@ -252,3 +252,36 @@ def test_a_containers_cpu_limit_counts(tmp_path: Path) -> None:
     assert cpu_quota(tmp_path, own) == 2.0
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     assert cpu_quota(tmp_path, own) is None
+
+
+@pytest.mark.timeout(10)
+def test_calls_waited_on_at_once_share_one_poll() -> None:
+    """50 collectives in flight keep one callback ready per loop turn, not 50; each is let go
+    as it ends, and one answered in time keeps the polling on."""
+
+    async def main() -> tuple[int, int, float]:
+        spin = Spin()
+        spin.configure(local_ranks=1, cpus=2)
+        polls = 0
+        poll = spin._poll
+
+        def counted(loop: asyncio.AbstractEventLoop) -> None:
+            nonlocal polls
+            polls += 1
+            poll(loop)
+
+        spin._poll = counted  # type: ignore[method-assign]
+        ended = [False] * 50
+        for i in range(50):
+            spin.poll_until(lambda i=i: ended[i])  # type: ignore[misc]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        turns = polls
+        ended[:] = [True] * 50
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return turns, len(spin._waiting), spin.budget()
+
+    turns, left, budget = asyncio.run(main())
+    assert 19 <= turns <= 22  # (about one poll per loop turn)
+    assert left == 0 and budget == 0.001
