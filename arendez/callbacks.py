@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import loopcpu
+
 log = logging.getLogger("arendez")
 
 #: How long an idle callback thread waits for work before it ends.
@@ -49,6 +51,7 @@ class CallbackThreads:
         threading.Thread(target=self._serve, name="arendez-callback", daemon=True).start()
 
     def _serve(self) -> None:
+        loopcpu.release_thread()  # (started by the loop thread, maybe pinned: not on its CPU)
         while True:
             with self._ready:
                 while not self._queue:

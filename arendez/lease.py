@@ -25,7 +25,7 @@ import sys
 import threading
 from typing import Any
 
-from . import handshake, leaseproc, transport, wire
+from . import handshake, leaseproc, loopcpu, transport, wire
 from .errors import ArendezError, AuthenticationError, RendezvousError
 from .transports import local
 
@@ -181,6 +181,7 @@ class LeaseKeeper:
                 proc.wait(2.0)
 
     def _run(self) -> None:
+        loopcpu.release_thread()  # (started by the loop thread, maybe pinned: nor its sidecar)
         delay = 0.05
         sidecar = sidecar_possible(self._ssl)
         while not self._stopped.is_set():

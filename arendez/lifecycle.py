@@ -77,7 +77,7 @@ async def init_process_group(
         world = await build(where, limit, store)
         farewell.register(world)  # a process that ends without destroy still says goodbye
         install(world)
-        if where.transport == "tcp":
+        if where.transport != "inproc":  # (tcp, and what builds a tcp world: file, agent)
             _settle_cpus(world)
 
 

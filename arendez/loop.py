@@ -267,11 +267,12 @@ class LoopThread:
         may use, if called on the loop thread and ``ARENDEZ_PIN_LOOP`` is not ``0``; return it.
         A caller woken by a thread that stays put is placed next to it by the scheduler, so the
         hop stays on one CPU (``arendez.loopcpu``); the caller, and any thread it starts, keeps
-        the CPUs it had. Ranks of one host pass their local rank, so that their loop threads
-        spread over the CPUs."""
-        if not self.in_loop_thread() or os.environ.get("ARENDEZ_PIN_LOOP", "1") == "0":
+        the CPUs it had, and so do the threads and processes the loop thread starts
+        (``loopcpu.release_thread``, ``release_child``). Ranks of one host pass their local
+        rank, so that their loop threads spread over the CPUs."""
+        if not self.in_loop_thread():
             return None
-        return keep_to_one_cpu(index)
+        return keep_to_one_cpu(None if os.environ.get("ARENDEZ_PIN_LOOP", "1") == "0" else index)
 
     def wait_spinning(self, done: Completion) -> None:
         """The caller is about to block on ``done``: let the loop poll for its answer a while

@@ -26,12 +26,41 @@ SPIN_MICROS = 1000
 MAX_SKIPPED = 256
 
 
+#: The CPUs a pinned thread could run on before it was pinned (``keep_to_one_cpu``): what it
+#: counts on a later init, and what the threads and processes it starts get back.
+_home: list[int] | None = None
+
+
 def usable_cpus() -> list[int]:
-    """The CPUs the calling thread may run on."""
+    """The CPUs the calling thread may run on (a pinned thread: those it had before)."""
+    if _home is not None:
+        return list(_home)
     try:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # (no affinity on this platform)
         return list(range(os.cpu_count() or 1))
+
+
+def release_thread() -> None:
+    """Called first in a thread the pinned loop thread may have started (a thread inherits its
+    creator's CPUs): run on every CPU the loop thread had, not on its one."""
+    if _home is not None:
+        _set_cpus(0, _home)
+
+
+def release_child(pid: int) -> None:
+    """The same for a process the pinned loop thread started (before it starts threads)."""
+    if _home is not None:
+        _set_cpus(pid, _home)
+
+
+def _set_cpus(who: int, cpus: list[int]) -> bool:
+    try:
+        os.sched_setaffinity(who, cpus)
+        return True
+    except (AttributeError, OSError) as exc:  # (no affinity here, or a process that ended)
+        log.debug("arendez: CPU affinity of %d unchanged: %s", who, exc)
+        return False
 
 
 def cpu_quota(cgroups: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> float | None:
@@ -63,18 +92,22 @@ def cpus_to_spare() -> int:
     return max(1, min(count, int(quota))) if quota is not None else count
 
 
-def keep_to_one_cpu(index: int) -> int | None:
+def keep_to_one_cpu(index: int | None) -> int | None:
     """Keep the calling thread on one of the CPUs it may use, the ``index``-th (cyclically);
-    return it (None with one CPU, or where affinity cannot be set)."""
+    return it (None with one CPU, or where affinity cannot be set). ``None``: give it back all
+    it had (``ARENDEZ_PIN_LOOP=0`` on a later init)."""
+    global _home
     allowed = usable_cpus()
+    if index is None:
+        if _home is not None and _set_cpus(0, allowed):
+            _home = None
+        return None
     if len(allowed) < 2:
         return None
     cpu = allowed[index % len(allowed)]
-    try:
-        os.sched_setaffinity(0, {cpu})  # (0: the calling thread alone)
-    except (AttributeError, OSError) as exc:
-        log.debug("arendez: the loop thread stays unpinned: %s", exc)
+    if not _set_cpus(0, [cpu]):  # (0: the calling thread alone)
         return None
+    _home = allowed
     return cpu
 
 
@@ -102,6 +135,7 @@ class Spin:
         #: what the poll waits for, each until when (one poll at a time)
         self._waiting: list[tuple[Callable[[], bool], float]] = []
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the poll
+        self._missed_until = 0.0  # (loop time: a miss before it is part of the last one)
 
     def configure(self, local_ranks: int, cpus: int) -> float:
         """``ARENDEZ_SPIN_US`` (default 1000 µs) if ``local_ranks`` fit on ``cpus``, else 0."""
@@ -114,7 +148,7 @@ class Spin:
         """Seconds the next waited-on call polls (0: none); the caller's side."""
         if not self.seconds:
             return 0.0
-        if self._skip:
+        if self._skip > 0:
             self._skip -= 1
             return 0.0
         return self.seconds
@@ -124,7 +158,7 @@ class Spin:
         at once share one poll, which lasts while one of them is pending and within its time."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # (a poll of a loop that has gone does not hold this one up)
-            self._loop, self._waiting = loop, []
+            self._loop, self._waiting, self._missed_until = loop, [], 0.0
         self._waiting.append((done, loop.time() + seconds))
         if len(self._waiting) == 1:
             self._poll(loop)
@@ -139,14 +173,20 @@ class Spin:
         # (one callback kept ready: the loop asks the kernel for events without sleeping)
         now = loop.time()
         pending = []
+        answered = ran_out = False
         for done, until in self._waiting:
-            if done():  # answered while polled for
-                self._next_skip = 1
+            if done():
+                answered = True
             elif now < until:
                 pending.append((done, until))
-            else:  # ran out: back off
-                self._skip = self._next_skip
-                self._next_skip = min(2 * self._next_skip, MAX_SKIPPED)
+            else:
+                ran_out = True
         self._waiting = pending
+        if ran_out and now >= self._missed_until:  # back off (a burst of calls in flight that
+            self._skip = self._next_skip  # run out within one budget is one miss)
+            self._next_skip = min(2 * self._next_skip, MAX_SKIPPED)
+            self._missed_until = now + self.seconds
+        elif answered:
+            self._next_skip = 1
         if pending:
             loop.call_soon(self._poll, loop)

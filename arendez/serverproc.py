@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any
 
+from . import loopcpu
+
 #: The child's start-up (an interpreter, the server's imports) takes about 0.15 s; this bounds it.
 START_TIMEOUT = 60.0
 
@@ -68,6 +70,7 @@ class ServerProcess:
             )
         except OSError as exc:
             raise ChildProcessError(f"cannot start {sys.executable}: {exc}") from None
+        loopcpu.release_child(proc.pid)  # (started from the loop thread, maybe pinned)
         fd = None if sock is None else sock.fileno()
         if sock is not None:  # (the child's copy listens now: ours would outlive the child)
             sock.close()

@@ -433,7 +433,8 @@ class Barrier:
     key's counter (a plain key); an arrival that brings it to its own count goes on and frees
     every client waiting on the key, as does any other change of the key (a ``set``, ``add``,
     ``append`` or ``compare_set``, whatever the value; not a ``delete``), while an arrival short
-    of its count frees none (a call with a larger count waits for a later one)."""
+    of its count frees none (a call with a larger count waits for a later one) and wakes no
+    plain ``wait`` on the key either."""
 
     __slots__ = ("_held", "_key", "_server", "waiting")
 
@@ -447,7 +448,8 @@ class Barrier:
         self._held = True
         try:
             arrived = conn.job.add(self._key, 1)
-            conn.changed(self._key)  # (plain waiters of the key)
+            if arrived >= members:  # (plain waiters of the key too; an arrival short of its
+                conn.changed(self._key)  # count wakes no one, as on torch's server)
         except BaseException:
             if not self.waiting:
                 self._forget()

@@ -16,7 +16,7 @@ import pytest
 from arendez.errors import RankFailedError
 from arendez.loop import LoopThread
 from arendez.loopcpu import SPIN_MICROS, Spin, cpu_quota
-from tests.harness import PY, collect, free_port, popen, run_function
+from tests.harness import PY, collect, popen, run_function
 from tests.jobs import local as local_jobs
 
 
@@ -149,39 +149,46 @@ async def _pin(hop: LoopThread, index: int) -> int | None:
 
 
 _RANK = """
-import json, os, sys
+import json, os, sys, threading
+import numpy as np
 import arendez.sync as dist
 from arendez.loop import shared
-dist.init_process_group("arendez", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
 async def affinity():
     return sorted(os.sched_getaffinity(0))
-print(json.dumps({"loop": shared.call(affinity), "main": sorted(os.sched_getaffinity(0)),
-                  "spin": shared.spin.seconds}))
-dist.destroy_process_group()
+seen = []
+for round_ in range(2):  # (a second init in the same process, on the loop thread pinned before)
+    dist.init_process_group("arendez", init_method=sys.argv[1] + str(round_), rank=int(sys.argv[2]),
+                            world_size=2)
+    x = np.ones(2)
+    later = dist.all_reduce(x, async_op=True).get_future().then(lambda _: sorted(os.sched_getaffinity(0)))
+    seen.append({"loop": shared.call(affinity), "main": sorted(os.sched_getaffinity(0)),
+                 "spin": shared.spin.seconds, "callback": later.wait(), "sum": x.tolist()})
+    dist.destroy_process_group()
+print(json.dumps(seen))
 """
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pin", ["1", "0"])
-def test_the_loop_threads_of_a_hosts_ranks_keep_to_cpus_of_their_own(pin: str) -> None:
+def test_the_loop_threads_of_a_hosts_ranks_keep_to_cpus_of_their_own(arendez_server: Any, pin: str) -> None:
     """Blocking ranks on one host: each loop thread on the CPU of its ``LOCAL_RANK`` (unless
-    ``ARENDEZ_PIN_LOOP=0``), the main threads on every CPU they had; the loops poll for a
-    blocking call's answer (1 ms, ``ARENDEZ_SPIN_US``) while the host has a CPU per rank."""
-    url = f"tcp://127.0.0.1:{free_port()}"
+    ``ARENDEZ_PIN_LOOP=0``), the main threads and the threads the loop thread starts (a
+    future's callback) on every CPU they had; the loops poll for a blocking call's answer (1 ms,
+    ``ARENDEZ_SPIN_US``) while the host has a CPU per rank. All of it again on a second init."""
     env = {"ARENDEZ_PIN_LOOP": pin, "ARENDEZ_SPIN_US": "1000" if pin == "1" else "0"}
+    url = f"{arendez_server.url}/pin{pin}-"
     procs = [popen([PY, "-c", _RANK, url, str(r)], env={**env, "LOCAL_RANK": str(r)}) for r in range(2)]
     results = collect(procs, 50)
     for res in results:
         assert res.returncode == 0, res.stderr[-3000:]
-    seen = [json.loads(res.stdout.strip().splitlines()[-1]) for res in results]
     allowed = sorted(os.sched_getaffinity(0))
-    assert [s["main"] for s in seen] == [allowed, allowed]
-    spin = 0.001 if pin == "1" and len(allowed) >= 2 else 0.0
-    assert [s["spin"] for s in seen] == [spin, spin]
-    if pin == "1" and len(allowed) >= 2:
-        assert [s["loop"] for s in seen] == [[allowed[0]], [allowed[1]]]
-    else:
-        assert [s["loop"] for s in seen] == [allowed, allowed]
+    pinned = pin == "1" and len(allowed) >= 2
+    spin = 0.001 if pinned else 0.0
+    for rank, res in enumerate(results):
+        for seen in json.loads(res.stdout.strip().splitlines()[-1]):
+            assert seen["loop"] == ([allowed[rank]] if pinned else allowed), seen
+            assert seen["main"] == seen["callback"] == allowed, seen
+            assert seen["spin"] == spin and seen["sum"] == [2.0, 2.0], seen
 
 
 @pytest.mark.timeout(10)
@@ -285,3 +292,16 @@ def test_calls_waited_on_at_once_share_one_poll() -> None:
     turns, left, budget = asyncio.run(main())
     assert 19 <= turns <= 22  # (about one poll per loop turn)
     assert left == 0 and budget == 0.001
+
+
+@pytest.mark.timeout(10)
+def test_a_burst_of_calls_that_run_out_backs_off_once() -> None:
+    async def main() -> tuple[float, float]:
+        spin = Spin()
+        spin.configure(local_ranks=1, cpus=2)
+        for _ in range(50):
+            spin.poll_until(lambda: False)
+        await asyncio.sleep(0.01)  # (all 50 ran out, in the same turn)
+        return spin.budget(), spin.budget()
+
+    assert asyncio.run(main()) == (0.0, 0.001)  # one call skipped, not 256

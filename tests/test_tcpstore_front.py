@@ -133,7 +133,25 @@ def _barrier_outcomes(port: int) -> list[tuple[str, list[str]]]:
             thread.join()
         return outcomes
 
+    def plain_wait_then_short_arrival() -> list[str]:
+        waiter, seen = _client(port), []
+
+        def wait() -> None:
+            try:
+                waiter.wait(["plain"], timedelta(seconds=1))
+                seen.append("woken")
+            except Exception as exc:
+                seen.append(type(exc).__name__)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(0.2)  # (the wait is on: a get of the key would not return)
+        outcome = case("plain", [2])
+        thread.join()
+        return [*outcome, *seen]
+
     return [
+        ("a plain wait on the key, an arrival short of its count", plain_wait_then_short_arrival()),
         ("all of two", case("two", [2, 2])),
         ("a later call of a larger count frees no one", case("larger", [2, 3])),
         ("a later call of a smaller count frees all", case("smaller", [3, 2])),

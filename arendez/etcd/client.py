@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from .. import loopcpu
 from ..errors import AuthenticationError, StoreConnectTimeoutError, StoreError
 from .codec import b64
 from .url import Endpoints
@@ -262,6 +263,7 @@ class LeaseKeeper:
             self._conn = None
 
     def _run(self) -> None:
+        loopcpu.release_thread()  # (started by the loop thread, maybe pinned: not on its CPU)
         wait = self._interval  # the lease was just granted
         try:
             while not self._stopped.wait(wait):
