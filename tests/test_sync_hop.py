@@ -202,24 +202,28 @@ def test_polling_is_for_a_host_with_a_cpu_per_rank(monkeypatch: pytest.MonkeyPat
     assert spin.configure(local_ranks=1, cpus=2) == 0.0 and spin.budget() == 0.0
 
 
-@pytest.mark.timeout(10)
-def test_polls_that_run_out_back_off_and_an_answer_in_time_resets_them(hop: LoopThread) -> None:
+@pytest.mark.timeout(20)
+def test_polls_that_run_out_back_off_and_an_answer_in_time_resets_them(
+    hop: LoopThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A call answered while the loop polls keeps the polling on; one that outlasts the poll
-    makes the next call skip it, then two, four... calls after each further miss."""
-    hop.spin.configure(local_ranks=1, cpus=2)  # (1 ms)
+    makes the next call skip it, then two, four... calls after each further miss. (A 100 ms
+    poll here, so that a loaded machine still answers the quick calls within it.)"""
+    monkeypatch.setenv("ARENDEZ_SPIN_US", "100000")
+    hop.spin.configure(local_ranks=1, cpus=2)
     assert hop.call(_echo, 1) == 1
-    assert hop.spin.budget() == 0.001  # (answered in time: the next call polls)
+    assert hop.spin.budget() == 0.1  # (answered in time: the next call polls)
     skipped = []
     for _ in range(3):
-        hop.call(_echo, 1, 0.02)  # (outlasts the poll)
+        hop.call(_echo, 1, 0.3)  # (outlasts the poll)
         calls = 0
         while hop.spin.budget() == 0.0:
             calls += 1
         skipped.append(calls)
     assert skipped == [1, 2, 4]
     hop.call(_echo, 1)
-    hop.call(_echo, 1, 0.02)
-    assert hop.spin.budget() == 0.0 and hop.spin.budget() == 0.001  # (back to one skipped)
+    hop.call(_echo, 1, 0.3)
+    assert hop.spin.budget() == 0.0 and hop.spin.budget() == 0.1  # (back to one skipped)
 
 
 @pytest.mark.timeout(60)
@@ -262,9 +266,11 @@ def test_a_containers_cpu_limit_counts(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(10)
-def test_calls_waited_on_at_once_share_one_poll() -> None:
+def test_calls_waited_on_at_once_share_one_poll(monkeypatch: pytest.MonkeyPatch) -> None:
     """50 collectives in flight keep one callback ready per loop turn, not 50; each is let go
-    as it ends, and one answered in time keeps the polling on."""
+    as it ends, and one answered in time keeps the polling on. (A 10 s poll here: the 20 turns
+    fit in it on a loaded machine.)"""
+    monkeypatch.setenv("ARENDEZ_SPIN_US", "10000000")
 
     async def main() -> tuple[int, int, float]:
         spin = Spin()
@@ -291,7 +297,7 @@ def test_calls_waited_on_at_once_share_one_poll() -> None:
 
     turns, left, budget = asyncio.run(main())
     assert 19 <= turns <= 22  # (about one poll per loop turn)
-    assert left == 0 and budget == 0.001
+    assert left == 0 and budget == 10.0
 
 
 @pytest.mark.timeout(10)
