@@ -72,8 +72,9 @@ async def cycles(first: int, world: int, url: str, count: int, swap: bool = Fals
             early = _usage()
     seconds = time.monotonic() - started
     end = _usage()
-    for _ in range(30):  # (a destroy's last sockets close on the loop's next turns: a busy
-        if end["fds"] <= early.get("fds", 0):  # machine sampled them still open; a leak stays)
+    for _ in range(30):  # (a destroy's last sockets close on the loop's next turns, and its
+        # lease thread ends on its own: a busy machine sampled them still there; a leak stays)
+        if end["fds"] <= early.get("fds", 0) and end["threads"] <= early.get("threads", 0):
             break
         await asyncio.sleep(0.1)
         end = _usage()
