@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import struct
@@ -27,9 +28,27 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, picked below the kernel's ephemeral
+    range: an outgoing connection of another test takes its port from that range, and once took
+    one a test had picked there before binding it (EADDRINUSE)."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randint(max(1024, low - 12000), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (no luck below it: any free port)
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
