@@ -16,7 +16,8 @@ payload), must finish within the handshake time, and counts against the listener
 connections not yet authenticated, per remote host and in total (``ListenerLimits``; a
 refused dialer is told which limit and, if it is a rank, retries until its deadline).
 
-The listener's limits are ``admission``'s, the dial itself (its retries, our hello) ``dialer``'s.
+The listener's limits are ``admission``'s, the dial itself (its retries, our hello) ``dialer``'s,
+the peers' addresses ``addresses``'.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import contextlib
 import logging
 import ssl as _ssl
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from .. import frames, handshake, stall, transport, wire
 from ..errors import AuthenticationError, LimitError, ProtocolError, RendezvousError
 from . import local
+from .addresses import UNFETCHED, AddressBook, Resolver
 from .admission import _HELLO_LIMITS, HELLO_FRAMES
 from .admission import ListenerLimits as ListenerLimits  # (re-exported: callers name it here)
 from .dialer import Dialer
@@ -44,7 +46,6 @@ log = logging.getLogger("arendez.tcp")
 FrameRouter = Callable[[int, frames.Frame, memoryview | None], None]
 SinkRouter = Callable[[int, frames.Frame, int], memoryview | wire.Stream | None]
 LossHandler = Callable[[int, str], None]
-Resolver = Callable[[list[int]], Awaitable[dict[int, str]]]
 ConnectHandler = Callable[[int], None]
 
 
@@ -100,7 +101,6 @@ class Mesh:
         self._sink: SinkRouter | None = None
         self._on_lost: LossHandler | None = None
         self._on_connected: ConnectHandler | None = None
-        self._resolve: Resolver | None = None
         self._closing = False
         self._dial_errors: dict[int, str] = {}  # the last error dialing each peer
         self._unreachable: set[int] = set()  # peers a dial found gone (never dialed again)
@@ -110,11 +110,9 @@ class Mesh:
         self._failures: list[int] = []  # peers the server declared failed, in the order heard
         self._dial_timeout = 30.0
         self._dialer: Dialer | None = None  # (from ``start``: the round's rank and nonce)
-        self._addresses: dict[int, str] = {}
+        self.addresses = AddressBook()
         self._waiting_links: dict[int, PendingLink] = {}  # peers being dialed (by us, or by them)
         self._dialing: set[int] = set()  # peers our own dial is under way to
-        self._wanted: set[int] = set()  # addresses to ask the store for in the next batch
-        self._batch: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()  # set whenever a connection is adopted
 
     async def listen(self, host: str, port: int = 0) -> int:
@@ -217,8 +215,9 @@ class Mesh:
         peer addresses known now; ``resolve`` fetches others (batched) on first use."""
         self.rank, self.world_size, self.nonce = rank, world_size, nonce
         self._route, self._sink, self._on_lost = route, sink, on_lost
-        self._on_connected, self._resolve = on_connected, resolve
-        self._addresses.update(addresses)
+        self._on_connected = on_connected
+        self.addresses.resolve = resolve
+        self.addresses.known.update(addresses)
         self._dial_timeout = dial_timeout
         self._dialer = Dialer(
             rank=rank,
@@ -353,36 +352,17 @@ class Mesh:
 
     def _describe(self, ranks: list[int], what: str) -> str:
         detail = "; ".join(
-            f"rank {r} at {self._addresses.get(r, '(address not fetched)')}"
+            f"rank {r} at {self.addresses.describe(r)}"
             + (f" ({self._dial_errors[r]})" if r in self._dial_errors else "")
             for r in ranks
         )
         return f"{what} {detail}"
 
-    async def _address(self, peer: int) -> str:
-        """``peer``'s address; unknown ones are fetched from the store in one batch per turn."""
-        if peer not in self._addresses:
-            if self._resolve is None:
-                raise ProtocolError(f"the address of rank {peer} is unknown")
-            self._wanted.add(peer)
-            if self._batch is None:
-                self._batch = asyncio.get_running_loop().create_task(self._fetch_addresses())
-            await asyncio.shield(self._batch)
-        if peer not in self._addresses:
-            raise ProtocolError(f"the store does not know the address of rank {peer}")
-        return self._addresses[peer]
-
-    async def _fetch_addresses(self) -> None:
-        await asyncio.sleep(0)  # dials started in this loop turn join the batch
-        wanted, self._wanted, self._batch = sorted(self._wanted), set(), None
-        assert self._resolve is not None
-        self._addresses.update(await self._resolve(wanted))
-
     async def _dial(self, peer: int, pending: PendingLink) -> None:
-        address = "(address not fetched)"
+        address = UNFETCHED
         try:
             async with asyncio.timeout(self._dial_timeout):
-                address = await self._address(peer)
+                address = await self.addresses.lookup(peer)
                 assert self._dialer is not None
                 conn = await self._dialer.connect(peer, address, self._uses_local_sockets())
             self._dialing.discard(peer)
@@ -465,8 +445,7 @@ class Mesh:
                 listener.close()
         for task in list(self._tasks):
             task.cancel()
-        if self._batch is not None:
-            self._batch.cancel()
+        self.addresses.cancel()
         pending, self._waiting_links = self._waiting_links, {}
         for link in pending.values():
             link.fail(ConnectionResetError("the mesh is closing"))
