@@ -352,6 +352,12 @@ class BlockingStore:
         wait = self._wait_budget(timeout)
         self._call(["wait", None, list(keys), wait], wait + _REPLY_SLACK, waited=wait)
 
+    def barrier(self, key: str, count: int, timeout: float | None = None) -> None:
+        """Count this caller at ``key`` and return once the counter there reaches ``count``
+        (``arendez.sync.TCPStore.barrier``: torch's ``TCPStore.barrier`` rules)."""
+        wait = self._wait_budget(timeout)
+        self._call(["barrier", None, key, int(count), wait], wait + _REPLY_SLACK, waited=wait)
+
     def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
         """True if every key in ``keys`` is set (no waiting)."""
         found: bool = self._call(["check", None, list(keys)], self._budget(timeout))

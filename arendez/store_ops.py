@@ -64,6 +64,12 @@ class KeyValueOps:
         else:
             await self._batched("wait", timeout, keys)
 
+    async def barrier(self, key: str, count: int, timeout: float | None = None) -> None:
+        """Count this caller at ``key`` and return once the counter there reaches ``count``:
+        torch's ``TCPStore.barrier`` (an arrival that reaches its own count lets every caller
+        waiting on the key go on; ``StoreTimeoutError`` after ``timeout``, still counted)."""
+        await self._ask("barrier", timeout, True, key, int(count))
+
     async def check(self, keys: Iterable[str], timeout: float | None = None) -> bool:
         """True if every key in ``keys`` is set (no waiting)."""
         keys = list(keys)

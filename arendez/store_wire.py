@@ -135,6 +135,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "queue_push": ("key", "value"),
     "queue_pop": ("key", "block", "timeout"),
     "queue_len": ("key",),
+    "barrier": ("key", "count", "timeout"),
 }
 
 _INITIAL = 4096  # bytes a reader holds between frames; it grows for a larger frame only

@@ -440,6 +440,10 @@ class SharedStoreClient:
         count: int = self._call("num_keys", timeout, False)
         return count
 
+    def barrier(self, key: str, count: int, timeout: float | None = None) -> None:
+        """Count this caller at ``key``; return once the counter there reaches ``count``."""
+        self._call("barrier", timeout, True, key, int(count))
+
     def multi_get(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
         """The values of ``keys``, in order, waiting up to ``timeout`` for any not yet set."""
         values: list[bytes] = self._call("multi_get", timeout, True, list(keys))

@@ -97,8 +97,8 @@ class Store:
 
     def barrier(self, key: str, world_size: int, timeout: datetime.timedelta | None = None) -> None:
         """Return once ``world_size`` callers have called ``barrier`` with ``key`` (torch's
-        ``Store.barrier``; its keys are ``key/num_members``, counting the arrivals, and
-        ``key/last_member``, which the last sets: torch 2.13 keeps a single counter at ``key``);
+        generic ``Store.barrier``, as its ``PrefixStore`` keeps it: ``key/num_members`` counts
+        the arrivals and the last sets ``key/last_member``; ``TCPStore`` has the server's own);
         ``StoreTimeoutError`` after ``timeout`` (default: the store's)."""
         if world_size < 1:
             raise ValueError(f"barrier {key!r} needs world_size >= 1, got {world_size}")

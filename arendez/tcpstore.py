@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import operator
 import os
 import socket
 import threading
@@ -203,6 +204,18 @@ class TCPStore(Store):
                 self._store.wait(names, self._limit(timeout))
             else:
                 self._batched("wait", names, self._limit(timeout))
+
+    def barrier(self, key: str, world_size: int, timeout: datetime.timedelta | None = None) -> None:
+        """Return once ``world_size`` callers have called ``barrier`` with ``key`` (torch's
+        ``TCPStore.barrier``, kept as torch's server keeps it: each arrival adds 1 to the counter
+        at ``key``, and one that brings it to its own ``world_size`` lets every caller waiting on
+        the key go on; torch's own clients on ``arendez-server --tcpstore-port`` meet these in
+        one barrier); ``StoreTimeoutError`` after ``timeout`` (default: the store's), the arrival
+        still counted."""
+        if type(world_size) is not int:
+            world_size = operator.index(world_size)
+        with self._lock:
+            self._store.barrier(store_key(key), world_size, self._limit(timeout))
 
     def check(self, keys: Iterable[str]) -> bool:
         names = key_list(keys)

@@ -39,8 +39,9 @@ from arendez.transports import local
 
 from . import tcpstore_front
 from .admission import Admission
+from .barriers import Barrier
 from .connection import Backlogged, ServerConnection, Session
-from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, PARKED, as_map, park, start_join
+from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, PARKED, as_map, park, start_barrier, start_join
 from .hooks import ServerHooks
 from .lifetimes import JobLifetimes
 from .limits import StateLimits
@@ -118,8 +119,8 @@ class Server:
         self.backlogged: set[Backlogged] = set()
         self.members = Members(self.state, cfg.hooks)
         self.waits = KeyWaits()
-        #: torch ``barrier`` calls waiting on the TCPStore port, by key (``tcpstore_front``)
-        self.torch_barriers: dict[str, tcpstore_front.Barrier] = {}
+        #: ``TCPStore.barrier`` calls waiting, by job and key (``barriers``)
+        self.barriers: dict[tuple[str, str], Barrier] = {}
         self._server: asyncio.Server | None = None
         self._local: asyncio.Server | None = None  # the same-host listener (``transports.local``)
         self._torch: asyncio.Server | None = None  # torch's TCPStore clients (``tcpstore_front``)
@@ -384,6 +385,8 @@ class Server:
         for the others, a task."""
         if header["op"] in PARKED:
             self._start_waiting(session, rid, header, functools.partial(park, compact=compact))
+        elif header["op"] == "barrier":
+            self._start_waiting(session, rid, header, functools.partial(start_barrier, compact=compact))
         else:
             self._start_blocking(session, rid, header)
 

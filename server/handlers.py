@@ -5,7 +5,8 @@ operations, answered at once by the ``COMPACT`` handlers when they can be (a ``g
 key, a ``wait`` on present keys), and the map form ``{"op", "id", ...}`` of every request
 (``HANDLERS``). A handler that cannot answer yet returns ``BLOCK``: a ``get``/``wait``/
 ``multi_get`` then waits for its keys (``park``, no task), a ``queue_pop`` continues in a task
-(``BLOCKING``); a ``join`` waits for its round (``start_join``). Handlers raise
+(``BLOCKING``); a ``join`` waits for its round (``start_join``), a ``barrier`` for its
+other callers (``start_barrier``). Handlers raise
 ``ArendezError`` s, sent back as the request's error.
 """
 
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from arendez.errors import LimitError, RendezvousError, StoreError
 from arendez.store_wire import MAX_KEYS, OPS
 
+from . import barriers
+from .barriers import BarrierCall
 from .joins import JoinWait, check_neighbours
 from .rounds import Lease, Member
 from .state import Job
@@ -123,6 +126,28 @@ def _get_now(server: Server, s: Session, job: Job, h: dict[str, Any]) -> Any:
 
 def _wait_now(server: Server, s: Session, job: Job, h: dict[str, Any]) -> Any:
     return None if job.has_all(_keys(h)) else BLOCK
+
+
+def _barrier_later(server: Server, s: Session, job: Job, h: Any) -> Any:
+    return BLOCK  # (the arrival is counted by ``start_barrier``, once the request may wait)
+
+
+def start_barrier(server: Server, s: Session, job: Job, rid: Any, h: dict[str, Any], compact: bool) -> None:
+    """``TCPStore.barrier``: count this arrival on the key's counter; answered now if that
+    reaches the request's count, else when the barrier passes (``barriers``) or at the deadline."""
+    key, count, timeout = h.get("key", ""), h.get("count"), h.get("timeout")
+    if not isinstance(count, int) or isinstance(count, bool) or not -(2**63) <= count < 2**63:
+        raise StoreError(f"barrier count must be a 64-bit integer, got {count!r:.40}")
+    deadline = _deadline(timeout)
+    found = barriers.barrier(server, s.job, key)
+    if found.arrive(job, count):
+        if compact:
+            s.reply_value(rid, None)
+        else:
+            s.reply(rid, None)
+        return
+    what = _timed_out(f"barrier({key!r:.80}, {count})", timeout)
+    BarrierCall(s, rid, compact, found, deadline, what)
 
 
 def _lease(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
@@ -337,6 +362,7 @@ HANDLERS: dict[str, Any] = {
     "queue_push": _queue_push,
     "queue_pop": _queue_pop_now,
     "queue_len": _queue_len,
+    "barrier": _barrier_later,
 }
 #: Requests that wait in a task when they cannot be answered at once.
 BLOCKING: dict[str, Any] = {
@@ -432,6 +458,7 @@ COMPACT: dict[str, tuple[Handler, int]] = {
         "queue_push": _c_queue_push,
         "queue_pop": _c_queue_pop,
         "queue_len": _c_queue_len,
+        "barrier": _barrier_later,
     }.items()
 }
 

@@ -28,7 +28,9 @@ from arendez import burstlog
 from arendez.errors import ArendezError, LimitError, ProtocolError, StoreError
 from arendez.store_wire import MAX_KEYS, TCPSTORE_WORKERS_KEY, request_limit
 
+from . import barriers
 from . import tcpstore_wire as tw
+from .barriers import Barrier
 from .connection import FLUSH_AT, MAX_UNREAD_REPLIES, unread_excess
 from .tcpstore_wire import Query
 
@@ -305,10 +307,12 @@ class TorchStoreConnection(asyncio.Protocol):
 
     def _barrier(self, request: tuple[Any, ...]) -> bytes:
         key, members = store_key(request[1]), request[2]
-        barriers = self.server.torch_barriers
-        barrier = barriers.get(key) or barriers.setdefault(key, Barrier(self.server, key))
-        self.waiting = barrier.arrive(self, members)
-        return b"" if self.waiting is not None else tw.STOP_WAITING
+        found = barriers.barrier(self.server, self.server.tcpstore_job, key)
+        if found.arrive(self.job, members):
+            return tw.STOP_WAITING
+        self.waiting = BarrierWait(self, found)
+        found.hold(self.waiting)
+        return b""
 
     def _cancel_wait(self, request: tuple[Any, ...]) -> bytes:
         if self.waiting is not None:  # (else it ended already: its STOP_WAITING went first)
@@ -428,70 +432,6 @@ class KeysWait:
             self.parked = None
 
 
-class Barrier:
-    """torch's ``barrier`` on one key, as torch's server keeps it: each arrival adds 1 to the
-    key's counter (a plain key); an arrival that brings it to its own count goes on and frees
-    every client waiting on the key, as does any other change of the key (a ``set``, ``add``,
-    ``append`` or ``compare_set``, whatever the value; not a ``delete``), while an arrival short
-    of its count frees none (a call with a larger count waits for a later one) and wakes no
-    plain ``wait`` on the key either."""
-
-    __slots__ = ("_held", "_key", "_server", "waiting")
-
-    def __init__(self, server: Server, key: str) -> None:
-        self._server, self._key = server, key
-        self.waiting: dict[BarrierWait, None] = {}
-        self._held = False  # (during an arrival: its own change of the key frees no one)
-
-    def arrive(self, conn: TorchStoreConnection, members: int) -> BarrierWait | None:
-        """``conn``'s arrival: ``None`` if it goes on at once, else its wait."""
-        self._held = True
-        try:
-            arrived = conn.job.add(self._key, 1)
-            if arrived >= members:  # (plain waiters of the key too; an arrival short of its
-                conn.changed(self._key)  # count wakes no one, as on torch's server)
-        except BaseException:
-            if not self.waiting:
-                self._forget()
-            raise
-        finally:
-            self._held = False
-        if arrived >= members:
-            self.release()
-            return None
-        wait = BarrierWait(conn, self)
-        if not self.waiting:
-            self._server.waits.park(self._server.tcpstore_job, self._key, self)
-        self.waiting[wait] = None
-        return wait
-
-    def leave(self, wait: BarrierWait) -> None:
-        self.waiting.pop(wait, None)
-        if not self.waiting:
-            self._forget()
-
-    def wake(self) -> None:
-        """The key changed (``waits.KeyWaits`` took this off it)."""
-        if self._held:
-            self._server.waits.park(self._server.tcpstore_job, self._key, self)
-        else:
-            self.release()
-
-    def release(self) -> None:
-        """Let every waiter go on."""
-        waiting, self.waiting = self.waiting, {}
-        self._forget()
-        call_soon = asyncio.get_running_loop().call_soon
-        for wait in waiting:
-            call_soon(wait.conn.wait_ended, wait)
-
-    def _forget(self) -> None:
-        server = self._server
-        server.waits.unpark(server.tcpstore_job, self._key, self)
-        if server.torch_barriers.get(self._key) is self:
-            del server.torch_barriers[self._key]
-
-
 class BarrierWait:
     """A client's ``barrier`` not yet passed; no deadline of its own (torch's client sends
     ``CANCEL_WAIT`` at its timeout, and its arrival keeps counting, as on torch's server)."""
@@ -500,6 +440,9 @@ class BarrierWait:
 
     def __init__(self, conn: TorchStoreConnection, barrier: Barrier) -> None:
         self.conn, self._barrier = conn, barrier
+
+    def passed(self) -> None:
+        self.conn.wait_ended(self)
 
     def cancel(self) -> None:
         self._barrier.leave(self)

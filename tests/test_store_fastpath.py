@@ -263,3 +263,47 @@ async def test_thousands_of_waits_on_one_key_take_no_task_and_leave_nothing_behi
             fut.cancel()
         await st.close()
         await srv.close()
+
+
+@pytest.mark.timeout(60)
+async def test_barrier_callers_wait_without_a_task_and_leave_nothing_behind():
+    """``Store.barrier`` (torch's ``TCPStore.barrier``): a thousand callers wait on the key
+    with no server task; one that times out or whose connection goes stays counted and
+    leaves no waiter; the last arrival lets them all go on, and the server holds nothing."""
+    from arendez_server.app import Server, ServerConfig
+
+    srv = Server(ServerConfig(port=0))
+    await srv.start()
+    st = await dist.Store("127.0.0.1", srv.port, "b", timeout=30).connect()
+    other = await dist.Store("127.0.0.1", srv.port, "b", timeout=30).connect()
+    waits: list[asyncio.Future[None]] = []
+    try:
+        waits = [asyncio.ensure_future(st.barrier("meet", 1003)) for _ in range(1000)]
+        gone = asyncio.ensure_future(other.barrier("meet", 1003))
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if len(srv.barriers[("b", "meet")].waiting) == 1001:
+                break
+        assert len(srv.barriers[("b", "meet")].waiting) == 1001
+        assert not [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Server._blocking"]
+        with pytest.raises(StoreTimeoutError, match=r"barrier\('meet', 1003\) timed out"):
+            await st.barrier("meet", 1003, timeout=0.2)
+        await other.close()  # its barrier is withdrawn with its connection
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if len(srv.barriers[("b", "meet")].waiting) == 1000:
+                break
+        assert len(srv.barriers[("b", "meet")].waiting) == 1000
+        assert gone.done() and isinstance(gone.exception(), StoreError)
+        assert await st.get("meet") == b"1002"  # (both that gave up are counted)
+        await st.barrier("meet", 1003)  # the last arrival goes on at once, and frees them all
+        await asyncio.gather(*waits)
+        assert await st.get("meet") == b"1003"
+        assert srv.barriers == {} and srv.waits.waiters == {}
+        with pytest.raises(StoreError, match="barrier count must be a 64-bit integer, got 'x'"):
+            await st._ask("barrier", 5, True, "meet", "x")
+    finally:
+        for fut in waits:
+            fut.cancel()
+        await st.close()
+        await srv.close()

@@ -14,7 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import arendez.sync as sync
-from arendez.errors import LimitError, QueueEmptyError, StoreConnectTimeoutError, StoreTimeoutError
+from arendez.errors import (
+    LimitError,
+    QueueEmptyError,
+    StoreConnectTimeoutError,
+    StoreError,
+    StoreTimeoutError,
+)
 from arendez.syncstore import HashStore, PrefixStore
 from arendez.tcpstore import TCPStore
 from tests.harness import free_port, server, start_server
@@ -218,7 +224,9 @@ def test_add_refuses_an_amount_that_is_not_an_integer(connection: str) -> None:
 @pytest.mark.timeout(60)
 def test_barrier_returns_when_all_have_come_and_times_out_naming_its_key(connection: str) -> None:
     """torch 2.13's ``Store.barrier(key, world_size, timeout)``: nobody leaves before the last
-    arrives; a barrier that misses someone raises ``StoreTimeoutError`` after its timeout."""
+    arrives; a barrier that misses someone raises ``StoreTimeoutError`` after its timeout. On a
+    ``TCPStore`` the arrivals count at the key itself, as on torch's server (and the one that
+    timed out stays counted); other stores keep torch's generic ``key/num_members``."""
     master = sync.TCPStore("127.0.0.1", 0, None, True, SHORT)
     clients = [master.clone() for _ in range(5)]
     left: list[tuple[int, int]] = []
@@ -226,21 +234,27 @@ def test_barrier_returns_when_all_have_come_and_times_out_naming_its_key(connect
     def meet(i: int) -> None:
         time.sleep(0.05 * i)  # (arrivals spread out: the first waits for the last)
         clients[i].barrier("step1", 5)
-        left.append((i, int(master.get("step1/num_members"))))
+        left.append((i, int(master.get("step1"))))
 
     with ThreadPoolExecutor(5) as pool:
         list(pool.map(meet, range(5)))
     assert sorted(i for i, _ in left) == list(range(5))
     assert all(count == 5 for _, count in left)  # nobody left before all five had come
     started = time.monotonic()
-    with pytest.raises(StoreTimeoutError, match="last_member"):
+    with pytest.raises(StoreTimeoutError, match=r"barrier\('step2', 2\) timed out"):
         clients[0].barrier("step2", 2, datetime.timedelta(seconds=0.5))
     assert 0.4 < time.monotonic() - started < 10
+    clients[1].barrier("step2", 2)  # (the one that timed out is counted: this one goes on)
+    master.barrier("alone", 1)  # (world_size 1: returns at once, as torch's)
+    master.barrier("none", 0)  # (as torch's server: a count already reached)
+    master.set("text", "x")
+    with pytest.raises(StoreError, match="key 'text' does not hold an integer"):
+        master.barrier("text", 2)
     for store in (sync.HashStore(), sync.PrefixStore("job", master)):
-        store.barrier("alone", 1)  # (world_size 1: returns at once, as torch's)
+        store.barrier("alone", 1)
+        with pytest.raises(ValueError, match="world_size >= 1"):
+            store.barrier("none", 0)
     assert master.get("job/alone/last_member") == b"1"
-    with pytest.raises(ValueError, match="world_size >= 1"):
-        master.barrier("none", 0)
 
 
 @pytest.mark.timeout(30)

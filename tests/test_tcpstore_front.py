@@ -26,7 +26,7 @@ from arendez_server.tcpstore_front import client_key, store_key  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
 
 import arendez.sync  # noqa: E402
-from arendez.errors import ProtocolError  # noqa: E402
+from arendez.errors import ProtocolError, StoreTimeoutError  # noqa: E402
 from tests.harness import PY, ServerProcess, start_server  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -103,10 +103,11 @@ def test_torch_client_gets_the_answers_of_torch_server(tcpstore_server: tuple[Se
     assert dict(got)["queue_pop empty"] == "QueueEmptyError"
 
 
-def _barrier_outcomes(port: int) -> list[tuple[str, list[str]]]:
-    """torch's ``barrier`` across clients, each case in a fresh key: who goes on and who times
-    out. A later arrival starts once the earlier ones are counted (the key's counter)."""
-    watcher = _client(port)
+def _barrier_outcomes(port: int, client: Callable[[int], Any] = _client) -> list[tuple[str, list[str]]]:
+    """torch's ``barrier`` across clients (``client(port)``, torch's by default), each case in a
+    fresh key: who goes on and who times out. A later arrival starts once the earlier ones are
+    counted (the key's counter)."""
+    watcher = client(port)
 
     def counted(key: str, arrivals: int) -> None:
         while not (watcher.check([key]) and int(watcher.get(key)) >= arrivals):
@@ -120,11 +121,11 @@ def _barrier_outcomes(port: int) -> list[tuple[str, list[str]]]:
                 store.barrier(key, counts[i], timedelta(seconds=1))
                 outcomes[i] = "passed"
             except Exception as exc:
-                outcomes[i] = type(exc).__name__
+                outcomes[i] = _timeout_named(exc)
 
         threads = []
         for i in range(len(counts)):
-            threads.append(threading.Thread(target=arrive, args=(i, _client(port))))
+            threads.append(threading.Thread(target=arrive, args=(i, client(port))))
             threads[-1].start()
             counted(key, i + 1)
         if then is not None:
@@ -134,14 +135,14 @@ def _barrier_outcomes(port: int) -> list[tuple[str, list[str]]]:
         return outcomes
 
     def plain_wait_then_short_arrival() -> list[str]:
-        waiter, seen = _client(port), []
+        waiter, seen = client(port), []
 
         def wait() -> None:
             try:
                 waiter.wait(["plain"], timedelta(seconds=1))
                 seen.append("woken")
             except Exception as exc:
-                seen.append(type(exc).__name__)
+                seen.append(_timeout_named(exc))
 
         thread = threading.Thread(target=wait)
         thread.start()
@@ -161,13 +162,48 @@ def _barrier_outcomes(port: int) -> list[tuple[str, list[str]]]:
     ]
 
 
-@pytest.mark.timeout(60)
+def _timeout_named(exc: Exception) -> str:
+    """One name for a timeout of either client (torch's ``DistStoreError``, arendez's
+    ``StoreTimeoutError``); any other error by its type."""
+    timed_out = isinstance(exc, torch.distributed.DistStoreError | StoreTimeoutError)
+    return "timeout" if timed_out else type(exc).__name__
+
+
+def _arendez_client(port: int) -> Any:
+    return arendez.sync.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
+
+
+@pytest.mark.timeout(90)
 def test_barrier_goes_as_on_torch_server(tcpstore_server: tuple[ServerProcess, int]) -> None:
-    _, port = tcpstore_server
+    """torch's clients on the TCPStore port, and ``arendez.sync.TCPStore`` on the server's own
+    protocol (the ``barrier`` request), go through each case as torch's clients on torch's server."""
+    srv, port = tcpstore_server
     master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
     want = _barrier_outcomes(master.port)
     assert _barrier_outcomes(port) == want
-    assert dict(want)["a later call of a larger count frees no one"] == ["DistStoreError"] * 2
+    assert _barrier_outcomes(srv.port, _arendez_client) == want
+    assert dict(want)["a later call of a larger count frees no one"] == ["timeout"] * 2
+
+
+@pytest.mark.timeout(60)
+def test_torch_and_arendez_clients_meet_in_one_barrier(tcpstore_server: tuple[ServerProcess, int]) -> None:
+    """A barrier of four: two torch clients and two ``arendez.sync.TCPStore`` ones; none goes
+    on before the last arrives, and the key's counter is torch's (4)."""
+    srv, port = tcpstore_server
+    clients = [_client(port), _arendez_client(srv.port), _client(port), _arendez_client(srv.port)]
+    counts: list[int] = []
+
+    def meet(i: int) -> None:
+        time.sleep(0.1 * i)  # (the first waits for the last)
+        clients[i].barrier("mixed", 4, timedelta(seconds=10))
+        counts.append(int(clients[i].get("mixed")))
+
+    threads = [threading.Thread(target=meet, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert counts == [4, 4, 4, 4]
 
 
 @pytest.mark.timeout(60)
