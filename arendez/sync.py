@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import functools
 import sys as _sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import arendez as api  # the public async API only
@@ -209,6 +209,23 @@ async def _posted(work: compat.Work | None) -> int | None:
     return None if result is None else int(result)
 
 
+def _p2p_run(
+    start: Callable[[Any], Coroutine[Any, Any, int | None]], tensor: Any, writes: bool
+) -> Callable[[], Coroutine[Any, Any, int | None]]:
+    """``start`` on what arendez can carry for ``tensor``: a torch tensor of a dtype numpy
+    lacks (bfloat16) or not contiguous gets a stand-in, as in the blocking calls, which a
+    receive copies back into ``tensor`` once it has arrived."""
+    if "torch" in _sys.modules:
+        import torch
+
+        from .torchstage import Stage, stand_in_needed
+
+        if isinstance(tensor, torch.Tensor) and stand_in_needed(tensor):
+            stage = Stage()
+            return functools.partial(stage.run, start, stage(tensor, writes))
+    return functools.partial(start, tensor)
+
+
 def isend(
     tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None
 ) -> Work | None:
@@ -217,10 +234,10 @@ def isend(
     if _not_member(group):
         return None
 
-    async def start() -> int | None:
-        return await _posted(compat.isend(tensor, dst, group, tag, group_dst))
+    async def start(carried: Any) -> int | None:
+        return await _posted(compat.isend(carried, dst, group, tag, group_dst))
 
-    return Work(shared.start(start), [tensor])
+    return Work(shared.start(_p2p_run(start, tensor, writes=False)), [tensor])
 
 
 def irecv(
@@ -231,10 +248,10 @@ def irecv(
     if _not_member(group):
         return None
 
-    async def start() -> int | None:
-        return await _posted(compat.irecv(tensor, src, group, tag, group_src))
+    async def start(carried: Any) -> int | None:
+        return await _posted(compat.irecv(carried, src, group, tag, group_src))
 
-    return Work(shared.start(start), [tensor])
+    return Work(shared.start(_p2p_run(start, tensor, writes=True)), [tensor])
 
 
 def batch_isend_irecv(p2p_op_list: Sequence[compat.P2POp]) -> list[Work]:

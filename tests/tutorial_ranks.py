@@ -164,6 +164,22 @@ def dtypes_and_layouts(rank: int, size: int) -> None:
     expanded = torch.full((1, 2), rank + 1.0).expand(3, 2)  # (stride 0: gloo writes it once)
     dist.all_reduce(expanded)
     print("expanded all_reduce", expanded.tolist())
+    peer = 1 - rank  # (QA25: arendez.sync's isend/irecv refused bfloat16)
+    got = torch.zeros(3, dtype=torch.bfloat16)
+    mine = torch.full((3,), rank + 0.75, dtype=torch.bfloat16)
+    works = (
+        [dist.isend(mine, peer), dist.irecv(got, peer)]
+        if rank == 0
+        else [dist.irecv(got, peer), dist.isend(mine, peer)]
+    )
+    for work in works:
+        work.wait()
+    print("bf16 isend/irecv", got.dtype, got.tolist())
+    got = torch.zeros(2, dtype=torch.bfloat16)
+    ops = [dist.P2POp(dist.isend, mine[:2] * 2, peer), dist.P2POp(dist.irecv, got, peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    print("bf16 batch_isend_irecv", got.dtype, got.tolist())
 
 
 def everything(rank: int, size: int) -> None:
