@@ -16,6 +16,7 @@ a private network namespace (TCPStore reverse-resolves its peers and stalls on t
 otherwise): ``--netns`` re-executes the script under ``unshare -n`` with loopback up.
 
     python benchmarks/tcpstore_threads.py --netns --worlds 1024 4096 10000 --repeat 2
+    python benchmarks/tcpstore_threads.py --netns --barrier    # then TCPStore.barrier of all
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def _ranks(
     timeout: float,
     ops: int,
     appends: int,
+    barrier: bool,
     out: Any,
     go: Any,
 ) -> None:
@@ -82,6 +84,8 @@ def _ranks(
                 store.add("steps", 1)
             for _ in range(appends):  # (--appends: every rank appends to one key, contended)
                 store.append("log", f"{r};")
+            if barrier:  # (--barrier: then every rank meets in TCPStore.barrier)
+                store.barrier("meet", world)
         except Exception as exc:
             errors.append(f"rank {r}: {exc!r}")
 
@@ -96,7 +100,13 @@ def _ranks(
 
 
 def run_case(
-    backend: str, world: int, procs: int, timeout: float, ops: int = 0, appends: int = 0
+    backend: str,
+    world: int,
+    procs: int,
+    timeout: float,
+    ops: int = 0,
+    appends: int = 0,
+    barrier: bool = False,
 ) -> dict[str, Any]:
     """One rendezvous of ``world`` thread-ranks on ``backend``'s TCPStore."""
     with socket.socket() as s:
@@ -118,7 +128,10 @@ def run_case(
         per = -(-world // procs)
         spans = [(k * per, min(world, (k + 1) * per)) for k in range(procs) if k * per < world]
         workers = [
-            ctx.Process(target=_ranks, args=(module, port, world, lo, hi, timeout, ops, appends, out, go))
+            ctx.Process(
+                target=_ranks,
+                args=(module, port, world, lo, hi, timeout, ops, appends, barrier, out, go),
+            )
             for lo, hi in spans
         ]
         for w in workers:
@@ -162,6 +175,7 @@ def main() -> int:
     p.add_argument(
         "--appends", type=int, default=0, help="then append to one shared key this many times per rank"
     )
+    p.add_argument("--barrier", action="store_true", help="then every rank calls TCPStore.barrier")
     p.add_argument("--timeout", type=float, default=120.0, help="each rank's store timeout (s)")
     p.add_argument("--json", default="", help="write the results here as JSON")
     args = p.parse_args()
@@ -172,7 +186,7 @@ def main() -> int:
         for run in range(1, args.repeat + 1):
             order = args.backends if run % 2 else list(reversed(args.backends))
             for backend in order:
-                r = run_case(backend, world, args.procs, args.timeout, args.ops, args.appends)
+                r = run_case(backend, world, args.procs, args.timeout, args.ops, args.appends, args.barrier)
                 r["run"] = run
                 rows.append(r)
                 print(
