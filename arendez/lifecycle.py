@@ -444,8 +444,21 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
         raise
 
 
-async def _close_world(world: World, deadline: float) -> None:
-    """destroy_process_group's work for the whole world, bounded by ``deadline`` (loop time)."""
+async def abort_world(budget: float = 1.0) -> None:
+    """destroy_process_group without draining: the calls in flight fail with
+    ``GroupDestroyedError`` at once, and the rest (goodbyes, leaving the server, closing the
+    connections) gets ``budget`` seconds (the torch backend's ``abort``)."""
+    world = world_or_none()
+    if world is None or default_group() is None:
+        return
+    loop = asyncio.get_running_loop()
+    closing = loop.create_task(_close_world(world, loop.time() + budget, drain_by=loop.time()))
+    await asyncio.shield(closing)
+
+
+async def _close_world(world: World, deadline: float, drain_by: float | None = None) -> None:
+    """destroy_process_group's work for the whole world, bounded by ``deadline`` (loop time);
+    the calls in flight may finish until ``drain_by`` (default: the deadline)."""
     loop = asyncio.get_running_loop()
 
     def left() -> float:
@@ -455,7 +468,7 @@ async def _close_world(world: World, deadline: float) -> None:
     for g in groups:
         g.closing = True  # new collectives now raise GroupDestroyedError
     try:
-        await asyncio.gather(*(g.drain(deadline) for g in groups))
+        await asyncio.gather(*(g.drain(deadline if drain_by is None else drain_by) for g in groups))
     finally:
         uninstall()
     world.groups.clear()

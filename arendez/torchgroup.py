@@ -21,6 +21,7 @@ from . import torchsparse
 from .arrays import check_reducible
 from .compat import check_gather_coalesced
 from .errors import InvalidArgumentError
+from .lifecycle import abort_world
 from .loop import shared
 from .torchstage import Stage, split_rows, writing
 from .torchstore import close_stores, seconds
@@ -402,20 +403,25 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
 
     # -- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Destroy the arendez world behind the default group (subgroups just stop)."""
+        """Destroy the arendez world behind the default group (subgroups just stop): the calls
+        in flight may finish within the group's timeout (torch's ``destroy_process_group`` has
+        no timeout of its own), then the rest fail with ``GroupDestroyedError``."""
+        self._end(arendez.destroy_process_group)
+
+    def abort(self) -> None:
+        """``shutdown`` without waiting: the calls in flight fail at once (torch's
+        ``_abort_process_group``, which fault-tolerant trainers call on an error)."""
+        self._end(abort_world)
+
+    def _end(self, end: Callable[[], Coroutine[Any, Any, None]]) -> None:
         if self._closed:
             return
         self._closed = True
         if self._engine is None:
             try:
-                shared.call(self._destroy)
+                shared.call(end)
             finally:
                 close_stores()
-
-    abort = shutdown
-
-    async def _destroy(self) -> None:
-        await arendez.destroy_process_group()
 
 
 def _run_uncompiled(*classes: type) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -381,6 +382,21 @@ def test_work_wait_timeout_raises_and_the_call_goes_on() -> None:
     for out in results:
         assert out["t"] == [3.0, 3.0, 3.0]
         assert out["after"] == [2.0]
+
+
+@pytest.mark.timeout(90)
+def test_abort_fails_the_calls_in_flight_at_once_and_destroy_within_the_group_timeout(tmp_path: Path) -> None:
+    """torch's ``_abort_process_group`` ends the world without draining (QA25: it was
+    ``shutdown``, which drains within the group's timeout as gloo's ``destroy_process_group``)."""
+    for how in ("abort", "destroy"):
+        done = tmp_path / how
+        results = _run("end_with_a_call_in_flight", 2, _tcp(), how, env={"TEST_DONE_FILE": str(done)})
+        assert results[0]["work"] != "completed", results[0]
+        took = results[0]["seconds"]
+        if how == "abort":  # (the group's timeout is 8 s)
+            assert took < 4, f"abort took {took:.1f}s with a call in flight"
+        else:
+            assert 7.5 < took < 30, f"destroy took {took:.1f}s: not the group's 8 s timeout"
 
 
 @pytest.mark.timeout(30)

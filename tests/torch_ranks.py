@@ -5,6 +5,7 @@ Each rank reports its result last (``tests.harness.report_result``; read by ``Ra
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -941,6 +942,39 @@ def torch_features(rank: int, ws: int, init: str) -> dict[str, Any]:
     gloo = dist.new_group(list(range(ws)), backend="gloo")
     out = _each_case_on_each_group(_torch_feature_cases(rank, ws), [("arendez", None), ("gloo", gloo)])
     dist.destroy_process_group()
+    return out
+
+
+@scenario
+def end_with_a_call_in_flight(rank: int, ws: int, init: str, how: str) -> dict[str, Any]:
+    """Rank 0 starts an all_reduce the others never join, then ends the group (``how``:
+    torch's ``destroy_process_group``, or its ``_abort_process_group``); the others wait for
+    its end. The group's timeout is 8 s."""
+    dist.init_process_group(
+        "arendez", init_method=init, rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=8)
+    )
+    dist.barrier()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(2), async_op=True)
+        started = time.monotonic()
+        if how == "abort":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+        out["seconds"] = time.monotonic() - started
+        try:
+            work.wait()
+            out["work"] = "completed"
+        except Exception as exc:
+            out["work"] = type(exc).__name__
+        Path(os.environ["TEST_DONE_FILE"]).write_text("done")
+    else:
+        deadline = time.monotonic() + 30
+        while not Path(os.environ["TEST_DONE_FILE"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(Exception):  # (its peer's end may have failed this world)
+            dist.destroy_process_group()
     return out
 
 
