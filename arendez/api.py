@@ -61,7 +61,7 @@ from .compat import (
 )
 from .elastic import joiners_waiting, reform, share_state
 from .flightrec import dump_flight_recorder, flight_recorder
-from .lifecycle import destroy_process_group, init_process_group, new_group, process_group
+from .lifecycle import init_process_group, new_group, process_group
 from .objects import all_gather_object, broadcast_object_list, gather_object, scatter_object_list
 from .p2p import recv, send
 from .registry import (
@@ -71,6 +71,7 @@ from .registry import (
     is_initialized,
     transport_stats,
 )
+from .teardown import destroy_process_group
 
 __all__ = [
     "Backend",

@@ -165,7 +165,7 @@ async def reform(timeout: float | datetime.timedelta | None = None) -> tuple[int
     come from the current round keep their relative order and come first. Subgroups are gone:
     re-create them. ``RendezvousError`` if fewer than ``min`` ranks join in time.
     """
-    from . import lifecycle
+    from . import lifecycle, teardown
     from .registry import seconds, world_or_none
 
     config = _config
@@ -181,7 +181,7 @@ async def reform(timeout: float | datetime.timedelta | None = None) -> tuple[int
         info = _worlds.get(world)
         if info is not None:  # (ranks that merely left are re-forming too: not dead)
             came_from, hint, dead = info.generation, world.rank, tuple(sorted(world.failed))
-        await lifecycle.destroy_process_group(timeout=min(DESTROY_BUDGET, limit))
+        await teardown.destroy_process_group(timeout=min(DESTROY_BUDGET, limit))
     plan = replace(config.plan, came_from=came_from, hint=hint, dead=dead)
     left = max(0.001, deadline - loop.time())
     await lifecycle.init_elastic(plan, config.timeout, left)

@@ -295,7 +295,7 @@ class LoopThread:
 
 async def _wind_down(timeout: float) -> None:
     from . import registry  # (imported late: loop.py sits below the API)
-    from .lifecycle import destroy_process_group
+    from .teardown import destroy_process_group
 
     if registry.world_or_none() is not None:
         crashed = getattr(sys, "last_value", None)  # (set when an uncaught exception ended it)

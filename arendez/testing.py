@@ -22,8 +22,9 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from .lifecycle import destroy_process_group, init_process_group
+from .lifecycle import init_process_group
 from .registry import current_world, fresh_context
+from .teardown import destroy_process_group
 
 T = TypeVar("T")
 

@@ -21,8 +21,8 @@ from . import torchsparse
 from .arrays import check_reducible
 from .compat import check_gather_coalesced
 from .errors import InvalidArgumentError
-from .lifecycle import abort_world
 from .loop import shared
+from .teardown import abort_world
 from .torchstage import Stage, split_rows, writing
 from .torchstore import close_stores, seconds
 from .torchsub import Direct

@@ -15,7 +15,7 @@ import pytest
 
 import arendez as dist
 import arendez.testing
-from arendez.lifecycle import LINGER_SECONDS
+from arendez.teardown import LINGER_SECONDS
 from tests.harness import collect, free_port, run_ranks, server, spawn_rank, wait_for_files
 from tests.jobs import failures as failures_jobs
 from tests.jobs import lifecycle as lifecycle_jobs
