@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from arendez.errors import StoreTimeoutError
 
-from .waits import timer_at
+from .waits import TimedWait
 
 if TYPE_CHECKING:
     from .app import Server
@@ -105,20 +105,20 @@ def barrier(server: Server, job: str, key: str) -> Barrier:
     return found
 
 
-class BarrierCall:
+class BarrierCall(TimedWait):
     """An arendez client's ``barrier`` request not yet passed: answered when the barrier lets
     it go on, or with ``StoreTimeoutError`` at its deadline (it stays counted, as a torch
     client that gives up does); no task."""
 
-    __slots__ = ("_barrier", "_compact", "_rid", "_session", "_started", "_timer", "_what")
+    __slots__ = ("_barrier", "_compact", "_rid", "_started", "_what")
 
     def __init__(
         self, session: Session, rid: Any, compact: bool, found: Barrier, deadline: float, what: str
     ) -> None:
-        self._session, self._rid, self._compact = session, rid, compact
+        super().__init__(session, deadline)
+        self._rid, self._compact = rid, compact
         self._barrier, self._what = found, what
         self._started = time.perf_counter()
-        self._timer: asyncio.TimerHandle | None = timer_at(deadline, self.expire)
         session.tasks.add(self)
         found.hold(self)
 
@@ -142,11 +142,5 @@ class BarrierCall:
         """The connection went: stop waiting, answer nobody."""
         self._settle()
 
-    def _settle(self) -> bool:
-        if self._timer is None:
-            return False
-        self._timer.cancel()
-        self._timer = None
-        self._session.tasks.discard(self)
+    def _unhook(self) -> None:
         self._barrier.leave(self)
-        return True

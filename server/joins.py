@@ -22,7 +22,7 @@ from arendez.rendezvous import incomplete
 
 from .rounds import Member, Round
 from .state import Job
-from .waits import timer_at
+from .waits import TimedWait
 
 if TYPE_CHECKING:
     from .app import Server
@@ -77,7 +77,7 @@ def join_reply(rid: Any, answer: dict[str, Any], peers: bytes | None) -> list[by
     return [wire.PREFIX.pack(len(head) + len(peers), 0) + head, peers]
 
 
-class JoinWait:
+class JoinWait(TimedWait):
     """One join waiting for its round; answered once, by ``finish``, ``expire`` or ``cancel``."""
 
     __slots__ = (
@@ -86,9 +86,7 @@ class JoinWait:
         "_rid",
         "_round",
         "_server",
-        "_session",
         "_started",
-        "_timer",
         "job",
         "rank",
     )
@@ -105,8 +103,8 @@ class JoinWait:
         member: Member | None,
         deadline: float,
     ) -> None:
+        super().__init__(session, deadline)
         self._server = server
-        self._session = session
         self.job = job
         self._rid = rid
         self._request = request
@@ -114,17 +112,9 @@ class JoinWait:
         self.rank = rank
         self._member = member
         self._started = time.perf_counter()
-        self._timer: asyncio.TimerHandle | None = timer_at(deadline, self.expire)
 
-    def _settle(self) -> bool:
-        """Stop waiting; False if this join was answered (or dropped) already."""
-        if self._timer is None:
-            return False
-        self._timer.cancel()
-        self._timer = None
-        self._session.tasks.discard(self)
+    def _unhook(self) -> None:
         self._server.members.stop_waiting(self._round, self)
-        return True
 
     def finish(self) -> None:
         """The round completed (closed): answer with the rank, the round and the addresses asked for."""

@@ -34,6 +34,34 @@ def timer_at(deadline: float, callback: Callable[[], object]) -> asyncio.TimerHa
     return loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), callback)
 
 
+class TimedWait:
+    """A request of ``_session`` that waits until an event or its deadline, and is answered
+    (or dropped) once: ``_settle`` ends the wait, and ``_unhook`` takes it off what it
+    waited on."""
+
+    __slots__ = ("_session", "_timer")
+
+    def __init__(self, session: Session, deadline: float) -> None:
+        self._session = session
+        self._timer: asyncio.TimerHandle | None = timer_at(deadline, self.expire)
+
+    def expire(self) -> None:
+        raise NotImplementedError
+
+    def _unhook(self) -> None:
+        raise NotImplementedError
+
+    def _settle(self) -> bool:
+        """Stop waiting; False if it was answered (or dropped) already."""
+        if self._timer is None:
+            return False
+        self._timer.cancel()
+        self._timer = None
+        self._session.tasks.discard(self)
+        self._unhook()
+        return True
+
+
 class KeyWait:
     """One request waiting for keys: parked on its first missing key until that key changes."""
 
