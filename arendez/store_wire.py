@@ -199,6 +199,10 @@ class HeaderReader:
         """Bytes of an incomplete frame held."""
         return self._filled
 
+    def held(self) -> int:
+        """Bytes the buffer holds beyond its initial size (a large request under way)."""
+        return len(self._buf) - _INITIAL
+
     def recv(self, sock: Any) -> list[Any]:
         """One ``recv_into`` from ``sock``: the headers it completed (``[]`` if none, or if the
         socket's timeout expired: the caller decides whether its own time is up). A closed

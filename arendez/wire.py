@@ -41,8 +41,6 @@ PIECE_BYTES = env_int("ARENDEZ_PIECE_BYTES", 256 << 10, minimum=4096)
 #: Room at the end of the piece scratch for the carried bytes of a partial element.
 _PIECE_SLACK = 64
 
-_packer = msgpack.Packer(use_bin_type=True)
-
 
 def small_packer() -> msgpack.Packer:
     """A msgpack packer whose buffer starts small and grows as needed: msgpack's default holds
@@ -51,6 +49,30 @@ def small_packer() -> msgpack.Packer:
         return msgpack.Packer(use_bin_type=True, buf_size=1024)
     except TypeError:  # (msgpack before 1.1)
         return msgpack.Packer(use_bin_type=True)
+
+
+#: A packer that packed more than this lets go of its buffer (``ReleasingPacker``).
+RELEASE_AT = 4 << 20
+
+
+class ReleasingPacker:
+    """msgpack's packer, but one that does not keep a large buffer: msgpack's holds its buffer
+    at the size of the largest object it ever packed (one 300 MiB answer kept 300 MiB for good),
+    so after packing more than ``RELEASE_AT`` bytes this one starts over with a small one."""
+
+    __slots__ = ("_packer",)
+
+    def __init__(self) -> None:
+        self._packer = small_packer()
+
+    def pack(self, obj: Any) -> bytes:
+        data: bytes = self._packer.pack(obj)
+        if len(data) > RELEASE_AT:
+            self._packer = small_packer()
+        return data
+
+
+_packer = ReleasingPacker()
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
 from arendez import burstlog, handshake, transport, wire
 from arendez.errors import (
     ArendezError,
@@ -40,7 +38,7 @@ from arendez.transports import local
 from . import tcpstore_front
 from .admission import Admission
 from .barriers import Barrier
-from .connection import Backlogged, ServerConnection, Session
+from .connection import Backlogged, ServerConnection, Session, note_closing
 from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, PARKED, as_map, park, start_barrier, start_join
 from .hooks import ServerHooks
 from .lifetimes import JobLifetimes
@@ -63,6 +61,7 @@ def _refusals(items: Any) -> str:
 
 #: a flood of refused connections is a line and a summary per second, not a line each
 _REFUSALS = burstlog.BurstLog(log, _refusals)
+
 
 #: The largest frame a client may send before its handshake (a hello is under 300 bytes).
 HELLO_MAX = 1024
@@ -102,6 +101,9 @@ class ServerConfig:
     #: Reply bytes all clients together may leave unread before the one behind is dropped
     #: (each client alone: ``connection.MAX_UNREAD_REPLIES``).
     max_unread_bytes: int = 256 << 20
+    #: Bytes all clients' unfinished requests (a large request still arriving) may hold
+    #: together; the client whose request would pass it is refused.
+    max_unfinished_bytes: int = 256 << 20
     #: Raise this process's open-file limit to its hard limit (the standalone server does).
     raise_fd_limit: bool = False
     limits: StateLimits = field(default_factory=StateLimits)
@@ -117,6 +119,8 @@ class Server:
         self.admission = Admission(cfg.max_connections, cfg.max_connections_per_host, cfg.hooks)
         #: Connections whose replies wait to be read (``Session.check_unread``).
         self.backlogged: set[Backlogged] = set()
+        #: Bytes the unfinished requests of all clients hold (``ServerConnection.held``).
+        self.unfinished = 0
         self.members = Members(self.state, cfg.hooks)
         self.waits = KeyWaits()
         #: ``TCPStore.barrier`` calls waiting, by job and key (``barriers``)
@@ -128,7 +132,7 @@ class Server:
         self.lifetimes = JobLifetimes(self.state, cfg.tcpstore_job, cfg.scoped_grace, cfg.tcpstore_grace)
         self._lease_task: asyncio.Task[None] | None = None
         self.closing = False
-        self.packer = msgpack.Packer(use_bin_type=True)
+        self.packer = wire.ReleasingPacker()
         #: Time every request for the hooks (not when they are the do-nothing ones).
         self.timed = type(cfg.hooks).request is not ServerHooks.request
         self.port = 0
@@ -257,7 +261,7 @@ class Server:
             if not isinstance(job, str) or len(job) > 256:
                 raise ProtocolError("job name must be a string of at most 256 characters")
         except (ProtocolError, AuthenticationError) as exc:
-            log.info("closing %s: %s", conn.peer, exc)
+            note_closing(conn, conn.host, "closing", exc)
             conn.fail(exc, tell_peer=True)
             return
         if hello.get("early") is not True or cfg.token:  # (a client that took the early one: none)
@@ -330,7 +334,7 @@ class Server:
             self.config.hooks.request(op, time.perf_counter() - started, error)
 
     def _protocol_error(self, session: Session, exc: ProtocolError) -> None:
-        log.info("protocol error from %s: %s", session.conn.peer, exc)
+        note_closing(session.conn, session.conn.host, "protocol error from", exc)
         session.conn.fail(exc, tell_peer=True)
 
     def _on_request(self, session: Session, header: Any) -> None:

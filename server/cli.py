@@ -102,6 +102,15 @@ def _parser() -> argparse.ArgumentParser:
         help=f"reply bytes all clients together may leave unread (default {d.max_unread_bytes})",
     )
     p.add_argument(
+        "--max-unfinished-bytes",
+        type=arg(validate.at_least, 1, "--max-unfinished-bytes"),
+        default=d.max_unfinished_bytes,
+        help=(
+            "request bytes all clients' unfinished requests may hold together "
+            f"(default {d.max_unfinished_bytes})"
+        ),
+    )
+    p.add_argument(
         "--max-jobs",
         type=arg(validate.at_least, 1, "--max-jobs"),
         default=lim.max_jobs,
@@ -234,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         max_connections_per_host=args.max_connections_per_host,
         max_pending_per_connection=args.max_pending_per_connection,
         max_unread_bytes=args.max_unread_bytes,
+        max_unfinished_bytes=args.max_unfinished_bytes,
         raise_fd_limit=True,
         limits=limits,
         hooks=metrics_hooks() if args.http_port is not None else ServerHooks(),

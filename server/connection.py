@@ -7,8 +7,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
-from arendez import transport, wire
-from arendez.errors import ArendezError, ProtocolError
+from arendez import burstlog, transport, wire
+from arendez.errors import ArendezError, LimitError, ProtocolError
 from arendez.store_wire import HeaderReader, frame
 
 from .rounds import Lease, Round
@@ -17,6 +17,27 @@ if TYPE_CHECKING:
     from .app import Server
 
 log = logging.getLogger("arendez.server")
+
+
+def _closings(items: Any) -> str:
+    hosts = {host for host, _ in items}
+    return (
+        f"{len(items)} more client(s) closed in the last {burstlog.WINDOW:g} s for a bad handshake "
+        f"or request, from {len(hosts)} host(s); the last: {items[-1][1]}"
+    )
+
+
+#: Clients closed for a failed handshake (a wrong token) or a protocol error: the first of a
+#: burst logged, the rest summed up (a client looping on a wrong token would flood the log).
+CLOSINGS = burstlog.BurstLog(log, _closings)
+
+
+def note_closing(conn: transport.Connection, host: str, what: str, exc: BaseException) -> None:
+    """Log ``what`` (``"closing"``, ``"protocol error from"``) of a client from ``host`` that
+    is closed for ``exc``, in bursts (``CLOSINGS``)."""
+    where = conn.where
+    CLOSINGS.note(None, logging.INFO, (host, f"{where}: {exc}"), "%s %s: %s", what, where, exc)
+
 
 #: Reply bytes a client may leave unread before the server drops it (all clients together:
 #: ``ServerConfig.max_unread_bytes``).
@@ -29,6 +50,8 @@ FLUSH_AT = 64 << 10
 DROP_DELAY = 0.2
 #: Frames a client may queue before its hello is checked.
 HELLO_FRAMES = 2
+#: Where the bytes a refused client still sends are read to, and dropped (``_refuse``).
+_DISCARD = memoryview(bytearray(64 << 10))
 
 
 def unread_excess(server: Server, unread: int) -> str | None:
@@ -161,6 +184,10 @@ class ServerConnection(transport.Connection):
         self.reader: HeaderReader | None = None
         #: True while the frames of one read are being answered: replies wait for one write.
         self.corked = False
+        #: Bytes counted toward the server's ``unfinished`` (``HeaderReader.held``), and the
+        #: refusal once they pass its budget.
+        self.held = 0
+        self.over: LimitError | None = None
 
     def connection_made(self, transport_: asyncio.BaseTransport) -> None:
         super().connection_made(transport_)
@@ -176,6 +203,8 @@ class ServerConnection(transport.Connection):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.backlogged.discard(self)
+        self.server.unfinished -= self.held
+        self.held = 0
         super().connection_lost(exc)
 
     def start_session(self, session: Session, max_header: int) -> None:
@@ -185,9 +214,45 @@ class ServerConnection(transport.Connection):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         reader = self.reader
-        return reader.get_buffer() if reader is not None else super().get_buffer(sizehint)
+        if self.over is not None:  # (refused: what it still sends is read and dropped)
+            return _DISCARD
+        if reader is None:
+            return super().get_buffer(sizehint)
+        view = reader.get_buffer()
+        if reader.held() != self.held:
+            self._count_held(reader)
+        return view
+
+    def _refuse(self, exc: LimitError) -> None:
+        """Tell the client why at once, let go of its request, read and drop what it still
+        sends for ``DROP_DELAY`` (so that it can finish sending and read why), then close."""
+        note_closing(self, self.host, "refusing", exc)
+        self.reader = None
+        self.server.unfinished -= self.held
+        self.held = 0
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.writelines(wire.encode(self._error_header(exc)))
+        asyncio.get_running_loop().call_later(DROP_DELAY, self.abort)
+
+    def _count_held(self, reader: HeaderReader) -> None:
+        """Count the bytes this connection's unfinished request holds toward the server's
+        ``--max-unfinished-bytes`` (all clients' together)."""
+        server = self.server
+        grown = reader.held() - self.held
+        self.held += grown
+        server.unfinished += grown
+        if grown > 0 and server.unfinished > server.config.max_unfinished_bytes and self.over is None:
+            self.over = LimitError(
+                f"a request of {reader.pending()}+ bytes still arriving while all clients' unfinished "
+                f"requests hold {server.unfinished} bytes (the server's limit, --max-unfinished-bytes: "
+                f"{server.config.max_unfinished_bytes})"
+            )
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.over is not None:  # (its request passed the server's budget: refused)
+            if self.reader is not None:
+                self._refuse(self.over)
+            return
         session, reader = self.session, self.reader
         if session is None or reader is None:
             super().buffer_updated(nbytes)  # the handshake (its handlers take over from it)
@@ -201,9 +266,11 @@ class ServerConnection(transport.Connection):
         try:
             requests = reader.feed(nbytes)
         except ProtocolError as exc:
-            log.info("protocol error from %s: %s", self.peer, exc)
+            note_closing(self, self.host, "protocol error from", exc)
             self.fail(exc, tell_peer=True)
             return
+        if reader.held() != self.held:  # (a large request done: its buffer let go)
+            self._count_held(reader)
         if not requests:
             return
         server = self.server

@@ -139,6 +139,7 @@ def start_barrier(server: Server, s: Session, job: Job, rid: Any, h: dict[str, A
     if not isinstance(count, int) or isinstance(count, bool) or not -(2**63) <= count < 2**63:
         raise StoreError(f"barrier count must be a 64-bit integer, got {count!r:.40}")
     deadline = _deadline(timeout)
+    job.get(key)  # checks the key (before it names a barrier)
     found = barriers.barrier(server, s.job, key)
     if found.arrive(job, count):
         if compact:

@@ -15,7 +15,9 @@ from .limits import StateLimits
 #: Bytes each queued value counts against ``--max-bytes-per-job`` beyond its own (so that
 #: empty values cannot queue up without bound).
 QUEUE_ITEM_BYTES = 32
-#: The most bytes of keys one ``list_keys`` answer carries (clients read replies of up to 64 MiB).
+#: The most bytes of keys one ``list_keys`` answer carries, and of values one ``multi_get``
+#: answer carries (clients read replies of up to 64 MiB; a small request naming one large key
+#: many times must not make the server build a reply of gigabytes).
 MAX_LIST_BYTES = 32 << 20
 
 
@@ -210,8 +212,17 @@ class KeyValueStore:
     def get_all(self, keys: list[str]) -> list[bytes] | None:
         """The values of ``keys`` in order; ``None`` if any is missing."""
         kv = self.kv
-        values = [kv.get(self._check_key(k)) for k in keys]
-        return None if None in values else values  # type: ignore[return-value]
+        found = [kv.get(self._check_key(k)) for k in keys]
+        values = [v for v in found if v is not None]
+        if len(values) < len(found):
+            return None
+        size = sum(len(v) for v in values)
+        if size > MAX_LIST_BYTES:
+            raise LimitError(
+                f"multi_get of {len(keys)} keys would answer {size} bytes, more than one answer "
+                f"carries ({MAX_LIST_BYTES} bytes): ask for fewer keys at a time"
+            )
+        return values
 
     def set_all(self, keys: list[str], values: list[object]) -> None:
         """Set each key to the value at its position; every key and value is checked first."""

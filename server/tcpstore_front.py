@@ -42,6 +42,9 @@ log = logging.getLogger("arendez.server")
 
 #: torch's client's worker count key (sent without the prefix): ``TCPSTORE_WORKERS_KEY`` here.
 TORCH_WORKERS_KEY = "init/"
+#: Bytes a client's unfinished request may hold before they count toward the server's
+#: ``--max-unfinished-bytes`` (``ServerConnection`` counts its buffer beyond the same size).
+UNCOUNTED_BYTES = 4096
 #: Bytes beyond one whole request a client may have sent while its requests wait (behind a
 #: ``wait``, or while it does not read its replies): then it is closed.
 MAX_BUFFERED_EXTRA = 64 << 10
@@ -92,6 +95,8 @@ class TorchStoreConnection(asyncio.Protocol):
         self.paused = False
         self._out: list[bytes] = []
         self._out_bytes = 0
+        #: Bytes of an unfinished request counted toward the server's ``unfinished``.
+        self.held = 0
         self._closed = asyncio.get_running_loop().create_future()
 
     # -- the connection ------------------------------------------------------------------------
@@ -113,6 +118,8 @@ class TorchStoreConnection(asyncio.Protocol):
         admission.handshaking.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.server.unfinished -= self.held
+        self.held = 0
         self.server.admission.remove(self)
         self.server.backlogged.discard(self)
         if self.validated:
@@ -180,6 +187,24 @@ class TorchStoreConnection(asyncio.Protocol):
             self._close(ProtocolError("not a TCPStore client: its first request was no VALIDATE"))
             return
         self._serve_and_flush()
+        if self.held or reader.buffered() > UNCOUNTED_BYTES:
+            self._count_held()
+
+    def _count_held(self) -> None:
+        """Count what this client's unfinished request holds toward the server's
+        ``--max-unfinished-bytes`` (as ``connection.ServerConnection`` does); refuse it past that."""
+        server = self.server
+        held = max(0, self.reader.buffered() - UNCOUNTED_BYTES)
+        server.unfinished += held - self.held
+        grown, self.held = held > self.held, held
+        if grown and server.unfinished > server.config.max_unfinished_bytes and self.is_open:
+            self._close(
+                LimitError(
+                    f"a request of {self.reader.buffered()}+ bytes still arriving while all clients' "
+                    f"unfinished requests hold {server.unfinished} bytes (the server's limit, "
+                    f"--max-unfinished-bytes: {server.config.max_unfinished_bytes})"
+                )
+            )
 
     def _serve_and_flush(self) -> None:
         reader = self.reader

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from arendez.errors import StoreTimeoutError
+from arendez.errors import ArendezError, StoreTimeoutError
 
 from .state import Job
 
@@ -119,7 +119,13 @@ class KeyWait:
                 self._next, self.parked = i, keys[i]
                 self._waits.park(self._session.job, keys[i], self)
                 return
-        value = self._result()
+        try:
+            value = self._result()
+        except ArendezError as exc:  # (a multi_get whose answer would be past its limit)
+            self._settle()
+            self._session.reply_error(self._rid, exc)
+            self._hooks.request(self._op, time.perf_counter() - self._started, type(exc).__name__)
+            return
         if value is None and self._op == "multi_get":  # (deleted after it was seen: look again)
             self._next = 0
             self.wake()

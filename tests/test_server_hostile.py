@@ -265,3 +265,71 @@ async def test_unfinished_requests_hold_what_was_sent_not_what_was_announced() -
             await store.close()
         srv.stop()
     assert grew < 48, f"the server grew by {grew:.1f} MiB for {clients} x 4 KiB of unfinished requests"
+
+
+def _unfinished_request(port: int, data: bytes) -> socket.socket:
+    """A client past the handshake (no token) that sends ``data``: most of a request."""
+    hello = msgpack.packb({"job": "x", "nonce": b"0123456789abcdef"}, use_bin_type=True)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.recv(65536)  # the challenge
+    sock.sendall(struct.pack("<IQ", len(hello), 0) + hello)
+    assert sock.recv(65536), "no welcome"
+    with contextlib.suppress(OSError):  # (refused by the server while sending: its budget)
+        sock.sendall(data)
+    return sock
+
+
+def _torch_unfinished_set(port: int, size: int) -> socket.socket:
+    """torch's client's VALIDATE, then a SET whose value announces ``size`` bytes and lacks one."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(bytes([0]) + struct.pack("<I", 0x3C85F7CE))  # VALIDATE and its magic
+    key = b"/k"
+    head = bytes([1]) + struct.pack("<Q", len(key)) + key + struct.pack("<Q", size)  # SET
+    with contextlib.suppress(OSError):  # (refused by the server while sending: its budget)
+        sock.sendall(head + b"\0" * (size - 1))
+    return sock
+
+
+@pytest.mark.timeout(120)
+async def test_unfinished_requests_of_all_clients_are_held_within_the_servers_budget() -> None:
+    """(QA25-F3: 300 clients each sending all but a byte of a 1 MiB request made the server hold
+    300 MiB for as long as they liked, on either port.) Their requests together hold at most
+    ``--max-unfinished-bytes``; the client that would pass it is refused by that name, and a
+    legitimate client, arendez's and torch's, is answered meanwhile."""
+    torch = pytest.importorskip("torch")
+    srv = start_server("--max-unfinished-bytes", str(8 << 20), "--tcpstore-port", "0")
+    assert srv.proc.stdout is not None
+    torch_port = int(srv.proc.stdout.readline().rsplit(":", 1)[1])
+    held: list[socket.socket] = []
+    store = None
+    try:
+        store = await dist.Store("127.0.0.1", srv.port, "legit", timeout=10).connect()
+        await store.set("warm", "1")
+        before = rss_kib(srv.proc.pid)
+        request = struct.pack("<IQ", 1 << 20, 0) + b"\0" * ((1 << 20) - 1)
+        for i in range(24):
+            held.append(_unfinished_request(srv.port, request))
+            held.append(_torch_unfinished_set(torch_port, 1 << 20))
+            if i % 4 == 3:
+                await _timed_store_round_trip(store, i, [])
+        time.sleep(1.0)  # (the server has read what was sent)
+        grew = (rss_kib(srv.proc.pid) - before) / 1024
+        refusals = []
+        for sock in held:  # (the refused ones were closed; the others time out here)
+            with contextlib.suppress(OSError):
+                refusals.append(read_until_closed(sock, timeout=0.3))
+        told = [r for r in refusals if b"--max-unfinished-bytes" in r]
+        await _timed_store_round_trip(store, 100, [])
+        theirs = torch.distributed.TCPStore("127.0.0.1", torch_port, is_master=False, wait_for_workers=False)
+        theirs.set("after", b"1")
+        assert theirs.get("after") == b"1"
+    finally:
+        for sock in held:
+            sock.close()
+        if store is not None:
+            await store.close()
+        log = srv.stderr_text()
+        srv.stop()
+    assert grew < 48, f"the server grew by {grew:.1f} MiB for 48 x 1 MiB of unfinished requests"
+    assert len(told) >= 12, f"{len(told)} of 24 arendez clients were told the limit's name"
+    assert "--max-unfinished-bytes" in log  # (torch's clients cannot be told: the log names it)

@@ -188,3 +188,48 @@ async def test_a_job_whose_ranks_all_crashed_gives_its_slot_back_once_their_leas
                 await asyncio.sleep(0.3)
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_multi_get_whose_answer_would_pass_the_limit_is_refused_by_name():
+    """(QA25-F1: one 4 KB request naming a 1 MiB key a thousand times made the server build a
+    3 GiB answer, stall its other clients for seconds and keep a gigabyte after.) The answer's
+    size is checked before it is built, at once and for a multi_get that waited for its keys;
+    the connection and the other clients go on."""
+    srv = start_server()
+    try:
+        store = await dist.Store("127.0.0.1", srv.port, "amp", timeout=10).connect()
+        await store.set("big", b"x" * (1 << 20))
+        with pytest.raises(
+            dist.LimitError, match=r"multi_get of 40 keys would answer 41943040 bytes.*33554432"
+        ):
+            await store.multi_get(["big"] * 40)
+        waiting = asyncio.ensure_future(store.multi_get(["big"] * 39 + ["later"]))
+        await asyncio.sleep(0.2)
+        other = await dist.Store("127.0.0.1", srv.port, "amp", timeout=10).connect()
+        await other.set("later", b"y" * (1 << 20))
+        with pytest.raises(dist.LimitError, match="multi_get of 40 keys would answer"):
+            await waiting
+        assert await store.multi_get(["big"] * 8) == [b"x" * (1 << 20)] * 8  # (within the limit)
+        await other.close()
+        await store.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(30)
+def test_wrong_tokens_in_a_loop_are_a_line_and_a_summary_in_the_servers_log():
+    """(QA25-F2: each failed handshake was a log line: 13,000 lines in 5 s from one client.)"""
+    srv = start_server("--log-level", "INFO", env={"ARENDEZ_TOKEN": "secret"})
+    try:
+        for _ in range(100):
+            with pytest.raises(dist.AuthenticationError, match="wrong or missing token"):
+                dist.BlockingStore("127.0.0.1", srv.port, "j", token="wrong", timeout=5).connect()
+        time.sleep(1.5)  # (the summary closes a second after the first line)
+        lines = [ln for ln in srv.stderr_text().splitlines() if "token" in ln]
+        assert 2 <= len(lines) <= 4, lines
+        summary = re.search(r"(\d+) more client\(s\) closed", "\n".join(lines))
+        assert summary is not None and 90 <= int(summary.group(1)) <= 99, lines
+        assert "wrong or missing token" in lines[-1], lines
+    finally:
+        srv.stop()

@@ -302,6 +302,9 @@ async def test_barrier_callers_wait_without_a_task_and_leave_nothing_behind():
         assert srv.barriers == {} and srv.waits.waiters == {}
         with pytest.raises(StoreError, match="barrier count must be a 64-bit integer, got 'x'"):
             await st._ask("barrier", 5, True, "meet", "x")
+        with pytest.raises(StoreError, match=r"store key must be a string, got \['meet'\]"):
+            await st._ask("barrier", 5, True, ["meet"], 2)  # (QA25-F5: it closed the connection)
+        assert await st.get("meet") == b"1003"  # (the connection goes on)
     finally:
         for fut in waits:
             fut.cancel()
