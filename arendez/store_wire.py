@@ -162,6 +162,14 @@ def frame(raw: bytes) -> bytes:
     return (_PREFIXES[n] if n < _SMALL else _pack_prefix(n, 0)) + raw
 
 
+class OversizedFrame(ProtocolError):
+    """A frame announced past the reader's ``max_header`` (the same words as ``wire.Decoder``'s)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame header of {size} bytes exceeds {limit}")
+        self.size, self.limit = size, limit
+
+
 class HeaderReader:
     """Incremental reader of frames that carry no payload (what the store exchanges).
 
@@ -231,7 +239,7 @@ class HeaderReader:
         while end - start >= _PREFIX_SIZE:
             hlen, plen = _unpack_prefix(view, start)
             if hlen > self.max_header:
-                raise ProtocolError(f"frame header of {hlen} bytes exceeds {self.max_header}")
+                raise OversizedFrame(hlen, self.max_header)
             if plen:
                 raise ProtocolError(f"frame payload of {plen} bytes exceeds 0")
             body = start + _PREFIX_SIZE

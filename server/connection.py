@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from arendez import burstlog, transport, wire
 from arendez.errors import ArendezError, LimitError, ProtocolError
-from arendez.store_wire import HeaderReader, frame
+from arendez.store_wire import HeaderReader, OversizedFrame, frame
 
 from .rounds import Lease, Round
 
@@ -167,6 +167,17 @@ class Session:
             self.check_unread()
 
 
+def _named(exc: ProtocolError) -> ArendezError:
+    """A request past the server's size limit as the ``LimitError`` the clients raise before
+    sending one; any other protocol error as it is."""
+    if not isinstance(exc, OversizedFrame):
+        return exc
+    return LimitError(
+        f"a request of {exc.size} bytes exceeds the server's limit of {exc.limit} bytes per "
+        "request (its largest value and key, plus 4096)"
+    )
+
+
 class ServerConnection(transport.Connection):
     """A client connection of the server: tells the server when it is made."""
 
@@ -187,7 +198,7 @@ class ServerConnection(transport.Connection):
         #: Bytes counted toward the server's ``unfinished`` (``HeaderReader.held``), and the
         #: refusal once they pass its budget.
         self.held = 0
-        self.over: LimitError | None = None
+        self.over: ArendezError | None = None
 
     def connection_made(self, transport_: asyncio.BaseTransport) -> None:
         super().connection_made(transport_)
@@ -223,10 +234,12 @@ class ServerConnection(transport.Connection):
             self._count_held(reader)
         return view
 
-    def _refuse(self, exc: LimitError) -> None:
+    def _refuse(self, exc: ArendezError) -> None:
         """Tell the client why at once, let go of its request, read and drop what it still
         sends for ``DROP_DELAY`` (so that it can finish sending and read why), then close."""
         note_closing(self, self.host, "refusing", exc)
+        if self.over is None:
+            self.over = exc
         self.reader = None
         self.server.unfinished -= self.held
         self.held = 0
@@ -266,8 +279,7 @@ class ServerConnection(transport.Connection):
         try:
             requests = reader.feed(nbytes)
         except ProtocolError as exc:
-            note_closing(self, self.host, "protocol error from", exc)
-            self.fail(exc, tell_peer=True)
+            self._refuse(_named(exc))
             return
         if reader.held() != self.held:  # (a large request done: its buffer let go)
             self._count_held(reader)

@@ -333,3 +333,21 @@ async def test_unfinished_requests_of_all_clients_are_held_within_the_servers_bu
     assert grew < 48, f"the server grew by {grew:.1f} MiB for 48 x 1 MiB of unfinished requests"
     assert len(told) >= 12, f"{len(told)} of 24 arendez clients were told the limit's name"
     assert "--max-unfinished-bytes" in log  # (torch's clients cannot be told: the log names it)
+
+
+@pytest.mark.timeout(30)
+def test_a_request_past_the_size_limit_is_told_by_name_not_reset() -> None:
+    """(QA25-F4: a raw client that sent a 2 MiB request got ECONNRESET while sending, and the
+    error it might have read named no limit.) The server tells it the limit, reads and drops the
+    rest, then closes."""
+    srv = start_server()
+    try:
+        size = 2 << 20
+        sock = _unfinished_request(srv.port, struct.pack("<IQ", size, 0) + b"\0" * size)
+        with sock:
+            answer = read_until_closed(sock)
+    finally:
+        srv.stop()
+    error = msgpack.unpackb(answer[12:])
+    assert error["error"] == "LimitError", error
+    assert f"a request of {size} bytes exceeds the server's limit of" in error["message"], error

@@ -120,16 +120,21 @@ def test_compact_requests_batched_in_one_write_answered_in_order(arendez_server)
 
 @pytest.mark.timeout(30)
 def test_unknown_compact_op_and_oversized_frame_close_with_a_protocol_error(arendez_server):
-    for request, words in (
-        (raw_frame(["nope", 1]), b"unknown request 'nope'"),
-        (raw_frame([7, 1, "k"]), b"unknown request 7"),
-        (struct.pack("<IQ", (1 << 20) + 9000, 0), b"exceeds"),  # header over the limit
-        (raw_frame(["get", 1, "k", 1.0], payload=3) + b"abc", b"payload of 3 bytes exceeds 0"),
+    """(An oversized frame is the size limit's ``LimitError``, as the clients raise it.)"""
+    for request, error, words in (
+        (raw_frame(["nope", 1]), b"ProtocolError", b"unknown request 'nope'"),
+        (raw_frame([7, 1, "k"]), b"ProtocolError", b"unknown request 7"),
+        (struct.pack("<IQ", (1 << 20) + 9000, 0), b"LimitError", b"exceeds the server's limit of"),
+        (
+            raw_frame(["get", 1, "k", 1.0], payload=3) + b"abc",
+            b"ProtocolError",
+            b"payload of 3 bytes exceeds 0",
+        ),
     ):
         with _session(arendez_server.port, "bad") as sock:
             sock.sendall(request)
             reply = read_until_closed(sock)
-        assert b"ProtocolError" in reply and words in reply, (request[:40], reply)
+        assert error in reply and words in reply, (request[:40], reply)
 
 
 @pytest.mark.timeout(30)
