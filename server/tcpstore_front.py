@@ -19,6 +19,7 @@ within the handshake timeout.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -51,8 +52,20 @@ MAX_BUFFERED_EXTRA = 64 << 10
 
 
 def _closings(items: Any) -> str:
+    """The burst's summary: how many were closed for each reason (the most frequent first, at
+    most ``_REASONS`` of them: a client closed by a limit stays findable in a flood of garbage)."""
+    reasons = collections.Counter(why for _, why in items)
+    shown = "; ".join(f"{n} x {why}" for why, n in reasons.most_common(_REASONS))
+    more = f"; and {len(reasons) - _REASONS} other reason(s)" if len(reasons) > _REASONS else ""
+    peer, why = items[-1]
     window = burstlog.WINDOW
-    return f"{len(items)} more TCPStore client(s) closed in the last {window:g} s; the last: {items[-1]}"
+    return (
+        f"{len(items)} more TCPStore client(s) closed in the last {window:g} s: {shown}{more}; "
+        f"the last: {peer}: {why}"
+    )
+
+
+_REASONS = 5
 
 
 _CLOSINGS = burstlog.BurstLog(log, _closings)
@@ -170,7 +183,7 @@ class TorchStoreConnection(asyncio.Protocol):
 
     def _close(self, why: ArendezError) -> None:
         """Refuse this client: close, and say why in the server's log (its client cannot)."""
-        item = f"{self.peer}: {why}"
+        item = (self.peer, str(why))
         _CLOSINGS.note(None, logging.WARNING, item, "closing a TCPStore client at %s: %s", self.peer, why)
         self._flush()  # (the answers to the requests before it go first, as torch's server does)
         if self.waiting is not None:

@@ -550,3 +550,19 @@ def test_a_key_deleted_after_a_clients_wait_reads_empty_as_on_torch_server(
             while len(got) < len(want):
                 got += sock.recv(64)
             assert got == want, where
+
+
+@pytest.mark.timeout(10)
+def test_a_burst_of_closings_is_summed_up_by_reason() -> None:
+    """(QA25-F6: the summary kept only the last reason: a client closed by a limit during a flood
+    of garbage was lost from the log.)"""
+    from arendez_server.tcpstore_front import _closings
+
+    items = [(f"10.0.0.{i}:1", "not a TCPStore client") for i in range(40)]
+    items.insert(7, ("10.0.0.99:1", "a TCPStore request of more than 1052672 bytes"))
+    summary = _closings(items)
+    assert summary.startswith(
+        "41 more TCPStore client(s) closed in the last 1 s: 40 x not a TCPStore client; "
+    )
+    assert "1 x a TCPStore request of more than 1052672 bytes" in summary
+    assert summary.endswith("the last: 10.0.0.39:1: not a TCPStore client")
