@@ -234,7 +234,11 @@ async def _supervise(ranks: list[children.Child], el: _Elastic) -> int:
                 why = "a rank had already finished" if finished else "no restarts left"
                 if finished and restarted[slot]:  # (a replacement that most likely came too late)
                     why += "; a replacement: not counted"
-                _say(f"rank {slot} failed with exit code {code} ({why}); the job goes on without it")
+                going_on = len(waits) + len(finished) >= el.min_nproc  # (else: said below)
+                _say(
+                    f"rank {slot} failed with exit code {code} ({why})"
+                    + ("; the job goes on without it" if going_on else "")
+                )
                 if finished and unrecovered is None and not restarted[slot]:
                     unrecovered = code
             if len(waits) + len(finished) < el.min_nproc:
