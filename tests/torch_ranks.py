@@ -949,9 +949,9 @@ def torch_features(rank: int, ws: int, init: str) -> dict[str, Any]:
 def end_with_a_call_in_flight(rank: int, ws: int, init: str, how: str) -> dict[str, Any]:
     """Rank 0 starts an all_reduce the others never join, then ends the group (``how``:
     torch's ``destroy_process_group``, or its ``_abort_process_group``); the others wait for
-    its end. The group's timeout is 8 s."""
+    its end. The group's timeout is 5 s."""
     dist.init_process_group(
-        "arendez", init_method=init, rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=8)
+        "arendez", init_method=init, rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=5)
     )
     dist.barrier()
     out: dict[str, Any] = {}
