@@ -128,12 +128,26 @@ async def _run_lanes(count: int, lane: Callable[[int], Awaitable[None]]) -> None
         async with gate:
             await lane(i)
 
+    # (not a TaskGroup: on Python 3.11 one whose lane fails while it waits for the others leaves
+    # its cancel of the caller's task counted, so the caller's ``cancelling()`` grew with every
+    # collective a peer cancelled, and code that relies on it took itself for cancelled; QA25)
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(gated(i)) for i in range(count)]
     try:
-        async with asyncio.TaskGroup() as lanes:
-            for i in range(count):
-                lanes.create_task(gated(i))
-    except BaseExceptionGroup as failed:
-        raise failed.exceptions[0] from None
+        await asyncio.gather(*tasks)  # (the first failure raises here)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        cancelled = False
+        while True:  # every lane has stopped before this returns, even if cancelled meanwhile
+            try:
+                await asyncio.wait(tasks)
+                break
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError from None
+        raise
 
 
 _NOTHING = np.empty(0, np.uint8)

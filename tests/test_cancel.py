@@ -225,3 +225,14 @@ def test_cancelled_recv_mid_payload_over_tcp(arendez_server: Any) -> None:
     url = f"{arendez_server.url}/cancel-recv"
     _, seen = run_processes(jobs.cancel_recv, 2, url, 64 << 20, env=TCP)
     assert seen[0] == "gave up", seen  # 64 MiB do not cross loopback in 10 ms
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("env", [TCP, SHM], ids=["tcp", "shm"])
+def test_a_peer_told_of_a_cancel_is_not_left_cancelling(arendez_server: Any, env: dict[str, str]) -> None:
+    """(QA25: on Python 3.11 a collective running in lanes, told of a peer's cancel, left its
+    caller's task with a cancel request counted, one more per such collective.)"""
+    url = f"{arendez_server.url}/left-cancelling-{env['ARENDEZ_SHM']}"
+    _, seen = run_processes(jobs.peers_task_not_left_cancelling, 2, url, env=env)
+    assert [count for _, _, count in seen] == [0, 0, 0], seen
+    assert any(outcome == "cancelled" for _, outcome, _ in seen), seen  # (the case was reached)

@@ -8,6 +8,7 @@ run the same code over ``inproc://``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -267,5 +268,31 @@ async def cancel_recv(rank: int, ws: int, url: str, nbytes: int) -> list[str]:
             assert np.array_equal(small, np.full(1000, 5.0 + i)), (i, small[:3])
             assert np.all(x == SENTINEL), f"round {i}: the given-up recv buffer was written"
         await dist.barrier()
+    await dist.destroy_process_group()
+    return seen
+
+
+async def peers_task_not_left_cancelling(rank: int, ws: int, url: str) -> list[Any]:
+    """Rank 0 cancels all_reduces that rank 1 is already in (a small one, and ones that run in
+    lanes); rank 1's task, given ``CollectiveCancelledError``, must not be left with a cancel
+    request counted (``Task.cancelling()``: asyncio's way to tell a task's own cancel apart)."""
+    await join(url, ws, rank)
+    me = asyncio.current_task()
+    assert me is not None
+    seen: list[Any] = []
+    for n in (10, 1 << 20, 4 << 20):
+        x = np.ones(n)
+        await dist.barrier()
+        if rank == 0:
+            await asyncio.sleep(0.05)  # (rank 1 is in the all_reduce by now)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(dist.all_reduce(x), 0.002)
+        else:
+            try:
+                await dist.all_reduce(x)
+                outcome = "completed"
+            except dist.CollectiveCancelledError:
+                outcome = "cancelled"
+            seen.append([n, outcome, me.cancelling()])
     await dist.destroy_process_group()
     return seen
