@@ -26,7 +26,7 @@ import threading
 from typing import Any
 
 from . import handshake, leaseproc, loopcpu, transport, wire
-from .errors import ArendezError, AuthenticationError, RendezvousError
+from .errors import ArendezError, AuthenticationError, LimitError, RendezvousError
 from .transports import local
 
 log = logging.getLogger("arendez.lease")
@@ -184,11 +184,12 @@ class LeaseKeeper:
         loopcpu.release_thread()  # (started by the loop thread, maybe pinned: nor its sidecar)
         delay = 0.05
         sidecar = sidecar_possible(self._ssl)
+        refused = False  # (a limit's refusal is a warning once, until the lease is taken)
         while not self._stopped.is_set():
             conn = None
             try:
                 conn = self._open()
-                delay = 0.05
+                delay, refused = 0.05, False
                 if sidecar:
                     try:
                         if self._beat_from_sidecar(conn):
@@ -203,6 +204,15 @@ class LeaseKeeper:
             except AuthenticationError as exc:  # nothing left to keep alive
                 (log.debug if self._stopped.is_set() else log.warning)("lease keeper stops: %s", exc)
                 return
+            except LimitError as exc:  # (refused by a limit: the server cannot tell a stop)
+                (log.debug if refused else log.warning)(
+                    "the server refused this process's lease, so a stop of it would not be "
+                    "noticed; retrying: %s",
+                    exc,
+                )
+                refused = True
+                self._stopped.wait(delay)
+                delay = min(delay * 2, 1.0)
             except (OSError, ValueError, ArendezError) as exc:
                 log.debug("lease connection to %s:%s failed: %s", *self._where, exc)
                 self._stopped.wait(delay)

@@ -39,7 +39,18 @@ from . import tcpstore_front
 from .admission import Admission
 from .barriers import Barrier
 from .connection import Backlogged, ServerConnection, Session, note_closing
-from .handlers import BLOCK, BLOCKING, COMPACT, HANDLERS, PARKED, as_map, park, start_barrier, start_join
+from .handlers import (
+    BLOCK,
+    BLOCKING,
+    COMPACT,
+    HANDLERS,
+    JOBLESS,
+    PARKED,
+    as_map,
+    park,
+    start_barrier,
+    start_join,
+)
 from .hooks import ServerHooks
 from .lifetimes import JobLifetimes
 from .limits import StateLimits
@@ -358,7 +369,10 @@ class Server:
         started = time.perf_counter() if timed else 0.0
         error = None
         try:
-            job = self.state.job(session.job)
+            state = self.state
+            # (a process's lease needs no job: its connection must not take a --max-jobs slot,
+            # or a full server refused every lease and stopped ranks were never declared failed)
+            job = state.jobs.get(session.job) if op in JOBLESS else state.job(session.job)
             value = handler(self, session, job, header)
             if value is BLOCK:  # not answerable yet: wait for the keys, or in a task
                 self._wait_for(session, rid, header, compact=False)

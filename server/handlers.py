@@ -151,21 +151,21 @@ def start_barrier(server: Server, s: Session, job: Job, rid: Any, h: dict[str, A
     BarrierCall(s, rid, compact, found, deadline, what)
 
 
-def _lease(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
+def _lease(server: Server, s: Session, job: Job | None, h: dict[str, Any]) -> None:
     """Make this connection the keeper of the client process's lease ``key``."""
     s.lease = server.state.lease(h.get("key"), time.monotonic())
     s.lease.renew(time.monotonic())
 
 
-def _heartbeat(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
+def _heartbeat(server: Server, s: Session, job: Job | None, h: dict[str, Any]) -> None:
     now = time.monotonic()
     if s.lease is not None:
         s.lease.renew(now)
-    if s.round is not None and s.rank is not None:
+    if s.round is not None and s.rank is not None and job is not None:
         job.heartbeat(s.round, s.rank, now)
 
 
-def _lease_end(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
+def _lease_end(server: Server, s: Session, job: Job | None, h: dict[str, Any]) -> None:
     """The client process ended its lease in order (every rank of it released it after its
     leave): its members still active here left, even if their leaves never arrived."""
     if s.lease is not None:
@@ -365,6 +365,8 @@ HANDLERS: dict[str, Any] = {
     "queue_len": _queue_len,
     "barrier": _barrier_later,
 }
+#: Requests that need no job (the handler gets the session's job if it exists, else None).
+JOBLESS = frozenset({"lease", "heartbeat", "lease_end"})
 #: Requests that wait in a task when they cannot be answered at once.
 BLOCKING: dict[str, Any] = {
     "queue_pop": _queue_pop,

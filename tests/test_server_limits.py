@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -232,4 +235,40 @@ def test_wrong_tokens_in_a_loop_are_a_line_and_a_summary_in_the_servers_log():
         assert summary is not None and 90 <= int(summary.group(1)) <= 99, lines
         assert "wrong or missing token" in lines[-1], lines
     finally:
+        srv.stop()
+
+
+_WAITING_RANK = (
+    "import sys, time, numpy as np, arendez.sync as d; "
+    "d.init_process_group(init_method=sys.argv[1], world_size=2, rank=0, timeout=60); "
+    "t = time.monotonic()\n"
+    "try:\n    d.all_reduce(np.ones(2)); print('completed', flush=True)\n"
+    "except Exception as e:\n    print(type(e).__name__, round(time.monotonic() - t, 1), flush=True)\n"
+)
+_STOPPING_RANK = (
+    "import os, signal, sys, arendez.sync as d; "
+    "d.init_process_group(init_method=sys.argv[1], world_size=2, rank=1, timeout=60); "
+    "print('joined', flush=True); os.kill(os.getpid(), signal.SIGSTOP)"
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_max_jobs_leaves_the_leases_working() -> None:
+    """(QA25: a process's lease connection asked for a job of its own, so a server holding
+    --max-jobs jobs refused every lease, silently, and a stopped rank was never declared failed:
+    its peers waited for the collective's timeout.)"""
+    srv = start_server("--lease", "1", "--max-jobs", "1")
+    ranks = []
+    try:
+        for script in (_WAITING_RANK, _STOPPING_RANK):
+            argv = [sys.executable, "-c", script, f"{srv.url}/only"]
+            ranks.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True))
+        waiting = ranks[0].communicate(timeout=40)[0].split()
+        assert waiting[0] == "RankFailedError", waiting
+        assert float(waiting[1]) < 20, waiting  # (the lease, not the 60 s timeout)
+    finally:
+        for proc in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         srv.stop()
