@@ -83,7 +83,7 @@ def snapshot(server: Any, events: Metrics | None = None) -> dict[str, Any]:
                     "rank": m.rank,
                     "address": m.address,
                     "state": m.state.value if complete else "joining",
-                    "lease_age": round(max(0.0, now - m.last_seen), 3),
+                    "lease_age": round(max(0.0, now - m.seen()), 3),
                 }
                 for _, m in sorted(round_.members.items())
             ]

@@ -49,6 +49,13 @@ class Member:
     #: What identifies its machine for shared memory (opaque; "": none, or not said)
     machine: str = ""
 
+    def seen(self) -> float:
+        """When it was last heard of: its own heartbeat, or its process's lease."""
+        held = self.lease
+        if held is None or held.last_seen is None:
+            return self.last_seen
+        return max(self.last_seen, held.last_seen)
+
     def expired(self, now: float, lease: float, arm_grace: float) -> bool:
         """Silent for longer than ``lease`` (its own heartbeats, or its process's lease)."""
         held = self.lease

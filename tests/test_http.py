@@ -166,6 +166,10 @@ def test_status_shows_the_job_then_the_rank_stopped_with_sigstop() -> None:
         until(lambda: members(status(base), "s") == want, LEASE + 8, "rank 2 failed in /status")
         job = next(j for j in status(base)["jobs"] if j["name"] == "s")
         assert [(e["rank"], e["kind"]) for e in job["events"]] == [(2, "failed")]
+        ages = {m["rank"]: m["lease_age"] for m in job["rounds"][0]["members"]}
+        # (QA25: the age ran from the round's completion, whatever the heartbeats: over a lease
+        # by now for the live ranks too)
+        assert all(ages[r] < LEASE for r in (0, 1, 3)) and ages[2] > LEASE, ages
         assert metrics(base)[("arendez_departures_total", (("kind", "failed"),))] == 1
 
         table = status_cli(base)
