@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import hmac
+import http.client
 import json
 import logging
 import sys
@@ -371,6 +372,10 @@ def fetch_status(url: str, token: str | None = None, timeout: float = 10.0) -> d
         raise ArendezError(f"{url}: HTTP {exc.code} {exc.read().decode(errors='replace').strip()}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ArendezError(f"{url}: cannot fetch the status ({exc})") from None
+    except (http.client.HTTPException, ValueError):  # (not HTTP, or not JSON: another port?)
+        raise ArendezError(
+            f"{url}: no HTTP status answer there (is it the server's --http-port, not its store port?)"
+        ) from None
     return status
 
 
@@ -410,6 +415,9 @@ def status_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         status = fetch_status(args.url, read_token(args.token_file))
+    except OSError as exc:  # (the token file)
+        print(f"arendez-server status: --token-file {args.token_file}: {exc.strerror}", file=sys.stderr)
+        return 2
     except ArendezError as exc:
         print(f"arendez-server status: {exc}", file=sys.stderr)
         return 1

@@ -334,3 +334,16 @@ def test_dashboard_in_headless_chromium_shows_ranks_then_the_failed_one(tmp_path
             assert seen["green"] > 0 and seen["red"] > 0, seen
         finally:
             browser.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_status_cli_names_a_wrong_port_and_a_missing_token_file_without_a_traceback() -> None:
+    """(QA25: the store port instead of --http-port gave a BadStatusLine traceback full of
+    binary bytes, a missing --token-file a FileNotFoundError traceback.)"""
+    with http_server() as (srv, base):
+        wrong = status_cli(f"http://127.0.0.1:{srv.port}")
+        missing = status_cli(base, "--token-file", "/nonexistent/token")
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr
+    assert "no HTTP status answer there (is it the server's --http-port" in wrong.stderr, wrong.stderr
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+    assert "--token-file /nonexistent/token: No such file or directory" in missing.stderr, missing.stderr
