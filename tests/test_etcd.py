@@ -280,6 +280,13 @@ async def test_world_size_mismatch_and_deadline(etcd: Etcd, tmp_path: Path) -> N
         # as the arendez server says it: a RendezvousError that counts who joined
         assert isinstance(timed_out.value, RendezvousError), timed_out.value
         assert "only 1 of 3 ranks joined in time (missing: 2 rank(s): 1, 2)" in str(timed_out.value)
+        # (QA25: the timed-out round's size stayed, and refused a world of 2 for good)
+        c = await open_store(url, timeout=10).connect()
+        try:
+            both = await asyncio.gather(b.join(2, 1, "b:1", timeout=10), c.join(2, 0, "c:1", timeout=10))
+            assert sorted(m.rank for m in both) == [0, 1]
+        finally:
+            await c.close()
     finally:
         await a.close()
         await b.close()

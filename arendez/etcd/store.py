@@ -122,6 +122,8 @@ class EtcdStore(EtcdKV):
             elif forming is None:  # the first joiner of round n sets its size
                 await self._txn([_same(ws_key, "CREATE", 0)], [_put(ws_key, size)], [], deadline)
             elif forming != world_size:
+                if await self._reopen_if_empty(n, deadline):
+                    continue  # (nobody was in it: its size is this joiner's to set)
                 raise RendezvousError(
                     f"job {self.job!r} is forming a world of {forming}, this rank asked for {world_size}"
                 )
@@ -129,6 +131,26 @@ class EtcdStore(EtcdKV):
                 raise RendezvousError(f"rank {rank} of job {self.job!r} has already joined")
             else:
                 taken.add(r)
+
+    async def _reopen_if_empty(self, n: int, deadline: float) -> bool:
+        """Forget the size of round ``n`` if no rank holds a slot of it (its joiners timed out,
+        or their leases expired): the next joiner sets it again (the arendez server forgets a
+        forming round whose joiners are gone the same way). True if nobody held a slot."""
+        ranks, touched = self._r(n, "rank/"), self._root + b"rdzv/touched"
+        _, seen, _ = await self._txn(
+            [], [_range(ranks, prefix_end(ranks), count_only=True), _range(touched)], [], deadline
+        )
+        if _count(seen[0]) > 0:
+            return False
+        kvs = _kvs(seen[1])
+        claimed = int(kvs[0]["mod_revision"]) if kvs else 0
+        await self._txn(  # (unless a rank claimed a slot since, or the round closed)
+            [_same(touched, "MOD", claimed), _same(self._r(n, "done"), "CREATE", 0)],
+            [_delete(self._r(n, "world_size"))],
+            [],
+            deadline,
+        )
+        return True
 
     async def _taken(self, n: int, deadline: float) -> _Ranks:
         ranks = self._r(n, "rank/")
