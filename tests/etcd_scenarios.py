@@ -55,7 +55,26 @@ async def auto_rank(rank: int, ws: int, url: str) -> dict[str, Any]:
     return {"rank": me, "all": [int(o[0]) for o in out], "seconds": time.monotonic() - started}
 
 
-SCENARIOS = {"store_and_reduce": store_and_reduce, "auto_rank": auto_rank}
+async def destroy_after_etcd_is_gone(rank: int, ws: int, url: str, ready_dir: str) -> dict[str, Any]:
+    """Join, say ``ready-<rank>``, wait for ``gone`` (etcd killed by the test), all_reduce
+    (the peer links need no etcd), then time the destroy."""
+    await dist.init_process_group(init_method=url, world_size=ws, rank=rank, timeout=30)
+    Path(ready_dir, f"ready-{rank}").write_text("1")
+    deadline = time.monotonic() + 30
+    while not Path(ready_dir, "gone").exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    x = np.ones(4)
+    await dist.all_reduce(x)
+    started = time.monotonic()
+    await dist.destroy_process_group()
+    return {"sum": float(x[0]), "destroy": time.monotonic() - started}
+
+
+SCENARIOS = {
+    "store_and_reduce": store_and_reduce,
+    "auto_rank": auto_rank,
+    "destroy_after_etcd_is_gone": destroy_after_etcd_is_gone,
+}
 
 
 def main() -> None:

@@ -365,6 +365,27 @@ def test_busy_event_loop_keeps_its_lease(etcd: Etcd, tmp_path: Path) -> None:
 
 
 # -- cluster, outage, auth -----------------------------------------------------------------------
+@pytest.mark.timeout(90)
+def test_destroy_with_etcd_gone_takes_seconds_not_its_timeout(tmp_path: Path) -> None:
+    """(QA25: with etcd down at the end of a job, destroy_process_group spent its whole 30 s
+    trying to leave the round, and said nothing.)"""
+    cluster = start_etcd(tmp_path, 1)
+    try:
+        url = cluster.url(_job(tmp_path, "gone"))
+        procs = [_spawn("destroy_after_etcd_is_gone", r, 2, url, str(tmp_path)) for r in range(2)]
+        wait_for_files(tmp_path, "ready-*", 2)
+        cluster.kill(0)
+        (tmp_path / "gone").write_text("1")
+        results = collect(procs, 60)
+    finally:
+        cluster.stop()
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.value["sum"] == 2.0
+        assert res.value["destroy"] < 10, res.value  # (LEAVE_SECONDS, not the 30 s timeout)
+        assert "could not leave its round on etcd" in res.stderr, res.stderr[-2000:]
+
+
 @pytest.mark.timeout(120)
 def test_losing_an_etcd_member_mid_job(tmp_path: Path) -> None:
     cluster = start_etcd(tmp_path, 3)

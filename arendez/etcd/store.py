@@ -37,6 +37,8 @@ from .kv import EtcdKV, _count, _delete, _kvs, _put, _range, _revision, _same
 from .url import DEFAULT_LEASE, Endpoints, parse_url
 
 log = logging.getLogger("arendez.etcd")
+#: The longest leaving a round may take (etcd unreachable: a destroy is not held for its timeout).
+LEAVE_SECONDS = 2.0
 
 EventHandler = Callable[[dict[str, Any]], None]
 _Ranks = set[int]  # (``EtcdStore.set`` shadows the builtin inside the class)
@@ -313,14 +315,15 @@ class EtcdStore(EtcdKV):
         except StoreError as exc:
             log.warning("job %r: watching the members on etcd %s stopped: %s", self.job, self.ends, exc)
 
-    async def leave(self, timeout: float = 2.0) -> None:
-        """Leave the round (best effort); the last rank out deletes the job's keys."""
+    async def leave(self, timeout: float = LEAVE_SECONDS) -> None:
+        """Leave the round (best effort, within ``LEAVE_SECONDS`` at most: etcd down must not
+        hold a destroy for its whole timeout); the last rank out deletes the job's keys."""
         m, self._membership = self._membership, None
         if m is None or self._etcd is None:
             return
         await self._stop_watch()
         self._stop_keeper()
-        deadline = self._deadline(timeout)
+        deadline = self._deadline(min(timeout, LEAVE_SECONDS))
         n = self._round
         try:
             await self._txn(
@@ -331,8 +334,15 @@ class EtcdStore(EtcdKV):
             )
             await self._revoke(deadline)
             await self._cleanup(deadline)
-        except StoreError as exc:
-            log.info("job %r: leaving etcd %s: %s", self.job, self.ends, exc)
+        except (StoreError, TimeoutError) as exc:
+            log.warning(
+                "job %r: could not leave its round on etcd %s (%s): its keys stay until this "
+                "rank's lease expires (%ds), the job's own until a later job of that name ends",
+                self.job,
+                self.ends,
+                exc,
+                self.lease_ttl,
+            )
 
     async def _cleanup(self, deadline: float) -> None:
         """Delete the job's prefix if no rank of any round still holds a key."""
