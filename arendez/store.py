@@ -151,7 +151,18 @@ class Store(MembershipOps, KeyValueOps):
         )
         try:
             hello = {"job": self.job, "scoped": True} if self.scoped else {"job": self.job}
-            welcome = await handshake.client_handshake(conn, self._token, hello, _OPEN_TIMEOUT)
+            wait = _OPEN_TIMEOUT
+            if self._connect_by is not None and not self._was_connected:  # (the first connect:
+                now = asyncio.get_running_loop().time()  # its attempt ends by its deadline)
+                wait = min(wait, max(0.5, self._connect_by - now - 0.1))
+            try:
+                welcome = await handshake.client_handshake(conn, self._token, hello, wait)
+            except TimeoutError:  # (the connection was accepted: something listens there)
+                raise TimeoutError(
+                    f"{self.host}:{self.port} accepted the connection but sent no arendez greeting "
+                    f"within {wait:.3g}s (a very busy server, or not an arendez-server's store "
+                    "port: its --http-port, or etcd's?)"
+                ) from None
             if welcome.get("store") != STORE_PROTOCOL:
                 raise ProtocolError(
                     f"the store at {self.host}:{self.port} speaks store protocol {welcome.get('store', 1)}, "

@@ -457,3 +457,22 @@ def test_leave_waits_long_only_for_a_connected_server(state: str) -> None:
     asyncio.run(store.leave(timeout=20))
     want = store_membership.LEAVE_SECONDS if state == "connected" else store_membership.LEAVE_OFFLINE_SECONDS
     assert budgets == [want]
+
+
+@pytest.mark.timeout(30)
+async def test_a_port_that_accepts_but_is_no_arendez_server_is_named_as_such():
+    """(QA25: an arendez:// URL naming the server's --http-port, or etcd's, waited out its
+    timeout and then said "unreachable" with no last error.)"""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    try:
+        port = listener.getsockname()[1]
+        with pytest.raises(dist.StoreError) as info:
+            await dist.Store("127.0.0.1", port, "j", timeout=2).connect()
+    finally:
+        listener.close()
+    assert f"127.0.0.1:{port} accepted the connection but sent no arendez greeting" in str(info.value)
+    assert "not an arendez-server's store port" in str(info.value)
