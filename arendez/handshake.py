@@ -42,7 +42,8 @@ def answer_challenge(
         raise ProtocolError(f"{peer} speaks protocol {challenge.get('v')}, not {PROTOCOL_VERSION}")
     if challenge.get("auth") and not token:
         raise AuthenticationError(
-            f"{peer} requires a token and none was given (the URL's token@, or ARENDEZ_TOKEN)"
+            f"{peer} requires a token and none was given (init_process_group: the URL's token@, "
+            "or ARENDEZ_TOKEN; Store and BlockingStore: their token= argument)"
         )
     if token and not challenge.get("auth"):
         raise AuthenticationError(
