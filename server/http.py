@@ -27,6 +27,7 @@ from importlib import resources
 from typing import Any
 
 from arendez.errors import ArendezError
+from arendez.transports import local
 
 from .hooks import ServerHooks
 from .rounds import Departure
@@ -82,7 +83,7 @@ def snapshot(server: Any, events: Metrics | None = None) -> dict[str, Any]:
             members = [
                 {
                     "rank": m.rank,
-                    "address": m.address,
+                    "address": local.parse(m.address)[0],  # (not the same-host socket's name)
                     "state": m.state.value if complete else "joining",
                     "lease_age": round(max(0.0, now - m.seen()), 3),
                 }

@@ -309,7 +309,7 @@ class ServerState:
         if job is None:
             if len(self.jobs) >= self.limits.max_jobs:
                 raise LimitError(
-                    f"server already holds {self.limits.max_jobs} jobs (limit: arendez-server --max-jobs)"
+                    f"server already holds {self.limits.max_jobs} job(s) (limit: arendez-server --max-jobs)"
                 )
             job = self.jobs[name] = Job(name, self.limits, tally=self.tally)
         return job
