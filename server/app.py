@@ -38,7 +38,7 @@ from arendez.transports import local
 from . import tcpstore_front
 from .admission import Admission
 from .barriers import Barrier
-from .connection import Backlogged, ServerConnection, Session, note_closing
+from .connection import Backlogged, ServerConnection, Session, by_host, note_closing
 from .handlers import (
     BLOCK,
     BLOCKING,
@@ -62,16 +62,8 @@ from .waits import KeyWaits
 log = logging.getLogger("arendez.server")
 
 
-def _refusals(items: Any) -> str:
-    hosts = {host for host, _ in items}
-    return (
-        f"{len(items)} more connection(s) refused in the last {burstlog.WINDOW:g} s, from "
-        f"{len(hosts)} host(s); the last: {items[-1][1]}"
-    )
-
-
 #: a flood of refused connections is a line and a summary per second, not a line each
-_REFUSALS = burstlog.BurstLog(log, _refusals)
+_REFUSALS = burstlog.BurstLog(log, by_host("connection(s) refused"))
 
 
 #: The largest frame a client may send before its handshake (a hello is under 300 bytes).

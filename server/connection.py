@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from arendez import burstlog, transport, wire
@@ -19,17 +20,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("arendez.server")
 
 
-def _closings(items: Any) -> str:
-    hosts = {host for host, _ in items}
-    return (
-        f"{len(items)} more client(s) closed in the last {burstlog.WINDOW:g} s for a bad handshake "
-        f"or request, from {len(hosts)} host(s); the last: {items[-1][1]}"
-    )
+def by_host(what: str) -> Callable[[Sequence[tuple[str, str]]], str]:
+    """A burst's summary line for items ``(host, text)``: how many ``what``, from how many
+    hosts, and the last one's text."""
+
+    def summarise(items: Sequence[tuple[str, str]]) -> str:
+        hosts = {host for host, _ in items}
+        return (
+            f"{len(items)} more {what} in the last {burstlog.WINDOW:g} s, from {len(hosts)} "
+            f"host(s); the last: {items[-1][1]}"
+        )
+
+    return summarise
 
 
 #: Clients closed for a failed handshake (a wrong token) or a protocol error: the first of a
 #: burst logged, the rest summed up (a client looping on a wrong token would flood the log).
-CLOSINGS = burstlog.BurstLog(log, _closings)
+CLOSINGS = burstlog.BurstLog(log, by_host("client(s) closed for a bad handshake or request"))
 
 
 def note_closing(conn: transport.Connection, host: str, what: str, exc: BaseException) -> None:

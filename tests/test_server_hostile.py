@@ -84,6 +84,18 @@ async def _first_frame(port: int, host: str) -> dict[str, Any]:
         writer.close()
 
 
+def _unfinished_request(port: int, data: bytes) -> socket.socket:
+    """A client past the handshake (no token) that sends ``data``: most of a request."""
+    hello = msgpack.packb({"job": "x", "nonce": b"0123456789abcdef"}, use_bin_type=True)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.recv(65536)  # the challenge
+    sock.sendall(struct.pack("<IQ", len(hello), 0) + hello)
+    assert sock.recv(65536), "no welcome"
+    with contextlib.suppress(OSError):  # (refused by the server while sending: its budget)
+        sock.sendall(data)
+    return sock
+
+
 async def _timed_store_round_trip(store: dist.Store, i: int, latencies: list[float]) -> None:
     started = time.monotonic()
     await store.set(f"probe-{i}", str(i))
@@ -246,14 +258,8 @@ async def test_unfinished_requests_hold_what_was_sent_not_what_was_announced() -
         store = await dist.Store("127.0.0.1", srv.port, "legit", timeout=10).connect()
         await store.set("warm", "1")
         before = rss_kib(srv.proc.pid)
-        hello = msgpack.packb({"job": "x", "nonce": b"0123456789abcdef"}, use_bin_type=True)
         for _ in range(clients):
-            sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-            held.append(sock)
-            sock.recv(65536)  # the challenge
-            sock.sendall(struct.pack("<IQ", len(hello), 0) + hello)
-            assert sock.recv(65536), "no welcome"
-            sock.sendall(struct.pack("<IQ", 1 << 20, 0) + b"\0" * 4096)
+            held.append(_unfinished_request(srv.port, struct.pack("<IQ", 1 << 20, 0) + b"\0" * 4096))
         latencies: list[float] = []
         await _timed_store_round_trip(store, 1, latencies)
         time.sleep(0.5)  # (the server has read what was sent)
@@ -265,18 +271,6 @@ async def test_unfinished_requests_hold_what_was_sent_not_what_was_announced() -
             await store.close()
         srv.stop()
     assert grew < 48, f"the server grew by {grew:.1f} MiB for {clients} x 4 KiB of unfinished requests"
-
-
-def _unfinished_request(port: int, data: bytes) -> socket.socket:
-    """A client past the handshake (no token) that sends ``data``: most of a request."""
-    hello = msgpack.packb({"job": "x", "nonce": b"0123456789abcdef"}, use_bin_type=True)
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.recv(65536)  # the challenge
-    sock.sendall(struct.pack("<IQ", len(hello), 0) + hello)
-    assert sock.recv(65536), "no welcome"
-    with contextlib.suppress(OSError):  # (refused by the server while sending: its budget)
-        sock.sendall(data)
-    return sock
 
 
 def _torch_unfinished_set(port: int, size: int) -> socket.socket:

@@ -231,7 +231,7 @@ def test_wrong_tokens_in_a_loop_are_a_line_and_a_summary_in_the_servers_log():
         time.sleep(1.5)  # (the summary closes a second after the first line)
         lines = [ln for ln in srv.stderr_text().splitlines() if "token" in ln]
         assert 2 <= len(lines) <= 4, lines
-        summary = re.search(r"(\d+) more client\(s\) closed", "\n".join(lines))
+        summary = re.search(r"(\d+) more client\(s\) closed for a bad handshake", "\n".join(lines))
         assert summary is not None and 90 <= int(summary.group(1)) <= 99, lines
         assert "wrong or missing token" in lines[-1], lines
     finally:
