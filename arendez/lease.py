@@ -204,17 +204,16 @@ class LeaseKeeper:
             except AuthenticationError as exc:  # nothing left to keep alive
                 (log.debug if self._stopped.is_set() else log.warning)("lease keeper stops: %s", exc)
                 return
-            except LimitError as exc:  # (refused by a limit: the server cannot tell a stop)
-                (log.debug if refused else log.warning)(
-                    "the server refused this process's lease, so a stop of it would not be "
-                    "noticed; retrying: %s",
-                    exc,
-                )
-                refused = True
-                self._stopped.wait(delay)
-                delay = min(delay * 2, 1.0)
             except (OSError, ValueError, ArendezError) as exc:
-                log.debug("lease connection to %s:%s failed: %s", *self._where, exc)
+                if isinstance(exc, LimitError) and not refused:  # (the server cannot tell a stop)
+                    refused = True
+                    log.warning(
+                        "the server refused this process's lease, so a stop of it would not be "
+                        "noticed; retrying: %s",
+                        exc,
+                    )
+                else:
+                    log.debug("lease connection to %s:%s failed: %s", *self._where, exc)
                 self._stopped.wait(delay)
                 delay = min(delay * 2, 1.0)
             finally:

@@ -33,13 +33,7 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
             await group.drain(loop.time() + seconds(timeout, group.timeout))
             world.groups.pop(group.gid, None)
         return
-    deadline = loop.time() + seconds(timeout, default.timeout)
-    closing = loop.create_task(_close_world(world, deadline))
-    try:
-        await asyncio.shield(closing)
-    except asyncio.CancelledError:  # cancelled (asyncio.timeout, task.cancel()): the world
-        await asyncio.wait([closing])  # still closes, within the same deadline
-        raise
+    await _close_shielded(world, loop.time() + seconds(timeout, default.timeout))
 
 
 async def abort_world(budget: float = 1.0) -> None:
@@ -49,9 +43,19 @@ async def abort_world(budget: float = 1.0) -> None:
     world = world_or_none()
     if world is None or default_group() is None:
         return
-    loop = asyncio.get_running_loop()
-    closing = loop.create_task(_close_world(world, loop.time() + budget, drain_by=loop.time()))
-    await asyncio.shield(closing)
+    now = asyncio.get_running_loop().time()
+    await _close_shielded(world, now + budget, drain_by=now)
+
+
+async def _close_shielded(world: World, deadline: float, drain_by: float | None = None) -> None:
+    """``_close_world`` in a task of its own: a cancel of the caller (``asyncio.timeout``,
+    ``task.cancel()``) is raised once the world has closed, within the same deadline."""
+    closing = asyncio.get_running_loop().create_task(_close_world(world, deadline, drain_by))
+    try:
+        await asyncio.shield(closing)
+    except asyncio.CancelledError:
+        await asyncio.wait([closing])
+        raise
 
 
 async def _close_world(world: World, deadline: float, drain_by: float | None = None) -> None:

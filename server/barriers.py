@@ -119,7 +119,6 @@ class BarrierCall(TimedWait):
         self._rid, self._compact = rid, compact
         self._barrier, self._what = found, what
         self._started = time.perf_counter()
-        session.tasks.add(self)
         found.hold(self)
 
     def passed(self) -> None:

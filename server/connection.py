@@ -174,6 +174,20 @@ class Session:
             self.check_unread()
 
 
+def count_unfinished(server: Server, before: int, now: int, pending: int) -> LimitError | None:
+    """Move one client's share of the server's unfinished-request bytes from ``before`` to
+    ``now`` (``pending``: its request's bytes so far); the refusal if that growth passes
+    ``--max-unfinished-bytes`` (all clients' together)."""
+    server.unfinished += now - before
+    budget = server.config.max_unfinished_bytes
+    if now <= before or server.unfinished <= budget:
+        return None
+    return LimitError(
+        f"a request of {pending}+ bytes still arriving while all clients' unfinished requests "
+        f"hold {server.unfinished} bytes (the server's limit, --max-unfinished-bytes: {budget})"
+    )
+
+
 def _named(exc: ProtocolError) -> ArendezError:
     """A request past the server's size limit as the ``LimitError`` the clients raise before
     sending one; any other protocol error as it is."""
@@ -257,16 +271,11 @@ class ServerConnection(transport.Connection):
     def _count_held(self, reader: HeaderReader) -> None:
         """Count the bytes this connection's unfinished request holds toward the server's
         ``--max-unfinished-bytes`` (all clients' together)."""
-        server = self.server
-        grown = reader.held() - self.held
-        self.held += grown
-        server.unfinished += grown
-        if grown > 0 and server.unfinished > server.config.max_unfinished_bytes and self.over is None:
-            self.over = LimitError(
-                f"a request of {reader.pending()}+ bytes still arriving while all clients' unfinished "
-                f"requests hold {server.unfinished} bytes (the server's limit, --max-unfinished-bytes: "
-                f"{server.config.max_unfinished_bytes})"
-            )
+        held = reader.held()
+        refusal = count_unfinished(self.server, self.held, held, reader.pending())
+        self.held = held
+        if refusal is not None and self.over is None:
+            self.over = refusal
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.over is not None:  # (its request passed the server's budget: refused)

@@ -332,7 +332,6 @@ def start_join(server: Server, s: Session, job: Job, rid: Any, h: dict[str, Any]
         )
     s.round, s.rank = round_, rank
     join = JoinWait(server, s, job, rid, h, round_, rank, member, deadline)
-    s.tasks.add(join)
     server.members.wait_for(round_, join)
     if round_.complete:
         server.members.round_closed(round_)

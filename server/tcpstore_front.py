@@ -32,7 +32,7 @@ from arendez.store_wire import MAX_KEYS, TCPSTORE_WORKERS_KEY, request_limit
 from . import barriers
 from . import tcpstore_wire as tw
 from .barriers import Barrier
-from .connection import FLUSH_AT, MAX_UNREAD_REPLIES, unread_excess
+from .connection import FLUSH_AT, MAX_UNREAD_REPLIES, count_unfinished, unread_excess
 from .tcpstore_wire import Query
 
 if TYPE_CHECKING:
@@ -206,18 +206,12 @@ class TorchStoreConnection(asyncio.Protocol):
     def _count_held(self) -> None:
         """Count what this client's unfinished request holds toward the server's
         ``--max-unfinished-bytes`` (as ``connection.ServerConnection`` does); refuse it past that."""
-        server = self.server
-        held = max(0, self.reader.buffered() - UNCOUNTED_BYTES)
-        server.unfinished += held - self.held
-        grown, self.held = held > self.held, held
-        if grown and server.unfinished > server.config.max_unfinished_bytes and self.is_open:
-            self._close(
-                LimitError(
-                    f"a request of {self.reader.buffered()}+ bytes still arriving while all clients' "
-                    f"unfinished requests hold {server.unfinished} bytes (the server's limit, "
-                    f"--max-unfinished-bytes: {server.config.max_unfinished_bytes})"
-                )
-            )
+        buffered = self.reader.buffered()
+        held = max(0, buffered - UNCOUNTED_BYTES)
+        refusal = count_unfinished(self.server, self.held, held, buffered)
+        self.held = held
+        if refusal is not None and self.is_open:
+            self._close(refusal)
 
     def _serve_and_flush(self) -> None:
         reader = self.reader

@@ -44,8 +44,13 @@ class TimedWait:
     def __init__(self, session: Session, deadline: float) -> None:
         self._session = session
         self._timer: asyncio.TimerHandle | None = timer_at(deadline, self.expire)
+        session.tasks.add(self)  # (cancelled with its connection; ``_settle`` takes it off)
 
     def expire(self) -> None:
+        raise NotImplementedError
+
+    def cancel(self) -> object:
+        """The connection went: stop waiting (``Pending``)."""
         raise NotImplementedError
 
     def _unhook(self) -> None:
@@ -122,9 +127,7 @@ class KeyWait:
         try:
             value = self._result()
         except ArendezError as exc:  # (a multi_get whose answer would be past its limit)
-            self._settle()
-            self._session.reply_error(self._rid, exc)
-            self._hooks.request(self._op, time.perf_counter() - self._started, type(exc).__name__)
+            self._fail(exc)
             return
         if value is None and self._op == "multi_get":  # (deleted after it was seen: look again)
             self._next = 0
@@ -139,11 +142,13 @@ class KeyWait:
 
     def expire(self) -> None:
         """The deadline passed with a key still missing."""
-        if self._timer is None:
-            return
+        if self._timer is not None:
+            self._fail(StoreTimeoutError(self._what))
+
+    def _fail(self, exc: ArendezError) -> None:
         self._settle()
-        self._session.reply_error(self._rid, StoreTimeoutError(self._what))
-        self._hooks.request(self._op, time.perf_counter() - self._started, "StoreTimeoutError")
+        self._session.reply_error(self._rid, exc)
+        self._hooks.request(self._op, time.perf_counter() - self._started, type(exc).__name__)
 
     def cancel(self) -> None:
         """The connection went: stop waiting, answer nobody."""
