@@ -11,6 +11,7 @@ import socket
 import struct
 import time
 import weakref
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
@@ -94,6 +95,21 @@ def _unfinished_request(port: int, data: bytes) -> socket.socket:
     with contextlib.suppress(OSError):  # (refused by the server while sending: its budget)
         sock.sendall(data)
     return sock
+
+
+@contextlib.asynccontextmanager
+async def _a_legitimate_client(srv: Any) -> AsyncIterator[tuple[dist.Store, list[socket.socket]]]:
+    """A store client of ``srv`` that has made a call, and a list for the raw sockets a test
+    holds open meanwhile: closed, with the client, at the end."""
+    held: list[socket.socket] = []
+    store = await dist.Store("127.0.0.1", srv.port, "legit", timeout=10).connect()
+    try:
+        await store.set("warm", "1")
+        yield store, held
+    finally:
+        for sock in held:
+            sock.close()
+        await store.close()
 
 
 async def _timed_store_round_trip(store: dist.Store, i: int, latencies: list[float]) -> None:
@@ -252,23 +268,15 @@ async def test_unfinished_requests_hold_what_was_sent_not_what_was_announced() -
     MiB each, 300 MiB here), and a legitimate client is answered meanwhile."""
     clients = 300
     srv = start_server()
-    held: list[socket.socket] = []
-    store = None
     try:
-        store = await dist.Store("127.0.0.1", srv.port, "legit", timeout=10).connect()
-        await store.set("warm", "1")
-        before = rss_kib(srv.proc.pid)
-        for _ in range(clients):
-            held.append(_unfinished_request(srv.port, struct.pack("<IQ", 1 << 20, 0) + b"\0" * 4096))
-        latencies: list[float] = []
-        await _timed_store_round_trip(store, 1, latencies)
-        time.sleep(0.5)  # (the server has read what was sent)
-        grew = (rss_kib(srv.proc.pid) - before) / 1024
+        async with _a_legitimate_client(srv) as (store, held):
+            before = rss_kib(srv.proc.pid)
+            for _ in range(clients):
+                held.append(_unfinished_request(srv.port, struct.pack("<IQ", 1 << 20, 0) + b"\0" * 4096))
+            await _timed_store_round_trip(store, 1, [])
+            time.sleep(0.5)  # (the server has read what was sent)
+            grew = (rss_kib(srv.proc.pid) - before) / 1024
     finally:
-        for sock in held:
-            sock.close()
-        if store is not None:
-            await store.close()
         srv.stop()
     assert grew < 48, f"the server grew by {grew:.1f} MiB for {clients} x 4 KiB of unfinished requests"
 
@@ -294,34 +302,29 @@ async def test_unfinished_requests_of_all_clients_are_held_within_the_servers_bu
     srv = start_server("--max-unfinished-bytes", str(8 << 20), "--tcpstore-port", "0")
     assert srv.proc.stdout is not None
     torch_port = int(srv.proc.stdout.readline().rsplit(":", 1)[1])
-    held: list[socket.socket] = []
-    store = None
     try:
-        store = await dist.Store("127.0.0.1", srv.port, "legit", timeout=10).connect()
-        await store.set("warm", "1")
-        before = rss_kib(srv.proc.pid)
-        request = struct.pack("<IQ", 1 << 20, 0) + b"\0" * ((1 << 20) - 1)
-        for i in range(24):
-            held.append(_unfinished_request(srv.port, request))
-            held.append(_torch_unfinished_set(torch_port, 1 << 20))
-            if i % 4 == 3:
-                await _timed_store_round_trip(store, i, [])
-        time.sleep(1.0)  # (the server has read what was sent)
-        grew = (rss_kib(srv.proc.pid) - before) / 1024
-        refusals = []
-        for sock in held:  # (the refused ones were closed; the others time out here)
-            with contextlib.suppress(OSError):
-                refusals.append(read_until_closed(sock, timeout=0.3))
-        told = [r for r in refusals if b"--max-unfinished-bytes" in r]
-        await _timed_store_round_trip(store, 100, [])
-        theirs = torch.distributed.TCPStore("127.0.0.1", torch_port, is_master=False, wait_for_workers=False)
-        theirs.set("after", b"1")
-        assert theirs.get("after") == b"1"
+        async with _a_legitimate_client(srv) as (store, held):
+            before = rss_kib(srv.proc.pid)
+            request = struct.pack("<IQ", 1 << 20, 0) + b"\0" * ((1 << 20) - 1)
+            for i in range(24):
+                held.append(_unfinished_request(srv.port, request))
+                held.append(_torch_unfinished_set(torch_port, 1 << 20))
+                if i % 4 == 3:
+                    await _timed_store_round_trip(store, i, [])
+            time.sleep(1.0)  # (the server has read what was sent)
+            grew = (rss_kib(srv.proc.pid) - before) / 1024
+            refusals = []
+            for sock in held:  # (the refused ones were closed; the others time out here)
+                with contextlib.suppress(OSError):
+                    refusals.append(read_until_closed(sock, timeout=0.3))
+            told = [r for r in refusals if b"--max-unfinished-bytes" in r]
+            await _timed_store_round_trip(store, 100, [])
+            theirs = torch.distributed.TCPStore(
+                "127.0.0.1", torch_port, is_master=False, wait_for_workers=False
+            )
+            theirs.set("after", b"1")
+            assert theirs.get("after") == b"1"
     finally:
-        for sock in held:
-            sock.close()
-        if store is not None:
-            await store.close()
         log = srv.stderr_text()
         srv.stop()
     assert grew < 48, f"the server grew by {grew:.1f} MiB for 48 x 1 MiB of unfinished requests"
