@@ -103,9 +103,12 @@ def test_torch_client_gets_the_answers_of_torch_server(tcpstore_server: tuple[Se
     assert dict(got)["queue_pop empty"] == "QueueEmptyError"
 
 
-def _barrier_outcomes(port: int, client: Callable[[int], Any] = _client) -> list[tuple[str, list[str]]]:
+def _barrier_outcomes(
+    port: int, client: Callable[[int], Any] = _client, run: str = ""
+) -> list[tuple[str, list[str]]]:
     """torch's ``barrier`` across clients (``client(port)``, torch's by default), each case in a
-    fresh key: who goes on and who times out. A later arrival starts once the earlier ones are
+    fresh key (prefixed by ``run``: runs on one server share its keys until their clients are
+    gone): who goes on and who times out. A later arrival starts once the earlier ones are
     counted (the key's counter)."""
     watcher = client(port)
 
@@ -113,8 +116,8 @@ def _barrier_outcomes(port: int, client: Callable[[int], Any] = _client) -> list
         while not (watcher.check([key]) and int(watcher.get(key)) >= arrivals):
             time.sleep(0.01)
 
-    def case(key: str, counts: list[int], then: Callable[[], Any] | None = None) -> list[str]:
-        outcomes = [""] * len(counts)
+    def case(key: str, counts: list[int], then: Callable[[str], Any] | None = None) -> list[str]:
+        key, outcomes = run + key, [""] * len(counts)
 
         def arrive(i: int, store: Any) -> None:
             try:
@@ -129,7 +132,7 @@ def _barrier_outcomes(port: int, client: Callable[[int], Any] = _client) -> list
             threads[-1].start()
             counted(key, i + 1)
         if then is not None:
-            then()
+            then(key)
         for thread in threads:
             thread.join()
         return outcomes
@@ -139,7 +142,7 @@ def _barrier_outcomes(port: int, client: Callable[[int], Any] = _client) -> list
 
         def wait() -> None:
             try:
-                waiter.wait(["plain"], timedelta(seconds=1))
+                waiter.wait([run + "plain"], timedelta(seconds=1))
                 seen.append("woken")
             except Exception as exc:
                 seen.append(_timeout_named(exc))
@@ -156,9 +159,9 @@ def _barrier_outcomes(port: int, client: Callable[[int], Any] = _client) -> list
         ("all of two", case("two", [2, 2])),
         ("a later call of a larger count frees no one", case("larger", [2, 3])),
         ("a later call of a smaller count frees all", case("smaller", [3, 2])),
-        ("freed by an add below the count", case("add", [5], lambda: watcher.add("add", 1))),
-        ("freed by a set", case("set", [5], lambda: watcher.set("set", b"x"))),
-        ("not by a delete", case("delete", [5], lambda: watcher.delete_key("delete"))),
+        ("freed by an add below the count", case("add", [5], lambda key: watcher.add(key, 1))),
+        ("freed by a set", case("set", [5], lambda key: watcher.set(key, b"x"))),
+        ("not by a delete", case("delete", [5], watcher.delete_key)),
     ]
 
 
@@ -180,8 +183,8 @@ def test_barrier_goes_as_on_torch_server(tcpstore_server: tuple[ServerProcess, i
     srv, port = tcpstore_server
     master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
     want = _barrier_outcomes(master.port)
-    assert _barrier_outcomes(port) == want
-    assert _barrier_outcomes(srv.port, _arendez_client) == want
+    assert _barrier_outcomes(port, run="torch-client/") == want
+    assert _barrier_outcomes(srv.port, _arendez_client, run="arendez-client/") == want
     assert dict(want)["a later call of a larger count frees no one"] == ["timeout"] * 2
 
 
