@@ -139,7 +139,9 @@ class BlockingStore:
         except TimeoutError:
             self.close()
             raise StoreConnectionError(
-                f"store at {self.host}:{self.port} did not answer the handshake"
+                f"store at {self.host}:{self.port} did not answer the handshake (a very busy server, "
+                "not an arendez-server's store port"
+                + (")" if self._ssl is not None else ", or a server with TLS: pass ssl=)")
             ) from None
         except OSError as exc:  # (e.g. the server gave up on a handshake that came too late)
             self.close()

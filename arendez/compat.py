@@ -135,7 +135,13 @@ class Work:
         """The rank a finished ``irecv`` received from."""
         if not self._task.done():
             raise ArendezError("source_rank() of an irecv that has not finished")
-        return int(self._task.result())
+        source = self._task.result()
+        if type(source) is not int:  # (torch's words)
+            raise ArendezError(
+                "source_rank() may only be called on work objects that correspond to a recv or "
+                "recv-from-any call"
+            )
+        return source
 
 
 def _task(coro: Any) -> asyncio.Future[Any]:

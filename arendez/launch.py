@@ -303,6 +303,10 @@ class _Watchdog:
     def watch(self, child: children.Child) -> None:
         self._tell(str(child.proc.pid))  # start_new_session: its process group id
 
+    def scratch(self, path: str) -> None:
+        """``path`` goes too if we are killed."""
+        self._tell(f"dir {path}")
+
     async def done(self) -> None:
         """Everything was stopped by us: let the watchdog go."""
         if self._proc is None:
@@ -334,6 +338,7 @@ async def _run(args: argparse.Namespace) -> int:
     ranks: list[children.Child] = []
     watchdog = await _Watchdog.start(args.grace)
     notedir = tempfile.mkdtemp(prefix="arendez-run-")
+    watchdog.scratch(notedir)
     notes = [os.path.join(notedir, f"rank-{rank}.json") for rank in range(args.nproc)]
     try:
         base = dict(os.environ)

@@ -143,7 +143,7 @@ def plan(
         return Plan(world_size, rank, *ends.hosts[0], job, None, store_url=init_method)
     raise RendezvousError(
         f"unsupported init_method {init_method!r}: use None, env://, tcp://host:port, "
-        "arendez://[token@]host:port[/job], etcd://[user:password@]host:port[,host:port...]/job "
+        "arendez://[token@]host:port[/job], etcd://[user:password@]host:port[,host:port...]/job, "
         "file:///path or inproc://job"
     )
 

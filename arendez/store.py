@@ -158,10 +158,11 @@ class Store(MembershipOps, KeyValueOps):
             try:
                 welcome = await handshake.client_handshake(conn, self._token, hello, wait)
             except TimeoutError:  # (the connection was accepted: something listens there)
+                tls = "" if self._ssl else ", or a server with TLS: Store's ssl=, init's ARENDEZ_TLS_CA"
                 raise TimeoutError(
                     f"{self.host}:{self.port} accepted the connection but sent no arendez greeting "
                     f"within {wait:.3g}s (a very busy server, or not an arendez-server's store "
-                    "port: its --http-port, or etcd's?)"
+                    f"port: its --http-port, or etcd's?{tls})"
                 ) from None
             if welcome.get("store") != STORE_PROTOCOL:
                 raise ProtocolError(
@@ -225,7 +226,7 @@ class Store(MembershipOps, KeyValueOps):
                     warn_at = None
                     left = max(0.0, (self._connect_by or loop.time()) - loop.time())
                     log.warning(
-                        "cannot reach the store at %s:%s (%s); retrying until the timeout (%.0f s left)",
+                        "cannot reach the store at %s:%s (%s); retrying until the timeout (%.1f s left)",
                         self.host,
                         self.port,
                         self._last_error_text,

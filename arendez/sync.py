@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 import sys as _sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -61,7 +62,6 @@ def _cpu_backend(name: object) -> str:
     return str(Backend(text))
 
 
-@functools.wraps(api.init_process_group)
 def init_process_group(*args: Any, **kwargs: Any) -> Any:
     """As ``arendez.init_process_group``, blocking, with torch's signature and defaults: the
     parameters bind in torch's order, ``timeout`` defaults to ``default_pg_timeout`` (30
@@ -96,6 +96,15 @@ def init_process_group(*args: Any, **kwargs: Any) -> Any:
     world = _init_process_group(**kwargs)
     _meeting_stores.append(store)  # (a master's server lives while the world does, as in torch)
     return world
+
+
+#: what ``help()`` and ``inspect.signature`` show: torch's parameters, order and defaults
+init_process_group.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in zip(_INIT_PARAMS, (None, None, None, -1, -1, None, "", None, None), strict=True)
+    ]
+)
 
 
 def _is_torch_store(store: object) -> bool:

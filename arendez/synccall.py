@@ -70,6 +70,25 @@ _TORCH_ONLY: dict[str, Callable[[Any], bool]] = {
 }
 
 
+#: the defaults of torch's parameters that the async API lacks
+_TORCH_DEFAULTS: dict[str, Any] = {
+    "async_op": False, "sort_ranks": True, "use_batch": False, "use_local_synchronization": False,
+}  # fmt: skip
+
+
+def torch_signature(fn: Callable[..., Any], names: tuple[str, ...]) -> inspect.Signature:
+    """What ``help()`` shows for the blocking ``fn``: torch's parameters (``names``) in torch's
+    order, with ``fn``'s defaults where it has them, then ``fn``'s own extras as keywords."""
+    own = inspect.signature(fn).parameters
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [
+        own[n].replace(kind=kind) if n in own else inspect.Parameter(n, kind, default=_TORCH_DEFAULTS.get(n))
+        for n in names
+    ]
+    extras = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for n, p in own.items() if n not in names]
+    return inspect.Signature(params + extras)
+
+
 def _first_torch_only(names: tuple[str, ...]) -> int:
     return next(i for i, n in enumerate(names) if n == "async_op" or n in _TORCH_ONLY)
 
@@ -121,6 +140,8 @@ def blocking(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]:
             return Work(shared.start(run, args, kwargs), outputs)
         return shared.call(run, *args, **kwargs)
 
+    if names is not None:
+        call.__signature__ = torch_signature(fn, names)  # type: ignore[attr-defined]
     return call
 
 

@@ -108,7 +108,13 @@ class Work:
         """The rank a finished ``irecv`` received from."""
         if not self._done.done():
             raise ArendezError("source_rank() of an irecv that has not finished")
-        return int(self._done.result())
+        source = self._done.result()
+        if type(source) is not int:  # (torch's words)
+            raise ArendezError(
+                "source_rank() may only be called on work objects that correspond to a recv or "
+                "recv-from-any call"
+            )
+        return source
 
     def result(self) -> Any:
         """Wait, then the call's output tensors, as ``get_future().wait()`` (gloo's)."""

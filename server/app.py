@@ -180,7 +180,7 @@ class Server:
             self.tcpstore_port = self._torch.sockets[0].getsockname()[1]
             log.info("torch TCPStore clients: %s:%d (job %r)", cfg.host, self.tcpstore_port, cfg.tcpstore_job)
         self._lease_task = loop.create_task(self._watch_leases())
-        log.info("arendez-server listening on %s", self.url)
+        log.debug("arendez-server listening on %s", self.url)  # (the CLI prints it on stdout)
 
     async def _listen_locally(self, limits: wire.Limits) -> None:
         """Clients on this host connect over a Unix socket when they can (``transports.local``:
@@ -478,13 +478,15 @@ async def start_server(
     until = loop.time() + wait
     while True:
         error: OSError | None = None
-        for bind in (host, "0.0.0.0"):
+        for bind in (host, "0.0.0.0"):  # (every address where the host is none of this machine's)
             server = Server(ServerConfig(host=bind, port=port, token=token, ssl=ssl, limits=HOSTED_LIMITS))
             try:
                 await server.start()
                 return server
             except OSError as exc:
-                error = exc
+                error = error or exc  # (the host's own error is the one to name)
+                if exc.errno == errno.EADDRINUSE:
+                    break
         assert error is not None
         if error.errno != errno.EADDRINUSE or loop.time() >= until:
             raise error

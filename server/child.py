@@ -67,7 +67,7 @@ async def _serve(order: dict[str, Any]) -> int:
             sock=None if fd is None else socket.socket(fileno=int(fd)),
         )
     except OSError as exc:
-        _say({"error": str(exc), "errno": exc.errno or 0})
+        _say({"error": exc.strerror or str(exc), "errno": exc.errno or 0})  # (errno apart)
         return 1
     if not _say({"port": server.port}):
         await server.close(1.0)

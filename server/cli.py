@@ -25,7 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     arg = validate.argtype
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument(
-        "--port", type=arg(validate.port, "--port"), default=29400, help="port (0 picks a free one)"
+        "--port",
+        type=arg(validate.port, "--port"),
+        default=29400,
+        help="port (default 29400; 0 picks a free one)",
     )
     p.add_argument(
         "--token-file",
@@ -45,13 +48,13 @@ def _parser() -> argparse.ArgumentParser:
         "--lease",
         type=arg(validate.seconds, "--lease"),
         default=2.5,
-        help="seconds without heartbeat = failed",
+        help="seconds without heartbeat = failed (default 2.5)",
     )
     p.add_argument(
         "--scoped-grace",
         type=arg(validate.seconds, "--scoped-grace"),
         default=10.0,
-        help="seconds a scoped job's keys (torchrun's rendezvous) outlive its last client",
+        help="seconds a scoped job's keys (torchrun's rendezvous) outlive its last client (default 10)",
     )
     p.add_argument(
         "--tcpstore-port",

@@ -17,6 +17,7 @@ import hmac
 import http.client
 import json
 import logging
+import os
 import sys
 import time
 import urllib.error
@@ -422,5 +423,9 @@ def status_main(argv: list[str]) -> int:
     except ArendezError as exc:
         print(f"arendez-server status: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    try:
+        print(json.dumps(status, indent=2) if args.json else format_status(status), flush=True)
+    except BrokenPipeError:  # (``| head``: the reader left; no traceback, and none at exit)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0

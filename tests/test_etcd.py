@@ -186,14 +186,35 @@ def test_missing_client_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
 
 # -- store ---------------------------------------------------------------------------------------
 @pytest.fixture(params=["etcd", "arendez-server"])
-def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    """One conformance suite, two backends: clients of one job's store on etcd or on our server."""
+def unconnected_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """One conformance suite, two backends: new clients of one job's store on etcd or on our
+    server, not connected yet."""
     job = _job(tmp_path, "store")
     if request.param == "etcd":
         url = request.getfixturevalue("etcd").url(job)
-        return lambda: open_store(url, timeout=10).connect()
+        return lambda: open_store(url, timeout=10)
     server = request.getfixturevalue("arendez_server")
-    return lambda: Store("127.0.0.1", server.port, job, timeout=10).connect()
+    return lambda: Store("127.0.0.1", server.port, job, timeout=10)
+
+
+@pytest.fixture
+def store_factory(unconnected_store: Any) -> Any:
+    return lambda: unconnected_store().connect()
+
+
+async def test_a_store_connects_on_its_first_call_and_in_async_with(unconnected_store: Any) -> None:
+    """(QA26: ``open_store(url)``'s client said "not connected (call connect() first)" and had no
+    ``async with``, unlike ``Store``.)"""
+    first = unconnected_store()
+    await first.set("first-call", b"1")
+    assert await first.get("first-call") == b"1"
+    await first.close()
+    with pytest.raises(StoreError, match="closed"):
+        await first.get("first-call")
+    async with unconnected_store() as second:
+        assert await second.add("counted", 2) == 2
+    with pytest.raises(StoreError, match="closed"):
+        await second.add("counted", 2)
 
 
 async def test_store_operations(store_factory: Any) -> None:
@@ -275,7 +296,7 @@ async def test_world_size_mismatch_and_deadline(etcd: Etcd, tmp_path: Path) -> N
         await asyncio.sleep(0.3)
         with pytest.raises(RendezvousError, match="forming a world of 3"):
             await b.join(2, 1, "b:1", timeout=2)
-        with pytest.raises(StoreTimeoutError, match="incomplete within 1s") as timed_out:
+        with pytest.raises(StoreTimeoutError, match="incomplete: only 1 of 3") as timed_out:
             await joining
         # as the arendez server says it: a RendezvousError that counts who joined
         assert isinstance(timed_out.value, RendezvousError), timed_out.value

@@ -180,10 +180,30 @@ def test_torch_signatures_bind_as_torchs() -> None:
         sync.destroy_process_group()
 
 
+def test_source_rank_of_a_work_that_is_no_receive_is_torchs_runtime_error() -> None:
+    """(QA26: it was a ``TypeError`` from ``int(None)``.)"""
+    sync.init_process_group()
+    try:
+        work = sync.all_reduce(np.ones(2), async_op=True)
+        work.wait()
+        with pytest.raises(RuntimeError, match="only be called on work objects that correspond to a recv"):
+            work.source_rank()
+    finally:
+        sync.destroy_process_group()
+
+
 def test_the_torch_signatures_arendez_sync_binds_by_are_torchs() -> None:
+    """... and what ``help()`` shows of each is torch's order, this API's extras after it as
+    keywords (QA26: it showed the async API's, ``algorithm`` where torch has ``async_op``)."""
     dist = pytest.importorskip("torch.distributed")
-    for name, params in synccall._TORCH_PARAMS.items():
-        assert tuple(inspect.signature(getattr(dist, name)).parameters) == params, name
+    for name, params in [*synccall._TORCH_PARAMS.items(), ("init_process_group", None)]:
+        torchs = tuple(p for p in inspect.signature(getattr(dist, name)).parameters if not p.startswith("_"))
+        assert params is None or torchs == params, name
+        shown = inspect.signature(getattr(sync, name)).parameters.values()
+        assert tuple(p.name for p in shown)[: len(torchs)] == torchs, name
+        assert all(p.kind is p.KEYWORD_ONLY for p in list(shown)[len(torchs) :]), name
+    assert inspect.signature(sync.new_group).parameters["use_local_synchronization"].default is False
+    assert inspect.signature(sync.init_process_group).parameters["timeout"].default is None
 
 
 def test_a_then_callback_may_make_blocking_calls_as_on_gloo() -> None:

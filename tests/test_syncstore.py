@@ -158,8 +158,11 @@ def test_a_master_on_a_port_in_use_fails_at_once_and_a_second_master_needs_multi
         # torch's is a DistNetworkError naming EADDRINUSE, which scripts retry on (QA20)
         with pytest.raises(
             sync.DistNetworkError, match=r"TCPStore\(is_master=True\) cannot host .*EADDRINUSE"
-        ):
+        ) as refused:
             sync.TCPStore("127.0.0.1", busy.getsockname()[1], 1, True, datetime.timedelta(seconds=10))
+        # the address it was given, named once (QA26: the errno twice, then 0.0.0.0's error)
+        assert str(refused.value).count("[Errno") == 1
+        assert f"('127.0.0.1', {busy.getsockname()[1]})" in str(refused.value)
         assert time.monotonic() - started < 3  # at once, not at its timeout (10 s)
     master = sync.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10))
     with pytest.raises(sync.DistNetworkError, match="EADDRINUSE; pass multi_tenant=True"):

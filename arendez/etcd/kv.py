@@ -86,6 +86,7 @@ class EtcdKV:
         self.lease_ttl = lease
         self._root = f"/arendez/{job}/".encode()
         self._etcd: AsyncEtcd | None = None
+        self._closed = False
         self._updating: dict[bytes, asyncio.Lock] = {}
 
     @classmethod
@@ -95,11 +96,12 @@ class EtcdKV:
 
     # -- connection ------------------------------------------------------------------------------
     async def connect(self, timeout: float | None = None) -> Self:
-        """Reach a member of the cluster (retrying until ``timeout``) and authenticate."""
+        """Reach a member of the cluster (retrying until ``timeout``) and authenticate now
+        (otherwise the first call does, within its own timeout)."""
         loop = asyncio.get_running_loop()
-        self._etcd = AsyncEtcd(self.ends)
+        self._closed = False
         try:
-            await self._etcd.call(
+            await self._client.call(
                 "kv/range", {"key": b64(self._root + b"rdzv/round")}, loop.time() + (timeout or self.timeout)
             )
         except BaseException:
@@ -107,14 +109,24 @@ class EtcdKV:
             raise
         return self
 
+    async def __aenter__(self) -> Self:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     @property
     def _client(self) -> AsyncEtcd:
+        """The cluster's client, made on first use (as ``Store`` connects on its first call)."""
         if self._etcd is None:
-            raise StoreError("the etcd store is not connected (call connect() first) or was closed")
+            if self._closed:
+                raise StoreError(f"the etcd store of job {self.job!r} was closed")
+            self._etcd = AsyncEtcd(self.ends)
         return self._etcd
 
     async def close(self) -> None:
-        """Close the HTTP connections."""
+        """Close the HTTP connections (a later call raises ``StoreError``; ``connect`` reopens)."""
+        self._closed = True
         if self._etcd is not None:
             etcd, self._etcd = self._etcd, None
             with contextlib.suppress(Exception):

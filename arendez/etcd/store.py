@@ -232,10 +232,13 @@ class EtcdStore(EtcdKV):
             joined = await self._who_joined(n) if isinstance(exc, TimeoutError) and n >= 0 else None
             await self._withdraw(n, r)
             if isinstance(exc, TimeoutError) and not isinstance(exc, StoreError):
-                counted = f": {incomplete(world_size, joined)}" if joined is not None else ""
+                # (no duration: init passes what is left of its own timeout, which is the one
+                # the user knows)
+                counted = (
+                    incomplete(world_size, joined) if joined is not None else "not all ranks joined in time"
+                )
                 raise RendezvousTimeoutError(
-                    f"rendezvous of job {self.job!r} on etcd {self.ends} incomplete within "
-                    f"{self._budget(timeout):g}s{counted}"
+                    f"rendezvous of job {self.job!r} on etcd {self.ends} incomplete: {counted}"
                 ) from None
             raise
         self._round = n
