@@ -9,6 +9,7 @@ point-to-point messages among its members (``arendez.torchsub``).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -368,10 +369,14 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         """torch's ``pg.monitored_barrier``: a barrier whose timeout (the group's if None) is a
         ``CollectiveTimeoutError`` naming the ranks that did not arrive (all of them, always).
         (``dist.monitored_barrier`` itself refuses every backend but gloo by name.)"""
-        if self._engine:  # (a subgroup's own timeout bounds it)
-            self._run([], Stage(), self._engine.barrier).wait()
+        limit = None
+        if timeout is not None:  # (0 is "at once", as gloo's: not torch's "no limit" of a store)
+            value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+            limit = max(value, 0.001)
+        if self._engine:
+            self._run([], Stage(), self._engine.barrier, limit).wait()
             return
-        self._run([], Stage(), arendez.barrier, None, seconds(timeout)).wait()
+        self._run([], Stage(), arendez.barrier, None, limit).wait()
 
     # -- point to point (ranks are group ranks) ----------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:

@@ -74,8 +74,10 @@ class Direct:
         sends: dict[int, torch.Tensor],
         recvs: dict[int, torch.Tensor],
         op: arendez.ReduceOp | None = None,
+        timeout: float | None = None,
     ) -> None:
-        """Send and receive one collective's messages within the subgroup's timeout. Each says
+        """Send and receive one collective's messages within ``timeout`` (the subgroup's if
+        None). Each says
         which collective, dtype and op it belongs to: a member that runs another one gets
         ``CollectiveMismatchError`` (as gloo's under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) rather
         than another call's bytes. After a timeout or a mismatch the subgroup is unusable
@@ -97,9 +99,8 @@ class Direct:
                 got = recv_as(t, self.ranks[p], None, self.tag, _fingerprint(collective, t, tail))
                 peers[asyncio.ensure_future(got)] = p
             try:
-                done, pending = await asyncio.wait(
-                    peers, timeout=self.timeout, return_when=asyncio.FIRST_EXCEPTION
-                )
+                limit = self.timeout if timeout is None else timeout
+                done, pending = await asyncio.wait(peers, timeout=limit, return_when=asyncio.FIRST_EXCEPTION)
             except BaseException:  # (cancelled: withdraw every message of this call)
                 for task in peers:
                     task.cancel()
@@ -121,7 +122,7 @@ class Direct:
             if pending:
                 late = sorted({self.ranks[peers[task]] for task in pending})
                 what = f"{collective} on subgroup {self.ranks}"
-                self._broken = CollectiveTimeoutError(what, self.timeout, late)
+                self._broken = CollectiveTimeoutError(what, limit, late)
                 self._tell_timed_out(collective)
                 raise self._broken
 
@@ -157,11 +158,13 @@ class Direct:
                     f"{collective}: {what}[{i}] has {t.numel()} elements, expected {each}"
                 )
 
-    async def all_reduce(self, t: torch.Tensor, op: arendez.ReduceOp, name: str = "all_reduce") -> None:
+    async def all_reduce(
+        self, t: torch.Tensor, op: arendez.ReduceOp, name: str = "all_reduce", timeout: float | None = None
+    ) -> None:
         flat = t.reshape(-1)
         parts = [flat if p == self.me else torch.empty_like(flat) for p in range(len(self.ranks))]
         await self._exchange(
-            name, {p: flat for p in self._others()}, {p: parts[p] for p in self._others()}, op
+            name, {p: flat for p in self._others()}, {p: parts[p] for p in self._others()}, op, timeout
         )
         self._combine(parts, t, op)
 
@@ -240,6 +243,7 @@ class Direct:
             "all_to_all", {p: ins[p] for p in self._others()}, {p: outs[p] for p in self._others()}
         )
 
-    async def barrier(self) -> None:
+    async def barrier(self, timeout: float | None = None) -> None:
+        """Every member arrives, within ``timeout`` (the subgroup's if None)."""
         flag = torch.zeros(1, dtype=torch.uint8)
-        await self.all_reduce(flag, arendez.ReduceOp.MAX, "barrier")
+        await self.all_reduce(flag, arendez.ReduceOp.MAX, "barrier", timeout)

@@ -319,6 +319,15 @@ def test_the_group_objects_short_overloads_give_gloos_results() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_monitored_barrier_keeps_its_own_timeout_on_a_subgroup_and_zero_is_at_once() -> None:
+    """(QA26, torch's own distributed suite: on a subgroup the call waited for the subgroup's
+    timeout, and ``timedelta(0)`` meant no limit; gloo's raise at the call's timeout, 0 at once.)"""
+    zero, _ = _run("monitored_barrier_limits", 2, _tcp())
+    assert zero["sub"] == zero["zero"] == "CollectiveTimeoutError", zero
+    assert zero["sub_took"] < 3.5 and zero["zero_took"] < 3.5, zero  # (before rank 1 came, 4 s late)
+
+
+@pytest.mark.timeout(60)
 def test_a_reduction_undefined_for_the_dtype_is_refused_on_every_rank_of_any_group() -> None:
     """(QA21: on a subgroup bfloat16 BAND named float32, and int64 AVG raised on the root only.)"""
     band = "InvalidArgumentError: ReduceOp.BAND needs an integer or bool array, got bfloat16"

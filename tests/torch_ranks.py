@@ -206,6 +206,30 @@ def group_method_short_forms(rank: int, ws: int, init: str) -> dict[str, Any]:
 
 
 @scenario
+def monitored_barrier_limits(rank: int, ws: int, init: str) -> dict[str, Any]:
+    """``pg.monitored_barrier(timeout)`` that rank 1 reaches late: on a subgroup of a long timeout
+    it is the call's own limit, and on the world 0 is "at once", as gloo's."""
+    _init(rank, ws, init)
+    sub = dist.new_group(list(range(ws)), timeout=datetime.timedelta(seconds=60))
+    world = dist.group.WORLD
+    assert world is not None
+    got: dict[str, Any] = {}
+    for name, pg, limit in (("sub", sub, 0.5), ("zero", world, 0.0)):
+        world.monitored_barrier(datetime.timedelta(seconds=30))  # (together: then rank 1 is late)
+        if rank == 1:
+            time.sleep(4.0)
+        started = time.monotonic()
+        try:
+            pg.monitored_barrier(datetime.timedelta(seconds=limit))
+            got[name] = "passed"
+        except RuntimeError as exc:
+            got[name] = type(exc).__name__
+        got[f"{name}_took"] = time.monotonic() - started
+    dist.destroy_process_group()
+    return got
+
+
+@scenario
 def refused_reductions(rank: int, ws: int, init: str) -> list[str]:
     """Reductions undefined for the dtype, on the default group and on a subgroup: every rank
     raises before any message goes, naming the op and the dtype it was given."""
