@@ -95,6 +95,10 @@ class ServerConfig:
     #: Seconds the keys of ``tcpstore_job`` outlive its last client once torch clients used it
     #: (0: they go with it, as a torch store goes with the run that hosts it).
     tcpstore_grace: float = 0.0
+    #: The keys of ``tcpstore_job`` go with its last client (after ``tcpstore_grace``) whichever
+    #: kind of client used it, ``arendez.sync.TCPStore``'s too: a standalone server's TCPStore
+    #: job lasts one run. (A server a master ``TCPStore`` hosts keeps them while it runs.)
+    tcpstore_runs: bool = False
     handshake_timeout: float = 20.0
     #: Listen queue for connection storms (the kernel caps it at net.core.somaxconn).
     backlog: int = 4096
@@ -132,7 +136,9 @@ class Server:
         self._local: asyncio.Server | None = None  # the same-host listener (``transports.local``)
         self._torch: asyncio.Server | None = None  # torch's TCPStore clients (``tcpstore_front``)
         self.tcpstore_job = cfg.tcpstore_job
-        self.lifetimes = JobLifetimes(self.state, cfg.tcpstore_job, cfg.scoped_grace, cfg.tcpstore_grace)
+        self.lifetimes = JobLifetimes(
+            self.state, cfg.tcpstore_job, cfg.scoped_grace, cfg.tcpstore_grace, cfg.tcpstore_runs
+        )
         self._lease_task: asyncio.Task[None] | None = None
         self.closing = False
         self.packer = wire.ReleasingPacker()

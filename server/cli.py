@@ -66,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
         "--tcpstore-grace",
         type=arg(validate.seconds, "--tcpstore-grace", allow_zero=True),
         default=0.0,
-        help="seconds the TCPStore port's keys outlive its last client (default 0: they go with it, "
-        "as a torch store with its run)",
+        help="seconds the TCPStore job's keys (torch's clients on --tcpstore-port, arendez.sync.TCPStore's "
+        "on --port) outlive its last client (default 0: they go with it, as a torch store with its run)",
     )
     p.add_argument(
         "--log-level", type=arg(validate.log_level), default="INFO", help="DEBUG, INFO, WARNING, ERROR"
@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         scoped_grace=args.scoped_grace,
         tcpstore_port=args.tcpstore_port,
         tcpstore_grace=args.tcpstore_grace,
+        tcpstore_runs=True,
         backlog=args.backlog,
         max_connections=args.max_connections,
         max_connections_per_host=args.max_connections_per_host,

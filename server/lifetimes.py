@@ -6,9 +6,10 @@ A job's rounds and keys stay while any client of it is connected. Once the last 
   lease may still run after its connection went), its store kept as the standalone server's
   store always was;
 - a scoped job (its clients said ``scoped`` in their hello: a rank-hosted store, a TCPStore
-  master) and the TCPStore port's job once torch clients used it lose their keys too, after a
-  grace (``scoped_grace``, ``tcpstore_grace``), unless a client came back meanwhile: a store
-  goes with the run that used it, as torch's goes with its host.
+  master) and the TCPStore port's job once torch clients used it (on a standalone server, once
+  any client used it: ``arendez.sync.TCPStore``'s too) lose their keys too, after a grace
+  (``scoped_grace``, ``tcpstore_grace``), unless a client came back meanwhile: a store goes with
+  the run that used it, as torch's goes with its host.
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ class JobLifetimes:
     """The sessions of each job, and the scoped jobs whose keys go with their clients."""
 
     def __init__(
-        self, state: ServerState, tcpstore_job: str, scoped_grace: float, tcpstore_grace: float
+        self,
+        state: ServerState,
+        tcpstore_job: str,
+        scoped_grace: float,
+        tcpstore_grace: float,
+        tcpstore_runs: bool = False,
     ) -> None:
         self.state = state
         self.tcpstore_job = tcpstore_job
+        self.tcpstore_runs = tcpstore_runs
         self.scoped_grace = scoped_grace
         self.tcpstore_grace = tcpstore_grace
         self.sessions: dict[str, set[Client]] = collections.defaultdict(set)
@@ -46,7 +53,7 @@ class JobLifetimes:
 
     def came(self, session: Client, scoped: bool) -> None:
         """A session of ``session.job`` began (``scoped``: its keys go with the job's clients)."""
-        if scoped:
+        if scoped or (self.tcpstore_runs and session.job == self.tcpstore_job):
             self.scoped.add(session.job)
         self.sessions[session.job].add(session)
 

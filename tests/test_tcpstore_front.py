@@ -513,6 +513,35 @@ def test_a_request_that_arrives_in_pieces_is_parsed_once() -> None:
     assert calls < 3 * len(keys), calls
 
 
+_PORTED_RUN = """
+import sys
+from datetime import timedelta
+from arendez.sync import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timedelta(seconds=10))
+print(store.add("arrived", 1), store.check(["done"]), flush=True)
+store.set("done", "1")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_ported_scripts_next_run_meets_a_fresh_store_on_a_standalone_server(
+    tcpstore_server: tuple[ServerProcess, int],
+) -> None:
+    """``arendez.sync.TCPStore`` on the server's own port shares the TCPStore job with torch's
+    clients, and its keys go with the run's last client as theirs do (QA26: the second run of a
+    ported script read the first run's counter and keys, and its ranks never waited)."""
+    srv, _ = tcpstore_server
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [PY, "-c", _PORTED_RUN, str(srv.port)], capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        runs.append(done.stdout.split())
+        time.sleep(0.5)  # (the server hears the run's connection close)
+    assert runs == [["1", "False"], ["1", "False"]]
+
+
 @pytest.mark.timeout(30)
 def test_the_keys_go_with_their_last_client_unless_a_grace_keeps_them() -> None:
     """A torch store goes with the run that hosts it: the TCPStore port's keys go once its last
