@@ -48,7 +48,16 @@ from .queries import (
     is_xccl_available,
     reduce_op,
 )
-from .registry import DEFAULT_TIMEOUT, default_group, named_rank, on_group, resolve, root_rank, seconds
+from .registry import (
+    DEFAULT_TIMEOUT,
+    default_group,
+    named_rank,
+    on_group,
+    resolve,
+    resolve_to_run,
+    root_rank,
+    seconds,
+)
 
 __all__ = [
     "Backend",
@@ -159,7 +168,7 @@ def isend(
     tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None
 ) -> Work | None:
     """Start sending ``tensor`` to ``dst``; None on a rank outside ``group`` (as torch)."""
-    g = resolve(group)
+    g = resolve_to_run(group)
     if g is None:
         return None
     target = root_rank(g, dst, group_dst, "dst", "isend")
@@ -196,7 +205,7 @@ def irecv(
     tensor: Any, src: int | None = None, group: Any = None, tag: int = 0, group_src: int | None = None
 ) -> Work | None:
     """Post a receive into ``tensor`` from ``src`` (any rank if None); None outside ``group``."""
-    g = resolve(group)
+    g = resolve_to_run(group)
     if g is None:
         return None
     source = named_rank(g, src, group_src, "src")

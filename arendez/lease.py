@@ -157,6 +157,9 @@ class LeaseKeeper:
             stdin=subprocess.PIPE,
             pass_fds=(fd,),
             stdout=subprocess.DEVNULL,
+            # a group of its own: a Ctrl-C at the terminal is the parent's (it reached the sidecar
+            # before its SIGINT handler was set, as a traceback; QA26); it ends with its parent
+            process_group=0,
         )
         conn.sock.close()  # the sidecar's now (children forked later must not hold it)
         try:

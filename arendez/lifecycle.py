@@ -27,7 +27,7 @@ from .registry import (
     DEFAULT_TIMEOUT,
     forming,
     install,
-    resolve,
+    resolve_to_run,
     seconds,
 )
 from .rendezvous import Plan, is_loopback, plan
@@ -437,7 +437,7 @@ async def new_group(
 
     Members get the new ``ProcessGroup``; the others ``GroupMember.NON_GROUP_MEMBER``.
     """
-    default = resolve(None)
+    default = resolve_to_run(None)
     assert default is not None
     world = default.world
     members = list(range(world.world_size)) if ranks is None else validate.rank_list(ranks, world.world_size)

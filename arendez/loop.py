@@ -194,6 +194,10 @@ class LoopThread:
                 atexit.register(self.stop)
             return self._loop
 
+    def runs(self, loop: asyncio.AbstractEventLoop | None) -> bool:
+        """Whether ``loop`` is this thread's (without starting it)."""
+        return loop is not None and loop is self._loop
+
     def forget(self) -> None:
         """Drop the loop and its thread without stopping them (a forked child's copy of them)."""
         if self._loop is not None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 from . import validate
-from .errors import AlreadyInitializedError, InvalidArgumentError, NotInitializedError
+from .errors import AlreadyInitializedError, ArendezError, InvalidArgumentError, NotInitializedError
 from .group import GroupMember, ProcessGroup, Stats, not_member
 from .world import World
 
@@ -42,14 +42,28 @@ class Registry:
         self.world: World | None = None
         self.default: ProcessGroup | None = None
         self.forming = False  # an init_process_group of this registry is forming its world
+        self.ended: str | None = None  # why the last world went without destroy, if it did
 
 
 _process = Registry()  # the registry of code not run through ``fresh_context``
 _current: contextvars.ContextVar[Registry | None] = contextvars.ContextVar("arendez_registry", default=None)
 
 
+#: why a world is gone that its registry still held (its event loop ended under it)
+_ENDED = (
+    "the process group closed when the event loop that created it ended (asyncio.run returned "
+    "without destroy_process_group()); call init_process_group() again"
+)
+
+
 def _get() -> Registry:
-    return _current.get() or _process
+    registry = _current.get() or _process
+    world = registry.world
+    if world is not None and world.loop is not None and world.loop.is_closed():
+        # (its event loop ended under it: ``farewell`` said its goodbye)
+        registry.forget()
+        registry.ended = _ENDED
+    return registry
 
 
 def _forget_after_fork() -> None:
@@ -96,7 +110,7 @@ def forming() -> Iterator[None]:
 def install(world: World) -> None:
     """Make ``world`` (and its group 0) the current world and default group."""
     registry = _get()
-    registry.world, registry.default = world, world.groups[0]
+    registry.world, registry.default, registry.ended = world, world.groups[0], None
     GroupMember.WORLD = world.groups[0]
 
 
@@ -137,15 +151,48 @@ def resolve(group: Any) -> ProcessGroup | None:
     registry = _get()
     if group is None or group is GroupMember.WORLD:
         if registry.default is None:
-            raise NotInitializedError("no default process group: call init_process_group() first")
+            raise NotInitializedError(
+                registry.ended or "no default process group: call init_process_group() first"
+            )
         return registry.default
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup, got {type(group).__name__}")
     if group.destroyed or group.world is not registry.world:
         raise NotInitializedError(
-            "this process group was destroyed; call init_process_group() / new_group() again"
+            registry.ended
+            or "this process group was destroyed; call init_process_group() / new_group() again"
         )
     return group
+
+
+def resolve_to_run(group: Any) -> ProcessGroup | None:
+    """``resolve`` for a call that runs on the group (a collective, a message, a new group): it
+    must run on its world's event loop, where nothing else would ever serve it (the owner may be
+    blocked in this very call) or wake it. Queries (``get_rank``) answer from anywhere."""
+    g = resolve(group)
+    if g is not None:
+        owner = g.world.loop
+        if owner is not None and owner is not asyncio.get_running_loop():
+            _wrong_loop(owner)
+    return g
+
+
+def _wrong_loop(owner: asyncio.AbstractEventLoop) -> None:
+    """Raise the error that says which loop ``owner`` is and what to call instead."""
+    from .loop import shared  # (the loop thread's module, imported late: it is the sync side's)
+
+    if shared.runs(owner):
+        raise ArendezError(
+            "this process group was initialised through arendez.sync (or the torch backend): its "
+            "calls run on arendez's loop thread, so call them through arendez.sync, not awaited "
+            "from this event loop"
+        )
+    raise ArendezError(
+        "this process group was initialised on another event loop (the async API's groups live on "
+        "the loop that called init_process_group): in a notebook or other async code await the "
+        "async API there (await dist.all_reduce(x)); arendez.sync needs a group of its own "
+        "(arendez.sync.init_process_group)"
+    )
 
 
 class Call(Coroutine[Any, Any, R]):
@@ -214,7 +261,7 @@ def on_group(
 
         @functools.wraps(fn)  # (a call never awaited is then warned of by its own name)
         async def run(*args: P.args, **kwargs: P.kwargs) -> R:
-            g = resolve(given(args, kwargs))
+            g = resolve_to_run(given(args, kwargs))
             if g is None:
                 return missing  # type: ignore[no-any-return]
             if len(args) > at:

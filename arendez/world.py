@@ -38,6 +38,14 @@ from .transports import Links
 
 log = logging.getLogger("arendez.world")
 
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # (unit tests build worlds outside any loop)
+        return None
+
+
 Array = Any
 
 #: Payloads at least this large that arrive before their receive land in pooled buffers.
@@ -51,6 +59,9 @@ class World(PeerLosses):
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        #: the event loop the world runs on (its links, timers and collectives): the caller's for
+        #: the async API, the loop thread for ``arendez.sync`` and the torch backend
+        self.loop = _running_loop()
         self.mesh: Links | None = None  # the peer links (tcp mesh or in-process)
         self.store: Any = None
         self.server: Any = None  # the embedded server this rank hosts, if any

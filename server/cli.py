@@ -252,7 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         limits=limits,
         hooks=metrics_hooks() if args.http_port is not None else ServerHooks(),
     )
-    _loop.run(_run(config, args.http_host, args.http_port))
+    try:
+        _loop.run(_run(config, args.http_host, args.http_port))
+    except OSError as exc:  # (binding one of its ports: in use, or not an address of this host)
+        print(f"arendez-server: cannot listen: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

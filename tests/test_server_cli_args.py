@@ -129,3 +129,26 @@ def test_the_default_connection_limit_fits_the_open_file_limit_quietly() -> None
     too_many = str((hard if hard != resource.RLIM_INFINITY else 1 << 20) + 1000)
     log = _start_and_stop("--max-connections", too_many)
     assert "WARNING" in log and f"not --max-connections {too_many}" in log, log
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("option", ["--port", "--tcpstore-port", "--http-port"])
+def test_a_port_in_use_is_one_line_naming_the_address(option: str) -> None:
+    """(QA26: a full uvloop traceback.)"""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = ["--port", "0", option, str(port)] if option != "--port" else ["--port", str(port)]
+        done = subprocess.run(
+            [sys.executable, "-m", "arendez_server", *argv],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=_env(),
+        )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"arendez-server: cannot listen: [Errno 98] error while attempting to bind on address "
+        f"('127.0.0.1', {port}): address already in use"
+    ]
