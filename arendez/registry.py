@@ -43,6 +43,8 @@ class Registry:
         self.default: ProcessGroup | None = None
         self.forming = False  # an init_process_group of this registry is forming its world
         self.ended: str | None = None  # why the last world went without destroy, if it did
+        #: a forked child's copy of its parent's world: why no call may run on it (None: not one)
+        self.forked: str | None = None
 
 
 _process = Registry()  # the registry of code not run through ``fresh_context``
@@ -67,13 +69,22 @@ def _get() -> Registry:
 
 
 def _forget_after_fork() -> None:
-    """In a forked child: it is not a rank of the parent's world (its sockets are the parent's),
-    so it starts with none, like a new process; ``init_process_group`` gives it its own."""
-    _process.forget()
-    registry = _current.get()
-    if registry is not None:
+    """In a forked child: it is not a rank of the parent's world (its sockets are the parent's).
+    As torch's, it still answers the queries (``get_rank`` in a DataLoader's ``worker_init_fn``);
+    a call on the group is refused naming the fork, destroy only lets go of it, and
+    ``init_process_group`` gives the child a world of its own."""
+    for registry in (_process, _current.get()):
+        if registry is None or registry.forked:
+            continue
+        world, default = registry.world, registry.default
         registry.forget()
-    GroupMember.WORLD = None
+        if world is not None and default is not None:
+            registry.world, registry.default = world, default
+            registry.forked = (
+                f"this process was forked (pid {os.getpid()}) from rank {world.rank} (pid "
+                f"{os.getppid()}) after init_process_group: the process group stays with the parent; "
+                "call init_process_group() here for a world of its own"
+            )
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -92,6 +103,8 @@ def forming() -> Iterator[None]:
     """Hold the default group's place while a world forms: a second ``init_process_group`` of
     the same context (a concurrent task, say) fails at once instead of replacing the first."""
     registry = _get()
+    if registry.forked:  # (the parent's world: the child forms its own)
+        forget_forked()
     if registry.default is not None:
         raise AlreadyInitializedError("the default process group is already initialized")
     if registry.forming:
@@ -112,6 +125,18 @@ def install(world: World) -> None:
     registry = _get()
     registry.world, registry.default, registry.ended = world, world.groups[0], None
     GroupMember.WORLD = world.groups[0]
+
+
+def forget_forked() -> bool:
+    """In a forked child, let go of the parent's world (no goodbye, nothing closed: it is the
+    parent's); True if there was one."""
+    registry = _get()
+    if registry.forked is None:
+        return False
+    if GroupMember.WORLD is registry.default:
+        GroupMember.WORLD = None
+    registry.forget()
+    return True
 
 
 def uninstall() -> None:
@@ -170,6 +195,9 @@ def resolve_to_run(group: Any) -> ProcessGroup | None:
     must run on its world's event loop, where nothing else would ever serve it (the owner may be
     blocked in this very call) or wake it. Queries (``get_rank``) answer from anywhere."""
     g = resolve(group)
+    forked = _get().forked
+    if forked is not None:
+        raise NotInitializedError(forked)
     if g is not None:
         owner = g.world.loop
         if owner is not None and owner is not asyncio.get_running_loop():

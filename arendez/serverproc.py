@@ -10,7 +10,6 @@ this process alone leaves it serving, and its lease check declares us failed.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ import time
 from typing import Any
 
 from . import loopcpu
+from .transports import listen
 
 #: The child's start-up (an interpreter, the server's imports) takes about 0.15 s; this bounds it.
 START_TIMEOUT = 60.0
@@ -126,22 +126,9 @@ def listening_socket(host: str, port: int, backlog: int = 4096) -> socket.socket
     than being refused and retrying (a retry storm that, on a busy machine, starved the very
     start of the server: 6-10 s with 2,000 thread-ranks over 100 processes on 2 cores)."""
     try:
-        address = ipaddress.ip_address(host or "0.0.0.0")
-    except ValueError:
-        return None
-    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
-    try:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError:
-        return None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((str(address), port))
-        sock.listen(backlog)
+        return listen.listening_socket(host, port, backlog)
     except OSError:  # (in use, not an address of this host, ...: the server names it)
-        sock.close()
         return None
-    return sock
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from . import farewell
 from .group import GroupMember, ProcessGroup, not_member
-from .registry import default_group, seconds, uninstall, world_or_none
+from .registry import default_group, forget_forked, seconds, uninstall, world_or_none
 from .world import World
 
 #: The longest the rank hosting the embedded server waits for the others to leave.
@@ -24,6 +24,8 @@ async def destroy_process_group(group: Any = None, timeout: float | datetime.tim
     the other ranks have said goodbye (or failed); the server itself stays up for the next
     ``init_process_group`` while the process lives (``arendez.embedded``).
     """
+    if forget_forked():  # (a forked child: the parent's world is not its to close)
+        return
     world, default = world_or_none(), default_group()
     if world is None or default is None or not_member(group):
         return

@@ -39,6 +39,7 @@ from .admission import _HELLO_LIMITS, HELLO_FRAMES
 from .admission import ListenerLimits as ListenerLimits  # (re-exported: callers name it here)
 from .dialer import Dialer
 from .dialer import split_address as split_address  # (re-exported: callers name it here)
+from .listen import listening_socket
 from .pending import PendingLink
 
 log = logging.getLogger("arendez.tcp")
@@ -118,7 +119,9 @@ class Mesh:
     async def listen(self, host: str, port: int = 0) -> int:
         """Open the listener (and, same-host peers, a local socket: ``local``); return its port."""
         loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(self._new_connection, host, port, ssl=self._server_ssl)
+        sock = listening_socket(host, port, 100)  # (None for a host name: the loop resolves it)
+        where: dict[str, Any] = {"sock": sock} if sock is not None else {"host": host, "port": port}
+        self._listener = await loop.create_server(self._new_connection, ssl=self._server_ssl, **where)
         port_: int = self._listener.sockets[0].getsockname()[1]
         if self._uses_local_sockets():
             name = local.new_name()
