@@ -176,7 +176,14 @@ def _numpy_typestr(torch_dtype: Any) -> str:
     if found is None:
         import torch
 
-        found = torch.empty(0, dtype=torch_dtype).numpy().dtype.str  # (a throwaway tensor)
+        try:
+            found = torch.empty(0, dtype=torch_dtype).numpy().dtype.str  # (a throwaway tensor)
+        except TypeError as exc:  # (bfloat16, float8 ...: no numpy dtype to reduce them as)
+            carried = torch_dtype == torch.bfloat16  # (through float32 stand-ins)
+            raise TypeError(
+                f"{exc}: the async API takes tensors of the dtypes numpy has"
+                + ("; arendez.sync and the torch backend carry bfloat16" if carried else "")
+            ) from None
         _NUMPY_TYPESTRS[torch_dtype] = found
     return found
 

@@ -50,6 +50,18 @@ _LOSSES = burstlog.BurstLog(log, _summariser("lost"))
 _DEPARTURES = burstlog.BurstLog(log, _summariser("left"))
 
 
+def _expulsions(items: Sequence[tuple[int, str]]) -> str:
+    return (
+        f"{len(items)} more rank(s) of this process declared failed: ranks "
+        f"{burstlog.listing([rank for rank, _ in items])}; the first: {items[0][1]}"
+    )
+
+
+#: a process hosting many ranks (simulated ones) logs their expulsions as one burst (QA26: one
+#: line per rank, 598 lines when the server declared 500 ranks of a stopped process failed)
+_EXPULSIONS = burstlog.BurstLog(log, _expulsions)
+
+
 class PeerLosses:
     """What a world does when a peer is lost (``peer_lost``) or a link to it closes
     (``link_lost``), and how it names the rank to blame."""
@@ -88,7 +100,7 @@ class PeerLosses:
         if self.closed or self.expulsion is not None:
             return
         self.expulsion = why  # (collectives started from now on are refused naming it)
-        log.warning("rank %d: %s", self.rank, why)
+        _EXPULSIONS.note(None, logging.WARNING, (self.rank, why), "rank %d: %s", self.rank, why)
         for group in list(self.groups.values()):
             for op in list(group.active.values()):
                 if not isinstance(op.error, RankFailedError):

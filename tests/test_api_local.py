@@ -159,3 +159,16 @@ async def test_a_receive_from_this_rank_itself_is_refused_at_once() -> None:
 
     got = await run_ranks(2, rank, timeout=5)
     assert all("cannot receive from itself" in g for g in got), got
+
+
+async def test_a_tensor_numpy_cannot_hold_names_the_dtype_and_where_it_goes() -> None:
+    """(QA26: torch's bare "Got unsupported ScalarType BFloat16".)"""
+    torch = pytest.importorskip("torch")
+    await dist.init_process_group(world_size=1)
+    try:
+        with pytest.raises(
+            TypeError, match=r"dtypes numpy has; arendez\.sync and the torch backend carry bfloat16"
+        ):
+            await dist.all_reduce(torch.ones(2, dtype=torch.bfloat16))
+    finally:
+        await dist.destroy_process_group()

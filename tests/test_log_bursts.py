@@ -105,3 +105,22 @@ async def test_a_failure_at_scale_is_a_few_lines_per_process(arendez_server, tmp
     expected = {f"arendez-flightrec-burst-{tmp_path.name}-rank{r}.json" for r in range(world_size)}
     assert written <= expected, written - expected
     assert {f"arendez-flightrec-burst-{tmp_path.name}-rank{r}.json" for r in range(LOCAL)} <= written
+
+
+async def test_ranks_of_one_process_declared_failed_are_one_burst(caplog: pytest.LogCaptureFixture) -> None:
+    """(QA26: a process of 500 simulated ranks that the server declared failed printed a line per
+    rank.) The first expulsion is a line at once, the rest of its burst one summary."""
+    from arendez import burstlog
+    from arendez.world import World
+
+    why = "this rank was declared failed by the server (no heartbeat for 2.5s)"
+    with caplog.at_level(logging.WARNING, logger="arendez.world"):
+        for rank in range(40):
+            World(rank, 40, 5.0).expelled(why)
+        await asyncio.sleep(burstlog.WINDOW + 0.3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "arendez.world"]
+    assert lines == [
+        f"rank 0: {why}",
+        f"39 more rank(s) of this process declared failed: ranks 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, "
+        f"13, 14, 15, 16, ... and 23 more; the first: {why}",
+    ]
