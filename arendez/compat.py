@@ -27,6 +27,7 @@ from .errors import (
     RankFailedError,
     StoreError,
     WaitTimeoutError,
+    received_from,
 )
 from .group import ProcessGroup
 from .p2p import check_receivable, recv, send
@@ -142,15 +143,7 @@ class Work:
 
     def source_rank(self) -> int:
         """The rank a finished ``irecv`` received from."""
-        if not self._task.done():
-            raise ArendezError("source_rank() of an irecv that has not finished")
-        source = self._task.result()
-        if type(source) is not int:  # (torch's words)
-            raise ArendezError(
-                "source_rank() may only be called on work objects that correspond to a recv or "
-                "recv-from-any call"
-            )
-        return source
+        return received_from(self._task)
 
 
 def _task(coro: Any) -> asyncio.Future[Any]:

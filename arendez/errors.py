@@ -220,6 +220,19 @@ class CollectiveTimeoutError(ArendezError, TimeoutError):
         super().__init__("; ".join(parts))
 
 
+def received_from(call: Any) -> int:
+    """``Work.source_rank()`` of either API's work (``call``: a finished receive's future, whose
+    result is the sender's rank); torch's ``RuntimeError`` words otherwise."""
+    if not call.done():
+        raise ArendezError("source_rank() of an irecv that has not finished")
+    source = call.result()
+    if type(source) is not int:
+        raise ArendezError(
+            "source_rank() may only be called on work objects that correspond to a recv or recv-from-any call"
+        )
+    return source
+
+
 __all__ = [
     "AlreadyInitializedError",
     "ArendezError",

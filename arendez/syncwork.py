@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import callbacks
-from .errors import ArendezError, CallCancelledError, WaitTimeoutError
+from .errors import CallCancelledError, WaitTimeoutError, received_from
 from .loop import CANCEL_GRACE_SECONDS, Completion, shared
 from .registry import seconds
 
@@ -106,15 +106,7 @@ class Work:
 
     def source_rank(self) -> int:
         """The rank a finished ``irecv`` received from."""
-        if not self._done.done():
-            raise ArendezError("source_rank() of an irecv that has not finished")
-        source = self._done.result()
-        if type(source) is not int:  # (torch's words)
-            raise ArendezError(
-                "source_rank() may only be called on work objects that correspond to a recv or "
-                "recv-from-any call"
-            )
-        return source
+        return received_from(self._done)
 
     def result(self) -> Any:
         """Wait, then the call's output tensors, as ``get_future().wait()`` (gloo's)."""
