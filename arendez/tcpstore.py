@@ -160,10 +160,7 @@ class TCPStore(Store):
         """``op`` on each batch of ``keys`` that fits one request, within one deadline."""
         deadline = time.monotonic() + limit
         call = getattr(self._store, op)
-        return [  # (the first batch gets the timeout as given: a timeout's message names it)
-            call(keys[part], limit if i == 0 else max(0.0, deadline - time.monotonic()))
-            for i, part in enumerate(key_batches(keys))
-        ]
+        return [call(keys[part], max(0.0, deadline - time.monotonic())) for part in key_batches(keys)]
 
     def set(self, key: str, value: str | bytes) -> None:
         with self._lock:
