@@ -103,8 +103,7 @@ def forming() -> Iterator[None]:
     """Hold the default group's place while a world forms: a second ``init_process_group`` of
     the same context (a concurrent task, say) fails at once instead of replacing the first."""
     registry = _get()
-    if registry.forked:  # (the parent's world: the child forms its own)
-        forget_forked()
+    forget_forked()  # (a forked child's copy of its parent's world: the child forms its own)
     if registry.default is not None:
         raise AlreadyInitializedError("the default process group is already initialized")
     if registry.forming:
@@ -133,9 +132,8 @@ def forget_forked() -> bool:
     registry = _get()
     if registry.forked is None:
         return False
-    if GroupMember.WORLD is registry.default:
-        GroupMember.WORLD = None
-    registry.forget()
+    uninstall()
+    registry.forked = None
     return True
 
 
@@ -171,9 +169,12 @@ def seconds(timeout: float | datetime.timedelta | None, default: float) -> float
 
 def resolve(group: Any) -> ProcessGroup | None:
     """The group a call acts on; None for a rank outside ``group``."""
+    return _resolve(_get(), group)
+
+
+def _resolve(registry: Registry, group: Any) -> ProcessGroup | None:
     if not_member(group):
         return None
-    registry = _get()
     if group is None or group is GroupMember.WORLD:
         if registry.default is None:
             raise NotInitializedError(
@@ -194,10 +195,10 @@ def resolve_to_run(group: Any) -> ProcessGroup | None:
     """``resolve`` for a call that runs on the group (a collective, a message, a new group): it
     must run on its world's event loop, where nothing else would ever serve it (the owner may be
     blocked in this very call) or wake it. Queries (``get_rank``) answer from anywhere."""
-    g = resolve(group)
-    forked = _get().forked
-    if forked is not None:
-        raise NotInitializedError(forked)
+    registry = _get()
+    if registry.forked is not None:
+        raise NotInitializedError(registry.forked)
+    g = _resolve(registry, group)
     if g is not None:
         owner = g.world.loop
         if owner is not None and owner is not asyncio.get_running_loop():

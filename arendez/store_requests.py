@@ -152,9 +152,7 @@ class Requests:
             return False
         return True
 
-    def submit(
-        self, deadline: float, wait: bool, encode: Encoder, answer: Answer, budget: float | None = None
-    ) -> int:
+    def submit(self, deadline: float, wait: bool, encode: Encoder, answer: Answer, budget: float) -> int:
         """Send a request; its reply (or error) goes to ``answer``. Returns its id. A request that
         may wait tells the server what is left of its ``budget``: all of it if it goes out at once
         (within ``AT_ONCE`` s), so that the server's timeout names the caller's own (QA26: "not
@@ -165,7 +163,7 @@ class Requests:
         left = None
         if wait:
             left = max(0.0, deadline - loop.time())
-            if budget is not None and budget - left < AT_ONCE:
+            if budget - left < AT_ONCE:
                 left = budget
         expiry = self._expiry[rid] = deadline + (REPLY_SLACK if wait else 0.0)
         if self._sweep_at is None or expiry < self._sweep_at:

@@ -40,11 +40,13 @@ reduce_op = compat.reduce_op
 _init_process_group = _blocking(api.init_process_group)  # (a world left up is closed at exit: loop.py)
 
 
-#: torch's ``init_process_group`` parameters in order (torch 2.13): positional ones bind so.
-_INIT_PARAMS = (
-    "backend", "init_method", "timeout", "world_size", "rank", "store", "group_name", "pg_options",
-    "device_id",
-)  # fmt: skip
+#: torch's ``init_process_group`` parameters in order (torch 2.13), with its defaults: positional
+#: arguments bind so, and ``help()`` shows them
+_INIT_DEFAULTS: dict[str, Any] = {
+    "backend": None, "init_method": None, "timeout": None, "world_size": -1, "rank": -1, "store": None,
+    "group_name": "", "pg_options": None, "device_id": None,
+}  # fmt: skip
+_INIT_PARAMS = tuple(_INIT_DEFAULTS)
 #: torch's default for a CPU (gloo) group, which a ported script may rely on (a long checkpoint
 #: or evaluation on one rank before the next collective); the async API's stays 300 s.
 default_pg_timeout = datetime.timedelta(minutes=30)
@@ -102,7 +104,7 @@ def init_process_group(*args: Any, **kwargs: Any) -> Any:
 init_process_group.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     [
         inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-        for name, default in zip(_INIT_PARAMS, (None, None, None, -1, -1, None, "", None, None), strict=True)
+        for name, default in _INIT_DEFAULTS.items()
     ]
 )
 
