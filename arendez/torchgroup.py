@@ -9,7 +9,6 @@ point-to-point messages among its members (``arendez.torchsub``).
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ from .errors import InvalidArgumentError
 from .loop import shared
 from .teardown import abort_world
 from .torchstage import Stage, split_rows, writing
-from .torchstore import close_stores, seconds
+from .torchstore import close_stores, seconds, total_seconds
 from .torchsub import Direct
 from .torchwork import Work, start
 
@@ -369,10 +368,8 @@ class ProcessGroupArendez(_TorchProcessGroup):  # type: ignore[misc]
         """torch's ``pg.monitored_barrier``: a barrier whose timeout (the group's if None) is a
         ``CollectiveTimeoutError`` naming the ranks that did not arrive (all of them, always).
         (``dist.monitored_barrier`` itself refuses every backend but gloo by name.)"""
-        limit = None
-        if timeout is not None:  # (0 is "at once", as gloo's: not torch's "no limit" of a store)
-            value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-            limit = max(value, 0.001)
+        # (0 is "at once", as gloo's: not the "no limit" of a store's timeout, ``seconds``)
+        limit = None if timeout is None else max(total_seconds(timeout), 0.001)
         if self._engine:
             self._run([], Stage(), self._engine.barrier, limit).wait()
             return

@@ -25,11 +25,16 @@ _TorchStore: Any = torch._C._distributed_c10d.Store
 _ALIVE: list[Any] = []  # Python stores handed to torch (see arendez_rendezvous)
 
 
+def total_seconds(timeout: Any) -> float:
+    """torch's ``timedelta``, or a number of seconds, as a float."""
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+
+
 def seconds(timeout: Any) -> float | None:
     """torch's ``timedelta`` (0 = no timeout) or seconds as a float, None for no limit."""
     if timeout is None:
         return None
-    value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    value = total_seconds(timeout)
     return value if value > 0 else None
 
 

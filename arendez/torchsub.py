@@ -77,10 +77,9 @@ class Direct:
         timeout: float | None = None,
     ) -> None:
         """Send and receive one collective's messages within ``timeout`` (the subgroup's if
-        None). Each says
-        which collective, dtype and op it belongs to: a member that runs another one gets
-        ``CollectiveMismatchError`` (as gloo's under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) rather
-        than another call's bytes. After a timeout or a mismatch the subgroup is unusable
+        None). Each says which collective, dtype and op it belongs to: a member that runs another
+        one gets ``CollectiveMismatchError`` (as gloo's under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``)
+        rather than another call's bytes. After a timeout or a mismatch the subgroup is unusable
         (messages of that call may still arrive, and would be taken for the next one's): later
         calls raise the same error, as gloo's do."""
         if self._lock is None:

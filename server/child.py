@@ -34,7 +34,7 @@ from typing import Any
 from arendez import loop as _loop
 
 from .admission import raise_fd_limit
-from .app import start_server
+from .hosted import start_server
 
 #: How often the parent is looked for (besides the EOF of stdin, which is immediate).
 PARENT_CHECK = 1.0
