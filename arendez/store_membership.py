@@ -165,10 +165,11 @@ class MembershipOps:
         found: dict[int, str] = await self._call("addresses", timeout, ranks=list(ranks))
         return {int(r): str(a) for r, a in found.items()}
 
-    def _stop_lease(self) -> None:
-        """Release the process's lease keeper (never blocks: its thread ends on its own)."""
+    def _stop_lease(self, linger: bool = False) -> None:
+        """Release the process's lease keeper (never blocks: its thread ends on its own);
+        ``linger``: this rank left in good order, the keeper may wait for the process's next."""
         if self._lease is not None:
-            _lease.release(self._lease)
+            _lease.release(self._lease, linger=linger)
             self._lease = None
 
     async def leave(self, timeout: float = 2.0) -> None:
@@ -186,11 +187,13 @@ class MembershipOps:
         conn = self._conn  # (closed but not yet let go of: its loss is being handled, it is down)
         down = conn is None or not conn.is_open or self._server_leaving
         timeout = min(timeout, LEAVE_OFFLINE_SECONDS if down else LEAVE_SECONDS)
+        left = False
         try:
             with contextlib.suppress(StoreError):
                 await self._call("leave", timeout)
+                left = True
         finally:
-            self._stop_lease()
+            self._stop_lease(linger=left)
 
     async def status(self) -> dict[str, Any]:
         status: dict[str, Any] = await self._call("status")

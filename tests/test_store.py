@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import arendez as dist
-from arendez import testing
+from arendez import lease, testing
 from arendez.registry import fresh_context
 from arendez.store import Store
 from tests.harness import run_ranks, start_server
@@ -360,6 +360,41 @@ async def test_a_process_that_ends_its_lease_in_order_has_its_unleft_ranks_leave
         await asyncio.sleep(3.0)  # (a failure would have been declared by now)
         news = [(e["event"], e["rank"]) for e in events]
         assert news == [("rank_left", rank)], news
+
+
+@pytest.mark.timeout(30)
+async def test_a_process_that_joins_again_keeps_its_lease_keeper_until_it_lingers_out(
+    monkeypatch, arendez_server
+):
+    """Re-initialising (elastic recovery, init/destroy cycles) reuses the process's lease
+    connection and sidecar, whose start cost more than the rest of a cycle; a keeper whose
+    ranks all left in good order ends after ``LINGER`` s, its sidecar with it."""
+    monkeypatch.setattr(lease, "LINGER", 1.0)
+    keepers, sidecars = [], []
+    for cycle in range(2):
+        store = await Store("127.0.0.1", arendez_server.port, f"linger-{cycle}", timeout=10).connect()
+        try:
+            await store.join(1, 0, "a:1")
+            keeper = store._lease
+            assert keeper is not None
+            for _ in range(100):  # (the keeper's thread hands the connection over)
+                if keeper._sidecar is not None:
+                    break
+                await asyncio.sleep(0.05)
+            keepers.append(keeper)
+            sidecars.append(keeper._sidecar)
+            await store.leave()
+            assert keeper in lease._keepers.values()  # (lingering)
+        finally:
+            await store.close()
+    assert keepers[0] is keepers[1]
+    assert sidecars[0] is not None and sidecars[0] is sidecars[1]
+    for _ in range(100):
+        if sidecars[0].poll() is not None and keepers[0] not in lease._keepers.values():
+            break
+        await asyncio.sleep(0.05)
+    assert keepers[0] not in lease._keepers.values()
+    assert sidecars[0].poll() == 0  # (stopped in order: it sent the lease's end)
 
 
 @pytest.mark.timeout(30)
