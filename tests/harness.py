@@ -228,6 +228,16 @@ def popen(argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.
     )
 
 
+def popen_torch(argv: Sequence[str], env: dict[str, str] | None = None) -> Any:
+    """``popen`` for a ``python -m`` rank that imports torch: forked from a process that has
+    imported it once (``tests/zygote.py``; ``ARENDEZ_TEST_ZYGOTE=0``: a plain process)."""
+    if os.environ.get("ARENDEZ_TEST_ZYGOTE", "1") == "0" or list(argv[:2]) != [PY, "-m"]:
+        return popen(argv, env)
+    from tests import zygote
+
+    return zygote.spawn(argv[2], argv[3:], _env(env), ROOT)
+
+
 def _target(fn: Callable[..., Awaitable[Any]]) -> str:
     return f"{fn.__module__}:{fn.__qualname__}"
 

@@ -20,7 +20,7 @@ import arendez.sync as sync
 from arendez import queries, synccall
 from arendez.errors import ArendezError, CollectiveTimeoutError, StoreTimeoutError
 from arendez.testing import run_ranks
-from tests.harness import PY, collect, free_port, popen
+from tests.harness import PY, collect, free_port, popen, popen_torch
 
 #: names only the blocking module has (they block by nature, or are torch's blocking shapes)
 SYNC_ONLY = {"breakpoint", "FileStore", "Future", "HashStore", "TCPStore"}
@@ -485,7 +485,7 @@ SCENARIOS = {"everything": (2, False), "ring": (3, True)}  # (every two-rank scr
 def _run_script(module: str, scenario: str, size: int, init: list[str]) -> list[Any]:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     argv = [PY, "-m", "tests.tutorial_ranks", module, scenario]
-    return [popen([*argv, str(r), str(size), *init], env) for r in range(size)]
+    return [popen_torch([*argv, str(r), str(size), *init], env) for r in range(size)]
 
 
 @pytest.mark.timeout(150)

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.harness import PY, RankResult, collect, free_port, popen, wait_for_files  # noqa: E402
+from tests.harness import PY, RankResult, collect, free_port, popen_torch, wait_for_files  # noqa: E402
 from tests.torch_ranks import batch, mlp, train_step  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def _spawn(name: str, ws: int, init: str, *args: Any, env: dict[str, str] | None
         if init == "env://":
             extra.update(RANK=str(rank), WORLD_SIZE=str(ws))
         argv = [PY, "-m", "tests.torch_ranks", name, str(rank), str(ws), init, json.dumps(list(args))]
-        procs.append(popen(argv, extra))
+        procs.append(popen_torch(argv, extra))
     return procs
 
 
