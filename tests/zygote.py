@@ -11,7 +11,9 @@ the requester's pipes, and the module run as ``__main__``; it exits as the inter
 (atexit handlers, a traceback and status 1 on an exception).
 
 What stays a plain ``python`` process: anything about how torch finds the backend (the entry
-point at ``import torch``), torchrun and its agents, and every non-torch rank.
+point at ``import torch``), torchrun and its agents, and every non-torch rank. (The children
+share the zygote's string hash seed, where separate processes each have their own: the core's
+rank tests stay plain processes, so an order that differs between ranks still shows there.)
 
 The requester talks to the zygote over a Unix socket, one connection per child: the request
 (argv, environment, working directory) with the pipes' write ends passed as descriptors; the
