@@ -14,7 +14,8 @@ loses the lease of all its ranks.
 A keeper whose last rank left in good order lingers for ``LINGER`` seconds: a process that
 initialises again (elastic recovery, a test or app that cycles init and destroy) keeps its
 lease connection and sidecar, where starting them again cost more than the rest of a cycle
-(35 of 60 ms through the embedded server). A lingering keeper whose connection fails ends.
+(35 of 60 ms through the embedded server). A lingering keeper whose connection fails ends;
+one that a rank let go of without a good leave does not linger (``release``).
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class LeaseKeeper:
         self.users = 0
         #: when the last user left in good order (``time.monotonic()``); None while in use
         self.idle_since: float | None = None
+        #: a user let go without a good leave: the lease must end in order with the last user
+        self.dirty = False
         self._where = (host, port)
         self._token = token
         self._ssl = ssl
@@ -135,7 +138,7 @@ class LeaseKeeper:
             return True
         idle = self.idle_since
         if idle is not None and time.monotonic() - idle >= LINGER:
-            _retire_if_idle(self)
+            _retire_if_idle(self, lingered=True)
         return self._stopped.is_set()
 
     def _open(self) -> _FrameSocket:
@@ -273,6 +276,9 @@ def acquire(
     where = (host, port, token, id(ssl))
     with _lock:
         keeper = _keepers.get(where)
+        if keeper is not None and (keeper._stopped.is_set() or not keeper._thread.is_alive()):
+            _retire(keeper)  # (its thread gave up, e.g. on an authentication error)
+            keeper = None
         if keeper is None:  # (a forked child starts with none: _forget_after_fork)
             keeper = _keepers[where] = LeaseKeeper(host, port, token=token, ssl=ssl, interval=interval)
             keeper.start()
@@ -283,12 +289,15 @@ def acquire(
 
 def release(keeper: LeaseKeeper, *, linger: bool = False) -> None:
     """One user fewer; the last one stops the keeper (without blocking the caller), or with
-    ``linger`` (its rank left in good order) leaves it up for ``LINGER`` s for the next."""
+    ``linger`` (every rank of it left in good order) leaves it up for ``LINGER`` s for the next.
+    A rank whose leave failed makes the lease end when its last user goes, so that the server
+    counts that rank as left then, as it would have without the linger."""
     with _lock:
         keeper.users -= 1
+        keeper.dirty = keeper.dirty or not linger
         if keeper.users > 0:
             return
-        if linger:
+        if not keeper.dirty:
             keeper.idle_since = time.monotonic()
             return
         _retire(keeper)
@@ -302,17 +311,20 @@ def _retire(keeper: LeaseKeeper) -> None:
             del _keepers[where]
 
 
-def _retire_if_idle(keeper: LeaseKeeper) -> None:
-    """From the keeper's thread: retire it unless a rank took it up again meanwhile."""
+def _retire_if_idle(keeper: LeaseKeeper, lingered: bool = False) -> None:
+    """From the keeper's thread: retire it unless a rank took it up again meanwhile (with
+    ``lingered``: unless its linger started again since)."""
     with _lock:
-        if keeper.users == 0 and keeper.idle_since is not None:
+        idle = keeper.idle_since
+        if keeper.users == 0 and idle is not None and (not lingered or time.monotonic() - idle >= LINGER):
             _retire(keeper)
 
 
 @atexit.register
 def _end_idle_leases() -> None:
-    """At exit, lingering keepers end their lease in order (the sidecar would otherwise only
-    notice its parent gone, and the server see a closed connection)."""
+    """At exit, lingering keepers end their lease in order where they can (else the sidecar
+    only notices its parent gone, and the server sees a closed connection: with no ranks left
+    on the lease, the same to it)."""
     with _lock:
         idle = [k for k in _keepers.values() if k.users == 0]
         for keeper in idle:
@@ -323,3 +335,5 @@ def _end_idle_leases() -> None:
             with contextlib.suppress(OSError, ValueError):
                 proc.stdin.write(leaseproc.STOP)
                 proc.stdin.flush()
+        else:  # heartbeats from its thread: it sends the end as it stops
+            keeper.join(0.5)

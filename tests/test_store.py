@@ -398,6 +398,46 @@ async def test_a_process_that_joins_again_keeps_its_lease_keeper_until_it_linger
 
 
 @pytest.mark.timeout(30)
+async def test_a_failed_leave_ends_the_lease_when_its_process_lets_go_though_a_rank_beside_left_well(
+    monkeypatch,
+):
+    """Two ranks of one process share its lease; one's leave fails, the other's succeeds: the
+    lease must not linger (review of the linger: the failed rank stayed active on the server for
+    as long as the process kept re-using its keeper), so the server counts that rank as left."""
+    monkeypatch.setattr(lease, "LINGER", 30.0)
+    srv = start_server("--lease", "2")
+    stores = [
+        await Store(host, srv.port, "dirty", timeout=10).connect()
+        for host in ("127.0.0.1", "127.0.0.1", "localhost")  # (the third: another process's keeper)
+    ]
+    failing, good, observer = stores
+    events: list[dict] = []
+    observer.on_event = events.append
+    try:
+        joined = await asyncio.gather(*(st.join(3, -1, f"h:{i}") for i, st in enumerate(stores)))
+        ask = failing._call
+
+        async def lost(op: str, *args: Any, **kwargs: Any) -> Any:
+            if op == "leave":
+                raise dist.StoreError("gave up")
+            return await ask(op, *args, **kwargs)
+
+        monkeypatch.setattr(failing, "_call", lost)
+        await failing.leave(timeout=10)
+        await good.leave()
+        for _ in range(50):
+            if ("rank_left", joined[0].rank) in [(e["event"], e["rank"]) for e in events]:
+                break
+            await asyncio.sleep(0.05)
+        news = sorted((e["event"], e["rank"]) for e in events)
+        assert news == sorted([("rank_left", joined[0].rank), ("rank_left", joined[1].rank)]), news
+    finally:
+        for st in stores:
+            await st.close()
+        srv.stop()
+
+
+@pytest.mark.timeout(30)
 async def test_a_store_never_connected_connects_on_its_first_call(arendez_server):
     """(QA21: it waited out its timeout, 30 s, then said the running server was unreachable.)"""
     store = dist.Store("127.0.0.1", arendez_server.port, "lazy", timeout=10)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import array
 import atexit
 import contextlib
+import ctypes
 import json
 import os
 import runpy
@@ -44,6 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel")
 _STATUS = struct.Struct("<qq")  # (pid, returncode) on the request's connection
+_PR_SET_PDEATHSIG = 1
 
 
 # -- the zygote --------------------------------------------------------------------------------
@@ -73,10 +75,17 @@ def _serve(listener: socket.socket) -> tuple[dict[str, Any], list[int]]:
         for key, _ in sel.select():
             if key.fileobj is sys.stdin:
                 if not os.read(sys.stdin.fileno(), 4096):
+                    for pid in children:  # (the session is over: none may outlive it)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
                     sys.exit(0)
             elif key.fileobj is listener:
                 conn, _ = listener.accept()
-                request, fds = _recv_request(conn)
+                try:
+                    request, fds = _recv_request(conn)
+                except (OSError, ValueError):  # (a requester interrupted mid-request)
+                    conn.close()
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     sel.close()
@@ -90,8 +99,11 @@ def _serve(listener: socket.socket) -> tuple[dict[str, Any], list[int]]:
                     return request, fds
                 for fd in fds:
                     os.close(fd)
+                try:
+                    conn.sendall(_STATUS.pack(pid, 0))
+                except OSError:  # (its requester is gone: so is the child)
+                    os.kill(pid, signal.SIGKILL)
                 children[pid] = conn
-                conn.sendall(_STATUS.pack(pid, 0))
             else:
                 with contextlib.suppress(BlockingIOError):
                     os.read(chld_r, 4096)
@@ -109,6 +121,9 @@ def _serve(listener: socket.socket) -> tuple[dict[str, Any], list[int]]:
 def _become(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked child: turn into ``python -m MODULE ARGS`` as the request describes."""
     os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # (dies with the zygote)
+    if os.getppid() == 1:
+        os._exit(137)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -143,17 +158,23 @@ def main() -> None:
 
 
 class Child:
-    """A forked rank, with the part of ``subprocess.Popen``'s interface the tests use."""
+    """A forked rank, with the part of ``subprocess.Popen``'s interface the tests use. If the
+    zygote goes, its children are killed (``PR_SET_PDEATHSIG``), and report ``-SIGKILL``."""
 
     def __init__(self, argv: Sequence[str], conn: socket.socket, out: int, err: int) -> None:
         self.args = list(argv)
         self.returncode: int | None = None
-        self._conn = conn
+        self._conn: socket.socket | None = conn
         self._open = {out: "stdout", err: "stderr"}  # the pipes not read to their end yet
         self._read = {"stdout": bytearray(), "stderr": bytearray()}
-        self.pid = self._read_status()[0]
+        try:
+            self.pid = self._read_status(30.0)[0]
+        except BaseException:
+            self._close()
+            raise
 
-    def _read_status(self, timeout: float | None = None) -> tuple[int, int]:
+    def _read_status(self, timeout: float | None) -> tuple[int, int]:
+        assert self._conn is not None
         self._conn.settimeout(timeout)
         data = b""
         while len(data) < _STATUS.size:
@@ -164,19 +185,29 @@ class Child:
         pid, code = _STATUS.unpack(data)
         return int(pid), int(code)
 
+    def _exited(self, timeout: float | None) -> None:
+        """Take the exit status if it comes within ``timeout`` (0: only if it is there)."""
+        if self.returncode is not None:
+            return
+        try:
+            self.returncode = self._read_status(timeout)[1]
+        except ChildProcessError:  # the zygote died: so did its children (PR_SET_PDEATHSIG)
+            self.returncode = -signal.SIGKILL
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
     def poll(self) -> int | None:
-        if self.returncode is None:
-            with contextlib.suppress(TimeoutError, BlockingIOError):
-                self.returncode = self._read_status(0.0)[1]
+        with contextlib.suppress(TimeoutError, BlockingIOError):
+            self._exited(0.0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            try:
-                self.returncode = self._read_status(timeout)[1]
-            except TimeoutError:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0) from None
-            self._conn.close()
+        try:
+            self._exited(timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0) from None
+        assert self.returncode is not None
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
@@ -209,9 +240,24 @@ class Child:
                         sel.unregister(fd)
                         os.close(fd)
                         del self._open[fd]
-        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        try:
+            self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0) from None
         out, err = (bytes(self._read[name]).decode(errors="replace") for name in ("stdout", "stderr"))
         return out, err
+
+    def _close(self) -> None:
+        for fd in self._open:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._open.clear()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __del__(self) -> None:
+        self._close()
 
 
 class _Zygote:
@@ -221,17 +267,21 @@ class _Zygote:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - its own errors, as long as it lives
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote", self.path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=self._log,
             cwd=ROOT,
             env=env,
             start_new_session=True,
         )
         assert self.proc.stdout is not None
         if self.proc.stdout.readline() != b"ready\n":
-            raise RuntimeError("the torch zygote did not start")
+            self.close()
+            self._log.seek(0)
+            raise RuntimeError(f"the torch zygote did not start:\n{self._log.read().decode()[-3000:]}")
 
     def spawn(self, module: str, args: Sequence[str], env: dict[str, str], cwd: Path) -> Child:
         out_r, out_w = os.pipe()
