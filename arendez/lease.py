@@ -136,8 +136,7 @@ class LeaseKeeper:
         """Wait up to ``wait`` s; whether to stop now: stopped, or idle past its linger."""
         if self._stopped.wait(wait):
             return True
-        idle = self.idle_since
-        if idle is not None and time.monotonic() - idle >= LINGER:
+        if self.idle_since is not None:
             _retire_if_idle(self, lingered=True)
         return self._stopped.is_set()
 
@@ -276,7 +275,7 @@ def acquire(
     where = (host, port, token, id(ssl))
     with _lock:
         keeper = _keepers.get(where)
-        if keeper is not None and (keeper._stopped.is_set() or not keeper._thread.is_alive()):
+        if keeper is not None and not keeper._thread.is_alive():  # (a stopped one is not here)
             _retire(keeper)  # (its thread gave up, e.g. on an authentication error)
             keeper = None
         if keeper is None:  # (a forked child starts with none: _forget_after_fork)
