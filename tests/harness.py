@@ -235,7 +235,7 @@ def popen_torch(argv: Sequence[str], env: dict[str, str] | None = None) -> Any:
         return popen(argv, env)
     from tests import zygote
 
-    return zygote.spawn(argv[2], argv[3:], _env(env), ROOT)
+    return zygote.spawn(argv[2], argv[3:], _env(env), ROOT, base=_env())
 
 
 def _target(fn: Callable[..., Awaitable[Any]]) -> str:

@@ -42,7 +42,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel")
 _STATUS = struct.Struct("<qq")  # (pid, returncode) on the request's connection
 _PR_SET_PDEATHSIG = 1
@@ -261,19 +260,16 @@ class Child:
 
 
 class _Zygote:
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str], cwd: Path) -> None:
         self._dir = tempfile.mkdtemp(prefix="arendez-zygote-")
         self.path = os.path.join(self._dir, "sock")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env["PYTHONUNBUFFERED"] = "1"
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - its own errors, as long as it lives
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote", self.path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            cwd=ROOT,
+            cwd=cwd,
             env=env,
             start_new_session=True,
         )
@@ -292,6 +288,11 @@ class _Zygote:
             request = json.dumps({"module": module, "args": list(args), "env": env, "cwd": str(cwd)})
             fds = array.array("i", [out_w, err_w])
             conn.sendmsg([request.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
+        except BaseException:
+            conn.close()
+            os.close(out_r)
+            os.close(err_r)
+            raise
         finally:
             os.close(out_w)
             os.close(err_w)
@@ -315,12 +316,13 @@ _zygote: _Zygote | None = None
 _lock = threading.Lock()
 
 
-def spawn(module: str, args: Sequence[str], env: dict[str, str], cwd: Path) -> Child:
-    """``python -m module args`` with ``env`` (complete) in ``cwd``, forked from the zygote."""
+def spawn(module: str, args: Sequence[str], env: dict[str, str], cwd: Path, base: dict[str, str]) -> Child:
+    """``python -m module args`` with ``env`` (complete) in ``cwd``, forked from the zygote
+    (started, if there is none, with environment ``base`` in ``cwd``)."""
     global _zygote
     with _lock:
         if _zygote is None or _zygote.proc.poll() is not None:
-            _zygote = _Zygote()
+            _zygote = _Zygote(base, cwd)
             atexit.register(_zygote.close)
         zygote = _zygote
     return zygote.spawn(module, args, env, cwd)
