@@ -1,17 +1,22 @@
 """Re-initialisation soak: init -> all_reduce -> new_group -> all_reduce(subgroup) -> destroy, in a loop.
 
-Every rank is a real process. Two server kinds run side by side in one invocation:
+Every rank is a real process. Two server kinds run side by side in one invocation, and the peer:
 
 - ``embedded``: ``tcp://127.0.0.1:PORT`` (or ``env://`` with MASTER_ADDR/MASTER_PORT): rank 0 hosts the
   server in its own event loop;
-- ``standalone``: an ``arendez-server`` process, ranks join ``arendez://127.0.0.1:PORT``.
+- ``standalone``: an ``arendez-server`` process, ranks join ``arendez://127.0.0.1:PORT``;
+- ``gloo`` (when torch is installed): the same loop on ``torch.distributed`` with gloo, ``tcp://``
+  (rank 0's TCPStore), on torch tensors, on a new port each cycle: through one port gloo failed
+  within a few cycles (``Gloo connectFullMesh failed ... Connection refused``: a rank met the
+  previous cycle's store). Run it with ``--netns`` (a private network namespace): TCPStore
+  reverse-resolves its peers and stalls on the resolver here.
 
 It reports cycles per second and milliseconds per cycle (median and p99 of rank 0's cycles) for each,
 the ratio embedded/standalone, and the count of ``WARNING`` lines the ranks logged (a planned destroy
 should log none). A cycle that fails or a rank that hangs past its bound is reported and makes the
 exit status non-zero.
 
-    python benchmarks/reinit_soak.py                      # 2 ranks, 300 cycles per kind
+    python benchmarks/reinit_soak.py --netns              # 2 ranks, 300 cycles per kind
     python benchmarks/reinit_soak.py --cycles 1000 --ranks 4 --init env
     python benchmarks/reinit_soak.py --kinds embedded --cycles 600 --trace   # timestamped log lines
 """
@@ -33,18 +38,46 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import bench_common
+
 ROOT = Path(__file__).resolve().parent.parent
 ELEMENTS = 64 * 1024  # float32: 256 KiB, as in issue 19
+GLOO_BASE_PORT = 20000
 
 
 # -- the rank side ---------------------------------------------------------------------------
+class _Record:
+    """One rank's cycle times and their phases (init, the collectives, destroy)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.phases: dict[str, list[float]] = {"init": [], "collectives": [], "destroy": []}
+
+    def add(self, start: float, t_init: float, t_ops: float, end: float) -> None:
+        self.times.append(end - start)
+        self.phases["init"].append(t_init - start)
+        self.phases["collectives"].append(t_ops - t_init)
+        self.phases["destroy"].append(end - t_ops)
+
+    def failed(self, rank: int, cycle: int, exc: BaseException) -> dict[str, Any]:
+        logging.getLogger("soak").error("rank %d cycle %d failed: %r", rank, cycle, exc)
+        traceback.print_exc()
+        return {"ok": False, "cycle": cycle, "error": repr(exc), "times": self.times}
+
+    def result(self) -> dict[str, Any]:
+        medians = {k: 1000 * statistics.median(v) for k, v in self.phases.items()}
+        worst = max(range(len(self.times)), key=self.times.__getitem__)
+        slowest = {"cycle": worst, **{k: 1000 * v[worst] for k, v in self.phases.items()}}
+        done = len(self.times)
+        return {"ok": True, "cycles": done, "times": self.times, "phase_ms": medians, "slowest_ms": slowest}
+
+
 async def _cycles(rank: int, world: int, url: str, cycles: int, timeout: float) -> dict[str, Any]:
     import numpy as np
 
     import arendez as dist
 
-    times: list[float] = []
-    phases: dict[str, list[float]] = {"init": [], "collectives": [], "destroy": []}
+    record = _Record()
     x = np.ones(ELEMENTS, np.float32)
     init_method = None if url == "env://" else url
     for i in range(cycles):
@@ -63,23 +96,49 @@ async def _cycles(rank: int, world: int, url: str, cycles: int, timeout: float) 
             t_ops = time.perf_counter()
             await dist.destroy_process_group()
         except BaseException as exc:
-            logging.getLogger("soak").error("rank %d cycle %d failed: %r", rank, i, exc)
-            traceback.print_exc()
-            return {"ok": False, "cycle": i, "error": repr(exc), "times": times}
-        end = time.perf_counter()
-        times.append(end - start)
-        phases["init"].append(t_init - start)
-        phases["collectives"].append(t_ops - t_init)
-        phases["destroy"].append(end - t_ops)
-    medians = {k: 1000 * statistics.median(v) for k, v in phases.items()}
-    worst = max(range(cycles), key=times.__getitem__)
-    slowest = {"cycle": worst, **{k: 1000 * v[worst] for k, v in phases.items()}}
-    return {"ok": True, "cycles": cycles, "times": times, "phase_ms": medians, "slowest_ms": slowest}
+            return record.failed(rank, i, exc)
+        record.add(start, t_init, t_ops, time.perf_counter())
+    return record.result()
+
+
+def _gloo_cycles(rank: int, world: int, url: str, cycles: int, timeout: float) -> dict[str, Any]:
+    """The same loop on torch.distributed with gloo (the peer)."""
+    import datetime
+
+    import torch
+    import torch.distributed as tdist
+
+    record = _Record()
+    x = torch.ones(ELEMENTS, dtype=torch.float32)
+    limit = datetime.timedelta(seconds=timeout)
+    for i in range(cycles):
+        start = time.perf_counter()
+        try:
+            host, port = url.rsplit(":", 1)
+            fresh = f"{host}:{int(port) + i}"  # (see the module docstring)
+            tdist.init_process_group("gloo", init_method=fresh, world_size=world, rank=rank, timeout=limit)
+            t_init = time.perf_counter()
+            x[:] = 1
+            tdist.all_reduce(x)
+            assert float(x[0]) == world, f"cycle {i}: all_reduce gave {x[0]}, want {world}"
+            sub = tdist.new_group(list(range(world)))
+            tdist.all_reduce(x, group=sub)
+            assert float(x[0]) == world * world, f"cycle {i}: subgroup all_reduce gave {x[0]}"
+            t_ops = time.perf_counter()
+            tdist.destroy_process_group()
+        except BaseException as exc:
+            return record.failed(rank, i, exc)
+        record.add(start, t_init, t_ops, time.perf_counter())
+    return record.result()
 
 
 def worker(args: argparse.Namespace) -> int:
     fmt = "%(asctime)s.%(msecs)03d %(process)d %(name)s %(levelname)s %(message)s"
     logging.basicConfig(level=logging.DEBUG if args.trace else logging.WARNING, format=fmt, datefmt="%X")
+    if args.kind == "gloo":
+        result = _gloo_cycles(args.rank, args.ranks, args.url, args.cycles, args.timeout)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0 if result["ok"] else 1
     from arendez.loop import run
 
     result = run(_cycles(args.rank, args.ranks, args.url, args.cycles, args.timeout))
@@ -125,6 +184,8 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, str] = {}
     if kind == "standalone":
         server, url = start_standalone()
+    elif kind == "gloo":  # (ports from here on, one per cycle: below the kernel's ephemeral ones)
+        url = f"tcp://127.0.0.1:{GLOO_BASE_PORT}"
     elif args.init == "env":
         url = "env://"
         extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.ranks)}
@@ -137,6 +198,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         for rank in range(args.ranks):
             argv = [sys.executable, __file__, "--worker", "--rank", str(rank), "--ranks", str(args.ranks)]
             argv += ["--url", url, "--cycles", str(args.cycles), "--timeout", str(args.timeout)]
+            argv += ["--kind", kind]
             argv += ["--trace"] if args.trace else []
             env = _env({**extra, "RANK": str(rank)} if extra else {})
             procs.append(
@@ -205,25 +267,40 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+KINDS = ("embedded", "standalone", "gloo")
+
+
+def _has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cycles", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--kinds", nargs="+", default=["embedded", "standalone"])
+    parser.add_argument(
+        "--kinds", nargs="+", choices=KINDS, default=[k for k in KINDS if k != "gloo" or _has_torch()]
+    )
     parser.add_argument("--init", choices=["tcp", "env"], default="tcp", help="how the embedded kind joins")
     parser.add_argument("--timeout", type=float, default=20.0, help="init/collective timeout per cycle (s)")
     parser.add_argument("--bound", type=float, default=600.0, help="seconds before a kind's ranks are killed")
     parser.add_argument("--trace", action="store_true", help="DEBUG log lines with timestamps, kept in /tmp")
     parser.add_argument("--json", type=Path, help="also write the summaries here")
+    parser.add_argument("--netns", action="store_true", help="re-run inside unshare -n with loopback up")
     # the rank side (internal)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default="embedded", help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.netns and (status := bench_common.rerun_in_netns(__file__, torch=True)) is not None:
+        return status
     if args.cycles < 1 or args.ranks < 2:
         parser.error("--cycles must be >= 1 and --ranks >= 2")
     summaries = []
@@ -242,6 +319,11 @@ def main() -> int:
     if "embedded" in by_kind and "standalone" in by_kind:
         ratio = by_kind["embedded"]["ms_median"] / by_kind["standalone"]["ms_median"]
         print(f"\nembedded / standalone, median ms per cycle: {ratio:.2f}x")
+    if "gloo" in by_kind:
+        for kind in ("embedded", "standalone"):
+            if kind in by_kind:
+                ratio = by_kind["gloo"]["ms_median"] / by_kind[kind]["ms_median"]
+                print(f"gloo / {kind}, median ms per cycle: {ratio:.2f}x (above 1: arendez is faster)")
     if args.json:
         args.json.write_text(json.dumps(summaries, indent=2))
     return 0 if all(s["ok"] for s in summaries) else 1
