@@ -116,6 +116,8 @@ def snapshot(server: Any, events: Metrics | None = None) -> dict[str, Any]:
         "time": time.time(),
         "url": server.url,
         "lease": server.config.lease,
+        # no heartbeat for a while and leases ran out: failure declarations are on hold
+        "holding_declarations": server.holding_declarations,
         "connections": len(server.admission.conns),
         "jobs": jobs,
     }

@@ -6,6 +6,7 @@ Sans-I/O like the rest of the state: callers pass ``now``.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from arendez.errors import RendezvousError
@@ -32,6 +33,8 @@ class Lease:
     key: bytes
     created: float
     last_seen: float | None = None
+    #: Open connections keeping it (one, but an old one may close after its successor came).
+    keepers: int = 0
 
     def renew(self, now: float) -> None:
         self.last_seen = now
@@ -56,14 +59,56 @@ class Member:
             return self.last_seen
         return max(self.last_seen, held.last_seen)
 
-    def expired(self, now: float, lease: float, arm_grace: float) -> bool:
-        """Silent for longer than ``lease`` (its own heartbeats, or its process's lease)."""
+    def spared(self, deaf: bool) -> bool:
+        """Not to be declared failed now: the server hears nobody (``Hearing``) and this
+        member's keeper connection is still open (a killed process's closes: no spare)."""
+        return deaf and self.lease is not None and self.lease.keepers > 0
+
+    def expired(self, now: float, lease: float, arm_grace: float, since: float = -math.inf) -> bool:
+        """Silent for longer than ``lease`` (its own heartbeats, or its process's lease), counted
+        from ``since`` at the earliest (when the server last began to hear clients again)."""
         held = self.lease
         if held is None:
-            return now - self.last_seen > lease
+            return now - max(self.last_seen, since) > lease
         if held.last_seen is None:  # the keeper has not renewed it yet
-            return now - max(self.last_seen, held.created) > lease + arm_grace
-        return now - max(self.last_seen, held.last_seen) > lease
+            return now - max(self.last_seen, held.created, since) > lease + arm_grace
+        return now - max(self.last_seen, held.last_seen, since) > lease
+
+
+class Hearing:
+    """Whether the server hears its clients at all: a failure declaration needs that evidence.
+
+    A server cut off from the network hears nobody, and every lease runs out at once; declaring
+    them all failed would end healthy jobs whose ranks still talk to each other. So while no
+    heartbeat at all has arrived for ``deaf_after`` seconds (``deaf``), the members whose keeper
+    connection is still open are not declared (``Member.spared``: a killed process's connection
+    closed, and that news came over the network). When heartbeats come back after a silence
+    longer than a lease, every lease restarts one lease later (``since``): processes that are
+    alive have two leases to get through again (their connections come back at the pace of
+    TCP's retransmission backoff, not all at once), and the dead are declared two leases
+    after the server hears again. Sans-I/O: callers pass ``now``.
+    """
+
+    def __init__(self, now: float, lease: float) -> None:
+        #: Half a lease, and at least two default heartbeat intervals (0.5 s): a lone live
+        #: process renewing on time never looks like silence.
+        self.deaf_after = max(lease / 2, 1.0)
+        self.lease = lease
+        self.last = now
+        self.since = -math.inf
+
+    def hear(self, now: float) -> float | None:
+        """A heartbeat arrived: the silence it ends if that was one (its length), else None."""
+        gap = now - self.last
+        self.last = now
+        if gap > self.lease:  # (a shorter one, as a loaded machine may cause, expired nobody)
+            self.since = now + self.lease
+        if gap > self.deaf_after:
+            return gap
+        return None
+
+    def deaf(self, now: float) -> bool:
+        return now - self.last > self.deaf_after
 
 
 @dataclass(frozen=True)

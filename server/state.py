@@ -6,6 +6,7 @@ The store is ``kv.py``, rounds, members and leases ``rounds.py``, the limits ``l
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -271,12 +272,25 @@ class Job(KeyValueStore):
             self._forget_if_done(round_)
         return gone
 
-    def expire(self, now: float, lease: float, arm_grace: float = 0.0) -> list[Departure]:
-        """Declare failed every active member of a complete round silent for over ``lease`` s."""
+    def expire(
+        self,
+        now: float,
+        lease: float,
+        arm_grace: float = 0.0,
+        since: float = -math.inf,
+        deaf: bool = False,
+    ) -> list[Departure]:
+        """Declare failed every active member of a complete round silent for over ``lease`` s
+        (counted from ``since`` at the earliest), but those ``Member.spared`` while ``deaf``
+        (``Hearing``)."""
         gone = []
         for round_ in list(self.rounds.values()):
             for member in round_.members.values():
-                if member.state is MemberState.ACTIVE and member.expired(now, lease, arm_grace):
+                if (
+                    member.state is MemberState.ACTIVE
+                    and member.expired(now, lease, arm_grace, since)
+                    and not member.spared(deaf)
+                ):
                     round_.end(member, MemberState.FAILED)
                     gone.append(
                         Departure(self.name, round_.nonce, member.rank, True, f"no heartbeat for {lease:g}s")
@@ -325,11 +339,29 @@ class ServerState:
         if not job.kv and not job.queues:
             del self.jobs[name]
 
-    def expire(self, now: float, lease: float, arm_grace: float = 0.0) -> list[Departure]:
+    def expire(
+        self,
+        now: float,
+        lease: float,
+        arm_grace: float = 0.0,
+        since: float = -math.inf,
+        deaf: bool = False,
+    ) -> list[Departure]:
         gone: list[Departure] = []
         for job in self.jobs.values():
-            gone.extend(job.expire(now, lease, arm_grace))
+            gone.extend(job.expire(now, lease, arm_grace, since, deaf))
         return gone
+
+    def spared(self, now: float, lease: float, arm_grace: float = 0.0, since: float = -math.inf) -> bool:
+        """Whether some active member silent for over ``lease`` s is spared by deafness."""
+        return any(
+            member.state is MemberState.ACTIVE
+            and member.expired(now, lease, arm_grace, since)
+            and member.spared(True)
+            for job in self.jobs.values()
+            for round_ in job.rounds.values()
+            for member in round_.members.values()
+        )
 
     def end_lease(self, lease: Lease) -> list[Departure]:
         """A client process ended ``lease`` in order: its members still active left."""

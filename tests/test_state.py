@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from arendez_server.limits import StateLimits
-from arendez_server.rounds import MemberState
+from arendez_server.rounds import Hearing, MemberState
 from arendez_server.state import Job, ServerState
 
 from arendez.errors import RendezvousError, StoreError
@@ -90,6 +90,48 @@ def test_leases_start_when_the_round_completes():
     assert job.expire(10.1, 2.5) == []
     assert [d.rank for d in job.expire(13.0, 2.5)] == [0, 1]
     assert r.members[0].state is MemberState.FAILED
+
+
+def test_a_server_that_hears_nobody_spares_open_leases_and_restarts_them_when_it_hears_again():
+    lease_s = 2.5
+    state = ServerState()
+    job = state.job("j")
+    hearing = Hearing(0.0, lease_s)
+    alive, dead, killed = (state.lease(k * 16, 0.0) for k in (b"a", b"d", b"k"))
+    alive.keepers = dead.keepers = killed.keepers = 1  # each with its keeper connection open
+    r, _ = job.join(0, 3, "a", 0.0, alive)
+    job.join(1, 3, "d", 0.0, dead)
+    job.join(2, 3, "k", 0.0, killed)
+    for now in (0.5, 1.0):  # all renew, then the server is cut off at 1.0
+        for held in (alive, dead, killed):
+            held.renew(now)
+        hearing.hear(now)
+    assert not hearing.deaf(2.0) and hearing.deaf(2.3)  # half a lease without any heartbeat
+    killed.keepers = 0  # its process was killed: the connection closed (news from the network)
+    assert state.spared(4.0, lease_s)  # leases ran out: some of them the server must not act on
+    gone = state.expire(4.0, lease_s, deaf=True)
+    assert [(d.rank, d.failed) for d in gone] == [(2, True)]
+    assert state.expire(9.0, lease_s, deaf=True) == []  # the open ones are spared while deaf
+    # back at 11.0: only ``alive`` renews (``dead`` died during the outage)
+    assert hearing.hear(11.0) == pytest.approx(10.0) and not hearing.deaf(11.0)
+    alive.renew(11.0)
+    assert state.expire(11.1, lease_s, since=hearing.since) == []  # restarted: not overdue yet
+    for now in (11.5, 12.0, 12.5, 13.0, 13.5, 14.0, 14.5, 15.0, 15.5, 16.0):
+        alive.renew(now), hearing.hear(now)
+        assert state.expire(now, lease_s, since=hearing.since) == []  # two leases to come back
+    alive.renew(16.2), hearing.hear(16.2)
+    gone = state.expire(16.2, lease_s, since=hearing.since)
+    assert [(d.rank, d.failed) for d in gone] == [(1, True)]
+    assert r.members[0].state is MemberState.ACTIVE
+
+
+def test_a_lone_process_renewing_on_time_never_looks_like_silence():
+    hearing = Hearing(0.0, 1.0)  # a short lease: deaf_after stays two heartbeat intervals
+    for step in range(1, 20):
+        assert hearing.hear(step * 0.5 + 0.4 * (step % 2)) is None
+    assert hearing.since == float("-inf")
+    hearing = Hearing(0.0, 2.5)  # a silence shorter than a lease (a loaded machine) restarts none
+    assert hearing.hear(2.0) == pytest.approx(2.0) and hearing.since == float("-inf")
 
 
 def test_add_stays_in_64_bit_range():

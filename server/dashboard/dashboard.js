@@ -62,8 +62,10 @@ function render(status) {
   document.getElementById("summary").textContent =
     status.url + " \u2014 " + [count(running, "job"), count(ranks, "rank"), count(status.connections, "connection")].join(", ");
   const updated = document.getElementById("updated");
-  updated.textContent = "updated " + time(status.time);
-  updated.className = "";
+  updated.textContent = status.holding_declarations
+    ? "updated " + time(status.time) + " \u2014 no client heard: failure declarations on hold"
+    : "updated " + time(status.time);
+  updated.className = status.holding_declarations ? "stale" : "";
   document.getElementById("jobs").replaceChildren(...status.jobs.map(jobPanel));
 }
 
