@@ -138,8 +138,13 @@ def _why_ended(owner: asyncio.Task[Any] | None) -> str | None:
     if exc is None:
         exc = getattr(sys, "last_value", None)
     if isinstance(exc, BaseException):
-        return f"its process ended with an uncaught {type(exc).__name__}: {str(exc)[:200]}"
+        return crash_reason(exc)
     return None
+
+
+def crash_reason(exc: BaseException) -> str:
+    """What a rank's peers are told when its process ends with ``exc`` uncaught."""
+    return f"its process ended with an uncaught {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def _at_exit() -> None:

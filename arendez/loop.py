@@ -298,16 +298,20 @@ class LoopThread:
 
 
 async def _wind_down(timeout: float) -> None:
-    from . import registry  # (imported late: loop.py sits below the API)
+    from . import errorfile, farewell, registry  # (imported late: loop.py sits below the API)
     from .teardown import destroy_process_group
 
-    if registry.world_or_none() is not None:
+    world = registry.world_or_none()
+    if world is not None:
         crashed = getattr(sys, "last_value", None)  # (set when an uncaught exception ended it)
-        if crashed is not None:  # the advice to call destroy would be beside the point
+        if isinstance(crashed, BaseException):  # the advice to call destroy would be beside the point
             log.info(
                 "arendez: the program ended with an uncaught %s; closing its process group",
                 type(crashed).__name__,
             )
+            # the peers are told it failed, and why (not that it left): ``World.say_goodbye``
+            world.ending = farewell.crash_reason(crashed)
+            errorfile.record(world.ending)  # (arendez-run's blame: before the peers hear of it)
         else:
             log.warning(
                 "arendez: destroy_process_group() was not called before the program exited; closing "

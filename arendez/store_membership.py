@@ -14,6 +14,7 @@ from typing import Any
 
 from . import lease as _lease
 from .errors import LimitError, StoreError, StoreTimeoutError
+from .store_wire import MAX_REASON
 
 EventHandler = Callable[[dict[str, Any]], None]
 
@@ -172,8 +173,10 @@ class MembershipOps:
             _lease.release(self._lease, linger=linger)
             self._lease = None
 
-    async def leave(self, timeout: float = 2.0) -> None:
-        """Leave the round (best effort: a store that is gone is not an error here). While the
+    async def leave(self, timeout: float = 2.0, failed: str | None = None) -> None:
+        """Leave the round (best effort: a store that is gone is not an error here); ``failed``:
+        why, when the process is ending by a failure (the server records and tells it as one,
+        not as a leave). While the
         connection is down (the server died or restarts) this waits at most
         ``LEAVE_OFFLINE_SECONDS`` for it to come back, not the whole ``timeout``; a connected
         server that does not answer (stopped, stalled) gets ``LEAVE_SECONDS``. The process's
@@ -190,7 +193,8 @@ class MembershipOps:
         left = False
         try:
             with contextlib.suppress(StoreError):
-                await self._call("leave", timeout)
+                why: dict[str, Any] = {} if failed is None else {"failed": failed[:MAX_REASON]}
+                await self._call("leave", timeout, **why)
                 left = True
         finally:
             self._stop_lease(linger=left)

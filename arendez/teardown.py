@@ -79,14 +79,14 @@ async def _close_world(world: World, deadline: float, drain_by: float | None = N
     world.closed = True
     hosting = world.server is not None
     if world.store is not None and not hosting:  # before the goodbye: it means "done with the store"
-        await world.store.leave(left())
+        await world.store.leave(left(), failed=world.ending)
     await farewell.forget(world)
     world.say_goodbye()
     if hosting:  # the others still need the store until they have left
         # (a member still, it hears the server declare a stopped peer failed: no full linger)
         await world.peers_gone(min(deadline, loop.time() + LINGER_SECONDS))
         if world.store is not None:
-            await world.store.leave(left())
+            await world.store.leave(left(), failed=world.ending)
     if world.mesh is not None:
         await world.mesh.close(left(), gone=set(world.failed))
     world.shm.close()

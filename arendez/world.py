@@ -70,6 +70,9 @@ class World(PeerLosses):
         self.next_gid = 0
         self.dead: dict[int, str] = {}  # ranks gone for good, with why
         self.failed: dict[int, str] = {}  # the subset that died rather than left
+        #: Why this rank's process is ending, if by a failure (an uncaught exception): its
+        #: goodbye then names it as failed, with this reason, rather than as a clean leave.
+        self.ending: str | None = None
         self.expulsion: str | None = None  # why the others count this rank as failed, if they do
         self.stats = Stats()
         self.chooser = Chooser()  # (reads ARENDEZ_ALGORITHM and the link variables now, once)
@@ -265,10 +268,14 @@ class World(PeerLosses):
         return peers
 
     def say_goodbye(self) -> None:
-        """Tell every peer this rank leaves, and which ranks it saw fail."""
+        """Tell every peer this rank leaves, and which ranks it saw fail (itself last, if its
+        process is ending by a failure: ``ending``)."""
         if self.mesh is not None:
+            failed = dict(self.failed)
+            if self.ending is not None:
+                failed[self.rank] = self.ending
             for peer in list(self.mesh.conns):
-                self.send_control(peer, frames.Bye(dict(self.failed)))
+                self.send_control(peer, frames.Bye(failed))
 
     async def open_shm(self, timeout: float) -> None:
         """Wait (at most ``timeout``) until the shared-memory links with the peers connected

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from arendez.errors import LimitError, RendezvousError, StoreError
-from arendez.store_wire import MAX_KEYS, OPS
+from arendez.store_wire import MAX_KEYS, MAX_REASON, OPS
 
 from . import barriers
 from .barriers import BarrierCall
@@ -190,9 +190,12 @@ def _attach(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
 
 
 def _leave(server: Server, s: Session, job: Job, h: dict[str, Any]) -> None:
+    failed = h.get("failed")
+    if failed is not None and (type(failed) is not str or len(failed) > MAX_REASON):
+        raise RendezvousError(f"leave: failed must be a reason of at most {MAX_REASON} characters")
     if s.round is None or s.rank is None:
         return
-    gone = job.leave(s.round, s.rank)
+    gone = job.leave(s.round, s.rank, failed)
     server.members.unbind(s)
     s.rank = s.round = None
     if gone is not None:

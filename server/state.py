@@ -243,15 +243,19 @@ class Job(KeyValueStore):
         if member is not None:
             member.last_seen = now
 
-    def leave(self, round_: Round, rank: int) -> Departure | None:
+    def leave(self, round_: Round, rank: int, failed: str | None = None) -> Departure | None:
+        """``rank`` leaves ``round_``: in good order, or (``failed``: why) because its process
+        is ending by a failure, which it says on its way out."""
         member = round_.members.get(rank)
         if not round_.complete:
             self.withdraw(round_, rank)
             return None
         if member is None or member.state is not MemberState.ACTIVE:
             return None
-        round_.end(member, MemberState.LEFT)
+        round_.end(member, MemberState.LEFT if failed is None else MemberState.FAILED)
         self._forget_if_done(round_)
+        if failed is not None:
+            return Departure(self.name, round_.nonce, rank, True, failed)
         return Departure(self.name, round_.nonce, rank, False, "left the job")
 
     def _forget_if_done(self, round_: Round) -> None:

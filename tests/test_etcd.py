@@ -287,6 +287,30 @@ async def test_rendezvous_assigns_ranks_and_rounds(etcd: Etcd, tmp_path: Path) -
     assert etcd.count(f"/arendez/{job}/") == 0
 
 
+async def test_a_rank_that_leaves_on_its_way_out_of_a_failure_is_told_as_failed(
+    etcd: Etcd, tmp_path: Path
+) -> None:
+    job = _job(tmp_path, "leave-failed")
+    stores = [await open_store(etcd.url(job), timeout=10).connect() for _ in range(3)]
+    events: list[dict[str, Any]] = []
+    stores[0].on_event = events.append
+    try:
+        await asyncio.gather(*(s.join(3, r, f"10.0.0.{r}:1") for r, s in enumerate(stores)))
+        why = "its process ended with an uncaught ValueError: bad batch"
+        await stores[1].leave(failed=why)
+        await stores[2].leave()
+        for _ in range(100):
+            if len(events) == 2:
+                break
+            await asyncio.sleep(0.05)
+        got = sorted((e["rank"], e["event"], e["reason"]) for e in events)
+        assert got == [(1, "rank_failed", why), (2, "rank_left", "left the job")], events
+    finally:
+        for s in stores:
+            await s.leave()
+            await s.close()
+
+
 async def test_world_size_mismatch_and_deadline(etcd: Etcd, tmp_path: Path) -> None:
     url = etcd.url(_job(tmp_path, "mismatch"))
     a = await open_store(url, timeout=10).connect()

@@ -151,6 +151,30 @@ def test_metrics_parse_and_move_when_a_job_runs() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_that_dies_of_an_uncaught_exception_is_a_failure_with_its_reason_everywhere() -> None:
+    """Not a clean leave: the peers' next collective names the exception, and the server
+    records (and /status shows) the rank as failed, with the same reason."""
+    script = str(ROOT / "tests" / "scripts" / "crash_mid_job.py")
+    with http_server() as (srv, base):
+        procs = [popen([PY, script, f"{srv.url}/crash", str(r), "2"]) for r in range(2)]
+        try:
+            outs = [proc.communicate(timeout=40) for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        assert procs[1].returncode == 1 and "RuntimeError: rank crashes mid-job" in outs[1][1], outs[1][1]
+        assert procs[0].returncode == 0, outs[0][1][-3000:]
+        seen = json.loads(outs[0][0].strip().splitlines()[-1])
+        why = "its process ended with an uncaught RuntimeError: rank crashes mid-job"
+        assert seen["error"] == "RankFailedError" and seen["ranks"] == [1], seen
+        assert why in seen["message"], seen
+        job = next(j for j in status(base)["jobs"] if j["name"] == "crash")
+        events = {e["rank"]: (e["kind"], e["reason"]) for e in job["events"]}
+        assert events == {0: ("left", "left the job"), 1: ("failed", why)}, job["events"]
+
+
+@pytest.mark.timeout(60)
 def test_status_shows_the_job_then_the_rank_stopped_with_sigstop() -> None:
     with http_server() as (srv, base), ranks(srv.url, "s", 40.0) as procs:
         until(lambda: members(status(base), "s") == ALL_ACTIVE, 30, "4 active ranks in /status")

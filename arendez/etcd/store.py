@@ -31,6 +31,7 @@ from typing import Any
 from ..errors import RendezvousError, RendezvousTimeoutError, StoreError
 from ..rendezvous import incomplete
 from ..store import Membership
+from ..store_wire import MAX_REASON
 from .client import LeaseKeeper
 from .codec import prefix_end, unb64
 from .kv import EtcdKV, _count, _delete, _kvs, _put, _range, _revision, _same
@@ -289,7 +290,7 @@ class EtcdStore(EtcdKV):
         """Tell ``on_event`` about every member of round ``n`` whose key goes away."""
         me = self._membership.rank if self._membership is not None else -1
         prefix = self._r(n)
-        left: set[int] = set()
+        left: dict[int, str] = {}  # rank -> why it failed on its way out ("": a clean leave)
         try:
             async for _, events in self._client.watch(prefix, prefix_end(prefix), after + 1):
                 for ev in events:
@@ -299,18 +300,21 @@ class EtcdStore(EtcdKV):
                         continue
                     r = int(tail)
                     if kind == "left" and ev.get("type", "PUT") == "PUT":
-                        left.add(r)
+                        left[r] = unb64(ev["kv"].get("value", "")).decode(errors="replace")
                     elif kind == "rank" and ev.get("type") == "DELETE" and r != me:
+                        why = left.get(r)
                         event = (
                             {"event": "rank_left", "rank": r, "reason": "left the job"}
-                            if r in left
+                            if why == ""
+                            else {"event": "rank_failed", "rank": r, "reason": why}
+                            if why is not None
                             else {
                                 "event": "rank_failed",
                                 "rank": r,
                                 "reason": f"its etcd lease expired (no keepalive for {self.lease_ttl}s)",
                             }
                         )
-                        (log.info if r in left else log.warning)(
+                        (log.info if why == "" else log.warning)(
                             "job %r rank %d %s", self.job, r, event["reason"]
                         )
                         if self.on_event is not None:
@@ -318,9 +322,11 @@ class EtcdStore(EtcdKV):
         except StoreError as exc:
             log.warning("job %r: watching the members on etcd %s stopped: %s", self.job, self.ends, exc)
 
-    async def leave(self, timeout: float = LEAVE_SECONDS) -> None:
+    async def leave(self, timeout: float = LEAVE_SECONDS, failed: str | None = None) -> None:
         """Leave the round (best effort, within ``LEAVE_SECONDS`` at most: etcd down must not
-        hold a destroy for its whole timeout); the last rank out deletes the job's keys."""
+        hold a destroy for its whole timeout); the last rank out deletes the job's keys.
+        ``failed``: why, when the process is ending by a failure (the others are told of a
+        failure, not a leave)."""
         m, self._membership = self._membership, None
         if m is None or self._etcd is None:
             return
@@ -331,7 +337,10 @@ class EtcdStore(EtcdKV):
         try:
             await self._txn(
                 [],
-                [_put(self._r(n, f"left/{m.rank}"), b""), _delete(self._r(n, f"rank/{m.rank}"))],
+                [
+                    _put(self._r(n, f"left/{m.rank}"), (failed or "").encode()[:MAX_REASON]),
+                    _delete(self._r(n, f"rank/{m.rank}")),
+                ],
                 [],
                 deadline,
             )
