@@ -457,7 +457,8 @@ class Server:
                 # the server itself stalled: heartbeats may be waiting in its sockets, unread.
                 # Read them (next turn) before judging anyone.
                 continue
-            since, deaf = self.hearing.since, self.hearing.deaf(now)
+            # (one keeper connection alone that went silent is a process as likely stopped)
+            since, deaf = self.hearing.since, self.hearing.deaf(now) and self._keepers >= 2
             if deaf and not self._held and self.state.spared(now, cfg.lease, cfg.lease_arm_grace, since):
                 self._held = True
                 log.warning(
@@ -497,7 +498,8 @@ class Server:
         silence = self.hearing.hear(now)
         if silence is not None and self._held:
             self._held = False
-            log.warning("heard clients again after %.1fs of silence: leases restart in one lease", silence)
+            restart = ": leases restart in one lease" if self.hearing.since > now else ""
+            log.warning("heard clients again after %.1fs of silence%s", silence, restart)
 
 
 transport.register_remote_errors(StoreError, StoreTimeoutError, RendezvousError, ProtocolError)

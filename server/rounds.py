@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from arendez.errors import RendezvousError
 
+#: The longest a server that hears nobody holds a silent member's declaration, or postpones it
+#: once it hears again (``Hearing``), beyond the lease: seconds. Below the 135 s after which TCP
+#: keepalive (``arendez.transport``) ends a connection whose host is gone, which ends the hold.
+HOLD_MAX = 120.0
 #: Refused joins a forming round remembers for its timeout message.
 REFUSALS_KEPT = 4
 
@@ -59,20 +63,27 @@ class Member:
             return self.last_seen
         return max(self.last_seen, held.last_seen)
 
-    def spared(self, deaf: bool) -> bool:
-        """Not to be declared failed now: the server hears nobody (``Hearing``) and this
-        member's keeper connection is still open (a killed process's closes: no spare)."""
-        return deaf and self.lease is not None and self.lease.keepers > 0
+    def spared(self, deaf: bool, now: float, lease: float) -> bool:
+        """Not to be declared failed now: the server hears nobody (``Hearing``: ``deaf``), this
+        member's keeper connection is still open (a killed process's closes: no spare), and it
+        has not been silent for over ``HOLD_MAX`` beyond its lease."""
+        return (
+            deaf
+            and self.lease is not None
+            and self.lease.keepers > 0
+            and now - self.seen() <= lease + HOLD_MAX
+        )
 
     def expired(self, now: float, lease: float, arm_grace: float, since: float = -math.inf) -> bool:
         """Silent for longer than ``lease`` (its own heartbeats, or its process's lease), counted
-        from ``since`` at the earliest (when the server last began to hear clients again)."""
+        from ``since`` at the earliest (``Hearing.since``), but never longer than ``HOLD_MAX``
+        beyond the lease: no silence of the server's postpones a declaration further."""
         held = self.lease
-        if held is None:
-            return now - max(self.last_seen, since) > lease
-        if held.last_seen is None:  # the keeper has not renewed it yet
-            return now - max(self.last_seen, held.created, since) > lease + arm_grace
-        return now - max(self.last_seen, held.last_seen, since) > lease
+        if held is not None and held.last_seen is None:  # the keeper has not renewed it yet
+            seen, lease = max(self.last_seen, held.created), lease + arm_grace
+        else:
+            seen = self.seen()
+        return now - max(seen, since) > lease or now - seen > lease + HOLD_MAX
 
 
 class Hearing:
@@ -80,13 +91,15 @@ class Hearing:
 
     A server cut off from the network hears nobody, and every lease runs out at once; declaring
     them all failed would end healthy jobs whose ranks still talk to each other. So while no
-    heartbeat at all has arrived for ``deaf_after`` seconds (``deaf``), the members whose keeper
-    connection is still open are not declared (``Member.spared``: a killed process's connection
-    closed, and that news came over the network). When heartbeats come back after a silence
-    longer than a lease, every lease restarts one lease later (``since``): processes that are
-    alive have two leases to get through again (their connections come back at the pace of
-    TCP's retransmission backoff, not all at once), and the dead are declared two leases
-    after the server hears again. Sans-I/O: callers pass ``now``.
+    heartbeat at all has arrived for ``deaf_after`` seconds (``deaf``) and at least two keeper
+    connections are open, the members whose keeper connection is still open are not declared
+    (``Member.spared``: a killed process's connection closed, and that news came over the
+    network; a lone process that went silent is as likely stopped as cut off, and declaring it
+    costs no other process anything), for ``HOLD_MAX`` seconds at most. When heartbeats come
+    back after a silence longer than a lease, every lease restarts one lease later (``since``):
+    processes that are alive have two leases to get through again (their connections come back
+    at the pace of TCP's retransmission backoff, not all at once), and the dead are declared two
+    leases after the server hears again. Sans-I/O: callers pass ``now``.
     """
 
     def __init__(self, now: float, lease: float) -> None:

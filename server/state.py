@@ -293,7 +293,7 @@ class Job(KeyValueStore):
                 if (
                     member.state is MemberState.ACTIVE
                     and member.expired(now, lease, arm_grace, since)
-                    and not member.spared(deaf)
+                    and not member.spared(deaf, now, lease)
                 ):
                     round_.end(member, MemberState.FAILED)
                     gone.append(
@@ -361,7 +361,7 @@ class ServerState:
         return any(
             member.state is MemberState.ACTIVE
             and member.expired(now, lease, arm_grace, since)
-            and member.spared(True)
+            and member.spared(True, now, lease)
             for job in self.jobs.values()
             for round_ in job.rounds.values()
             for member in round_.members.values()

@@ -175,6 +175,25 @@ def test_a_rank_that_dies_of_an_uncaught_exception_is_a_failure_with_its_reason_
 
 
 @pytest.mark.timeout(60)
+def test_a_stopped_rank_left_alone_with_the_server_is_declared_failed() -> None:
+    """(Review: with the rest of its job killed at the same moment, the stopped rank was the one
+    keeper connection left open, and a server that heard nobody held its declaration for good.)"""
+    with http_server() as (srv, base), ranks(srv.url, "alone", 40.0) as procs:
+        until(lambda: members(status(base), "alone") == ALL_ACTIVE, 30, "4 active ranks in /status")
+        initialised(procs)
+        os.kill(procs[-1].pid, signal.SIGSTOP)
+        for proc in procs[:-1]:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+        def failed() -> list[int]:
+            jobs = [j for j in status(base)["jobs"] if j["name"] == "alone"]
+            return sorted(e["rank"] for j in jobs for e in j["events"] if e["kind"] == "failed")
+
+        until(lambda: failed() == list(range(WORLD)), LEASE + 8, "every rank failed in /status")
+        assert status(base)["holding_declarations"] is False
+
+
+@pytest.mark.timeout(60)
 def test_status_shows_the_job_then_the_rank_stopped_with_sigstop() -> None:
     with http_server() as (srv, base), ranks(srv.url, "s", 40.0) as procs:
         until(lambda: members(status(base), "s") == ALL_ACTIVE, 30, "4 active ranks in /status")

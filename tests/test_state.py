@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from arendez_server.limits import StateLimits
-from arendez_server.rounds import Hearing, MemberState
+from arendez_server.rounds import HOLD_MAX, Hearing, MemberState
 from arendez_server.state import Job, ServerState
 
 from arendez.errors import RendezvousError, StoreError
@@ -112,6 +112,8 @@ def test_a_server_that_hears_nobody_spares_open_leases_and_restarts_them_when_it
     gone = state.expire(4.0, lease_s, deaf=True)
     assert [(d.rank, d.failed) for d in gone] == [(2, True)]
     assert state.expire(9.0, lease_s, deaf=True) == []  # the open ones are spared while deaf
+    assert state.spared(1.0 + lease_s + HOLD_MAX, lease_s)  # for HOLD_MAX beyond their lease,
+    assert not state.spared(1.1 + lease_s + HOLD_MAX, lease_s)  # not longer
     # back at 11.0: only ``alive`` renews (``dead`` died during the outage)
     assert hearing.hear(11.0) == pytest.approx(10.0) and not hearing.deaf(11.0)
     alive.renew(11.0)
@@ -122,6 +124,28 @@ def test_a_server_that_hears_nobody_spares_open_leases_and_restarts_them_when_it
     alive.renew(16.2), hearing.hear(16.2)
     gone = state.expire(16.2, lease_s, since=hearing.since)
     assert [(d.rank, d.failed) for d in gone] == [(1, True)]
+    assert r.members[0].state is MemberState.ACTIVE
+
+
+def test_no_silence_of_the_server_postpones_a_declaration_past_the_hold():
+    """(Review: heartbeats that kept arriving just over a lease apart pushed every restart one
+    lease further, and a stopped rank beside them was never declared.)"""
+    lease_s = 2.5
+    state = ServerState()
+    job = state.job("j")
+    hearing = Hearing(0.0, lease_s)
+    lagging, stopped = state.lease(b"l" * 16, 0.0), state.lease(b"s" * 16, 0.0)
+    lagging.keepers = stopped.keepers = 1
+    job.join(0, 2, "l", 0.0, lagging)
+    r, _ = job.join(1, 2, "s", 0.0, stopped)
+    stopped.renew(0.0)
+    now, gone = 0.0, []
+    while not gone and now < 2 * HOLD_MAX:
+        now += 2.6  # the lagging process beats a little over a lease apart: every beat restarts
+        lagging.renew(now), hearing.hear(now)
+        gone = state.expire(now, lease_s, since=hearing.since, deaf=hearing.deaf(now))
+    assert [(d.rank, d.failed) for d in gone] == [(1, True)]
+    assert lease_s + HOLD_MAX < now <= lease_s + HOLD_MAX + 2.6
     assert r.members[0].state is MemberState.ACTIVE
 
 
