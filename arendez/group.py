@@ -273,17 +273,27 @@ class ProcessGroup:
 
     def split(self, seq: int, peer: int, collective: str, limit: float) -> bool:
         """Member ``peer`` timed out of collective ``seq`` (``collective``, after ``limit`` s); if
-        it had completed here, the members disagree on its outcome: then the first collective
-        this rank has not started yet fails on every member, saying why (a retry of the
-        timed-out call on one rank must not be paired with the next step's call on another).
-        Not one already running here: the timed-out member may have completed it with us.
-        True if it was a split."""
+        it had completed here, the members disagree on its outcome (``disowned``). Not one
+        already running here: the timed-out member may have completed it with us. True if it
+        was a split."""
+        return self.disowned(seq, f"{collective} (seq {seq}) timed out on rank {peer} after {limit:g}s")
+
+    def disowned(self, seq: int, failed: str) -> bool:
+        """A member failed collective ``seq`` (``failed`` says where and how: a timeout, a
+        mismatch; not a cancel, which changes nothing once a call is done) after it had
+        completed here, as a broadcast's root or a scatter's
+        source completes without hearing from the others: the members disagree on its outcome.
+        Then the first collective this rank has not started yet fails on every member, saying
+        why (a retry of the failed call on one rank must not be paired with the next step's call
+        on another; a rank must not go on unaware that its part was refused). Once per ``seq``
+        (several members may report it). True if it was such a split."""
         if seq not in self.completed:
             return False
+        self.completed.remove(seq)
         refused = self.next_seq
         message = (
-            f"collective #{refused} refused: {collective} (seq {seq}) timed out on rank {peer} after "
-            f"{limit:g}s but completed on rank {self.world.rank}: the ranks disagree on its outcome"
+            f"collective #{refused} refused: {failed} but completed on rank {self.world.rank}: "
+            "the ranks disagree on its outcome"
         )
         self.poison(refused, message, tell=True)
         return True

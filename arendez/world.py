@@ -309,8 +309,11 @@ class World(PeerLosses):
         elif isinstance(frame, frames.P2P):
             self.p2p.deliver(peer, frame.gid, frame.tag, payload, frame.fp)
         elif isinstance(frame, frames.Mismatch):
+            group = self.groups.get(frame.gid)
+            if group is not None and group.disowned(frame.seq, f"rank {peer} refused it ({frame.message})"):
+                return
             self._fail_seq(frame.gid, frame.seq, CollectiveMismatchError(frame.message))
-        elif isinstance(frame, frames.Cancel):
+        elif isinstance(frame, frames.Cancel):  # (one too late for a call done here changes nothing)
             self._fail_seq(frame.gid, frame.seq, CollectiveCancelledError(peer, frame.collective, frame.seq))
         elif isinstance(frame, frames.TimedOut):
             group = self.groups.get(frame.gid)

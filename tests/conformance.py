@@ -215,6 +215,24 @@ async def mismatch(rank: int, ws: int, kind: str) -> str:
     return outcome + f" | next sum {y[0]:g}"
 
 
+async def broadcast_roots_disagree(rank: int, ws: int) -> list[str]:
+    """The last rank broadcasts from rank 1, the others from rank 0: rank 0, a root, has sent
+    and is done before the last rank refuses its data. It must not go on unaware: the first
+    collective it has not started when it hears fails on every rank, and the group goes on."""
+    outcomes = []
+    for step in range(4):
+        x = np.full(4, rank + 1.0, np.float32)
+        try:
+            if step == 0:
+                await dist.broadcast(x, src=1 if rank == ws - 1 else 0)
+            else:
+                await dist.all_reduce(x)
+            outcomes.append(f"{x[0]:g}")
+        except dist.CollectiveMismatchError as exc:
+            outcomes.append(f"CollectiveMismatchError: {exc}")
+    return outcomes
+
+
 async def empty_parts(rank: int, ws: int) -> list[str]:
     """Collectives of empty arrays on every rank end together; one rank's empty part against
     the others' 100 elements is a mismatch on every rank (not a wait for the timeout)."""

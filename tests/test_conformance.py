@@ -75,6 +75,27 @@ def test_mismatch_raises_on_every_rank(run: Runner, kind: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_root_that_completed_a_refused_broadcast_fails_its_next_collective_too(run: Runner) -> None:
+    """(QA28: a broadcast whose ranks named different roots returned on root 0, which went on
+    unaware that the others had raised; gloo times every rank out.)"""
+    zero, one, last = run(conformance.broadcast_roots_disagree, 3)
+    assert zero[0] == "1", zero  # its own data: as a root, it had sent and was done
+    assert last[0].startswith("CollectiveMismatchError: collective #0: rank 2 runs broadcast"), last
+    # (rank 0 may have started the all_reduce after the broadcast before it hears: the one
+    # after that is refused then; the all_reduce it had started pairs with the others' and is exact)
+    refused = [i for i, outcome in enumerate(zero) if "refused" in outcome]
+    assert refused in ([1], [2]), zero
+    for res in (zero, one, last):
+        assert res[refused[0]].startswith(
+            f"CollectiveMismatchError: collective #{refused[0]} refused: rank 2 refused it"
+        ), res
+        # (rank 1 had completed it too, as a receiver: either's word may come first)
+        said = res[refused[0]]
+        assert re.search("but completed on rank [01]: the ranks disagree on its outcome", said), res
+        assert [o for i, o in enumerate(res) if i > 0 and i != refused[0]] == ["6", "6"], res
+
+
+@pytest.mark.timeout(60)
 def test_an_empty_part_against_a_full_one_is_a_mismatch_on_every_rank(run: Runner) -> None:
     """(An empty part used to skip the exchange: its rank returned, the others waited out the
     group's timeout.)"""
