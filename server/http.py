@@ -245,6 +245,11 @@ class _StateCollector:
         yield GaugeMetricFamily("arendez_connections", "Open client connections", value=now["connections"])
         yield GaugeMetricFamily("arendez_store_keys", "Keys in all jobs' stores", value=now["keys"])
         yield GaugeMetricFamily("arendez_store_bytes", "Bytes of keys and values stored", value=now["bytes"])
+        yield GaugeMetricFamily(
+            "arendez_holding_declarations",
+            "1 while no client is heard and failure declarations are held (is the server cut off?)",
+            value=int(server.holding_declarations),
+        )
 
 
 class HttpServer:

@@ -132,6 +132,7 @@ def test_metrics_parse_and_move_when_a_job_runs() -> None:
     with http_server() as (srv, base):
         before = metrics(base)
         assert before[("arendez_jobs", ())] == 0
+        assert before[("arendez_holding_declarations", ())] == 0
         assert before[("arendez_ranks", (("state", "active"),))] == 0
         with ranks(srv.url, "m", 1.0) as procs:
             until(lambda: metrics(base)[("arendez_ranks", (("state", "active"),))] == WORLD, 30, "4 active")

@@ -26,6 +26,7 @@ from netns import Hosts, ip
 
 LEASE = 2.0
 PORT = 29471
+HTTP_PORT = 29472  # (on the server's own loopback: reachable from its namespace while cut off)
 
 
 class Lines:
@@ -69,6 +70,7 @@ def test_a_server_cut_off_for_three_leases_declares_no_rank_failed_and_the_job_e
     hosts: Hosts, tmp_path: Path
 ) -> None:
     argv = ["-m", "arendez_server", "--host", "0.0.0.0", "--port", str(PORT), "--lease", str(LEASE)]
+    argv += ["--http-port", str(HTTP_PORT)]
     server = hosts.run(0, [sys.executable, *argv])
     server_log = Lines(server.stderr)
     server_out = Lines(server.stdout)
@@ -92,6 +94,8 @@ def test_a_server_cut_off_for_three_leases_declares_no_rank_failed_and_the_job_e
     ip("-n", hosts.ns(0), "link", "set", "eth0", "down")
     # every lease runs out, with no heartbeat heard: the server says it holds its declarations
     assert server_log.wait_for("holding failure declarations", 3 * LEASE), server_log
+    said = _status_and_metrics(hosts)
+    assert '"holding_declarations": true' in said and "arendez_holding_declarations 1.0" in said, said
     time.sleep(3 * LEASE)
     ip("-n", hosts.ns(0), "link", "set", "eth0", "up")
     # (the ranks' connections come back at the pace of TCP's retransmission backoff)
@@ -103,3 +107,18 @@ def test_a_server_cut_off_for_three_leases_declares_no_rank_failed_and_the_job_e
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{errs[rank]}"
         assert outs[rank].wait_for("DONE", 1), outs[rank]
     assert "declared failed" not in str(server_log), server_log
+    said = _status_and_metrics(hosts)
+    assert '"holding_declarations": false' in said and "arendez_holding_declarations 0.0" in said, said
+
+
+def _status_and_metrics(hosts: Hosts) -> str:
+    """The server's /status and /metrics, fetched from inside its namespace."""
+    base = f"http://127.0.0.1:{HTTP_PORT}/"
+    fetch = (
+        "import urllib.request as u; "
+        f"[print(u.urlopen({base!r} + page, timeout=5).read().decode()) for page in ('status', 'metrics')]"
+    )
+    proc = hosts.run(0, [sys.executable, "-c", fetch])
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    return out
