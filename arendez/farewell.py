@@ -136,7 +136,7 @@ def _why_ended(owner: asyncio.Task[Any] | None) -> str | None:
     if owner is not None and owner.done():
         exc = owner.exception()
     if exc is None:
-        exc = getattr(sys, "last_value", None)
+        exc = uncaught()
     if isinstance(exc, BaseException):
         return crash_reason(exc)
     return None
@@ -144,7 +144,18 @@ def _why_ended(owner: asyncio.Task[Any] | None) -> str | None:
 
 def crash_reason(exc: BaseException) -> str:
     """What a rank's peers are told when its process ends with ``exc`` uncaught."""
-    return f"its process ended with an uncaught {type(exc).__name__}: {str(exc)[:200]}"
+    said = str(exc)[:200]
+    return f"its process ended with an uncaught {type(exc).__name__}" + (f": {said}" if said else "")
+
+
+def uncaught() -> BaseException | None:
+    """The exception that is ending this process, if one is (``sys.last_value``, set when an
+    uncaught exception was printed); None in an interactive session (a REPL, IPython), where
+    it is one that an earlier input raised, printed and left behind."""
+    exc = getattr(sys, "last_value", None)
+    if not isinstance(exc, BaseException) or hasattr(sys, "ps1") or "IPython" in sys.modules:
+        return None
+    return exc
 
 
 def _at_exit() -> None:

@@ -286,7 +286,9 @@ class ProcessGroup:
         Then the first collective this rank has not started yet fails on every member, saying
         why (a retry of the failed call on one rank must not be paired with the next step's call
         on another; a rank must not go on unaware that its part was refused). Once per ``seq``
-        (several members may report it). True if it was such a split."""
+        here (several members may report it); every member that completed it does the same, so
+        members that heard at different points may refuse a collective each. True if it was
+        such a split."""
         if seq not in self.completed:
             return False
         self.completed.remove(seq)

@@ -400,7 +400,12 @@ def _on_server_event(world: World, event: dict[str, Any]) -> None:
     """The server's word on ranks this one may never have connected to."""
     kind = event.get("event")
     rank = event.get("rank")
-    if kind == "rank_failed" and isinstance(rank, int):
+    if kind == "rank_failed" and isinstance(rank, int) and event.get("said"):
+        # it failed by its own word as it left: a connected rank says so on its connection too,
+        # after its last frame (this news may overtake them); another sent us nothing
+        if rank not in _connected(world):
+            world.peer_lost(rank, f"{event.get('reason')} (the server says)", ordered=True)
+    elif kind == "rank_failed" and isinstance(rank, int):
         world.peer_lost(rank, f"declared failed by the server ({event.get('reason')})")
     elif kind == "self_failed":
         world.expelled(f"this rank was declared failed by the server ({event.get('reason')})")

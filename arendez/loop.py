@@ -15,7 +15,6 @@ import atexit
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -303,8 +302,8 @@ async def _wind_down(timeout: float) -> None:
 
     world = registry.world_or_none()
     if world is not None:
-        crashed = getattr(sys, "last_value", None)  # (set when an uncaught exception ended it)
-        if isinstance(crashed, BaseException):  # the advice to call destroy would be beside the point
+        crashed = farewell.uncaught()
+        if crashed is not None:  # the advice to call destroy would be beside the point
             log.info(
                 "arendez: the program ended with an uncaught %s; closing its process group",
                 type(crashed).__name__,

@@ -164,8 +164,22 @@ class PeerLosses:
             return RankFailedError(self.rank, name, self.expulsion)
         return RankFailedError(peer, name, reason)
 
-    def peer_lost(self, peer: int, reason: str, *, left: bool = False) -> None:
-        """``peer`` died, left or was declared failed: fail everything that depends on it."""
+    def _failure(self, group: Any, name: str, peer: int, reason: str) -> RankFailedError:
+        """The error of a call of ``group`` that ``peer``'s loss ends: naming first the members
+        seen to fail before (a peer that left because of them is their messenger, not the cause)."""
+        earlier = [(r, why) for r, why in self.failed.items() if r != peer and r in group.members]
+        if not earlier:
+            return RankFailedError(peer, name, reason)
+        exc = RankFailedError(earlier[0][0], name, earlier[0][1])
+        for rank, why in [*earlier[1:], (peer, reason)]:
+            exc.add(rank, why)
+        return exc
+
+    def peer_lost(self, peer: int, reason: str, *, left: bool = False, ordered: bool = False) -> None:
+        """``peer`` died, left or was declared failed: fail everything that depends on it.
+        ``left``: in good order, not a failure; ``ordered``: a failure, but it said goodbye
+        after its last frame (a rank ending by an exception or a signal): as after a leave, only
+        what we still expect from it is lost."""
         if peer in self.dead or peer == self.rank:
             return
         self.dead[peer] = reason
@@ -198,12 +212,12 @@ class PeerLosses:
                 for op in list(group.active.values()):
                     # A rank that left said goodbye after its last frame: only what we still
                     # expect from it is lost. A rank that died may hold up anyone: fail all.
-                    if left and not self.mail.expects(op.keys, peer):
-                        continue
+                    expects = self.mail.expects(op.keys, peer) if left or ordered else True
                     if isinstance(op.error, RankFailedError):
-                        op.error.add(peer, reason)  # name every failure, the first one first
-                    else:
-                        op.fail(RankFailedError(peer, op.name, reason))
+                        if expects or ordered:  # name every failure, the first one first
+                            op.error.add(peer, reason)
+                    elif expects:
+                        op.fail(self._failure(group, op.name, peer, reason))
         # a receive from any rank fails with a failure in its group (as MPI's ULFM has it), or
         # once no other member is left to send; a peer that left in good order sent its last
         # name the failures seen before this one first (the messenger's death may be their effect)

@@ -211,9 +211,12 @@ class MembershipOps:
         for entry in ranks:
             if not isinstance(entry, list) or len(entry) != 3:
                 continue
-            rank, failed, reason = entry
+            rank, failed, reason = entry  # (failed: 0 left, 1 declared failed, 2 by its own word)
             if rank == me:  # (the news of our own failure reaches us once we run again)
                 if failed:
                     self.on_event({"event": "self_failed", "rank": rank, "reason": reason})
                 continue
-            self.on_event({"event": "rank_failed" if failed else "rank_left", "rank": rank, "reason": reason})
+            event = {"event": "rank_failed" if failed else "rank_left", "rank": rank, "reason": reason}
+            if failed == 2:  # it said so as it left, after its last frames to its peers
+                event["said"] = True
+            self.on_event(event)

@@ -47,9 +47,9 @@ def request_limit(max_value: int, max_key: int) -> int:
 MAX_REQUEST = request_limit(MAX_VALUE, MAX_KEY)
 #: The most keys one request may name (a request that waits holds its keys on the server); the
 #: clients split longer key lists into several requests (``key_batches``).
+MAX_KEYS = 10_000
 #: The longest reason a rank may give for its failure as it leaves (``leave``'s ``failed``).
 MAX_REASON = 1000
-MAX_KEYS = 10_000
 #: The server job every ``TCPStore`` client uses (``arendez.tcpstore``, and torch's own client on
 #: ``arendez-server --tcpstore-port``): one server, one key space, as torch's.
 TCPSTORE_JOB = "tcpstore"

@@ -329,8 +329,8 @@ class World(PeerLosses):
             # the leaver tells us who it saw die: blame the root cause, not the messenger
             # (it names itself when its process ended without destroy_process_group)
             for rank, reason in frame.failed.items():
-                if rank == peer:
-                    self.peer_lost(rank, reason)
+                if rank == peer:  # it ends by a failure, saying so after its last frame
+                    self.peer_lost(rank, reason, ordered=True)
                 elif rank == self.rank:  # it went on without us: say so, do not blame it
                     self.expelled(f"rank {peer} saw this rank fail: {reason}")
                 else:

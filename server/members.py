@@ -160,7 +160,7 @@ class Members:
         departed, self._departed = self._departed, []
         by_round: dict[tuple[str, bytes], list[list[Any]]] = {}
         for gone in departed:
-            by_round.setdefault((gone.job, gone.nonce), []).append([gone.rank, gone.failed, gone.reason])
+            by_round.setdefault((gone.job, gone.nonce), []).append([gone.rank, gone.kind, gone.reason])
         for key, ranks in by_round.items():
             event = wire.encode({"event": "departed", "ranks": ranks})
             for session in self.sessions.get(key, ()):

@@ -133,6 +133,14 @@ class Departure:
     rank: int
     failed: bool
     reason: str
+    #: The member said so itself as it left (``Job.leave``'s ``failed``), after its last frames
+    #: to its peers: they lose only what they still expect from it.
+    said: bool = False
+
+    @property
+    def kind(self) -> int:
+        """On the wire: 0 left, 1 declared failed, 2 failed by its own word (``said``)."""
+        return 2 if self.said else int(self.failed)
 
 
 @dataclass(eq=False)

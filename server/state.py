@@ -255,7 +255,7 @@ class Job(KeyValueStore):
         round_.end(member, MemberState.LEFT if failed is None else MemberState.FAILED)
         self._forget_if_done(round_)
         if failed is not None:
-            return Departure(self.name, round_.nonce, rank, True, failed)
+            return Departure(self.name, round_.nonce, rank, True, failed, said=True)
         return Departure(self.name, round_.nonce, rank, False, "left the job")
 
     def _forget_if_done(self, round_: Round) -> None:

@@ -306,7 +306,7 @@ class EtcdStore(EtcdKV):
                         event = (
                             {"event": "rank_left", "rank": r, "reason": "left the job"}
                             if why == ""
-                            else {"event": "rank_failed", "rank": r, "reason": why}
+                            else {"event": "rank_failed", "rank": r, "reason": why, "said": True}
                             if why is not None
                             else {
                                 "event": "rank_failed",
