@@ -116,7 +116,7 @@ def _goodbye(world: World, why: str | None) -> list[int]:
         failed[world.rank] = why
         errorfile.record(why)  # before the peers hear of it (arendez-run's blame)
     world.closed = True
-    return world.mesh.farewell(frames.Bye(failed), budget)
+    return world.mesh.farewell(frames.Bye(failed, world.finished()), budget)
 
 
 def say_last_words(why: str | None) -> list[int]:

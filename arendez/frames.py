@@ -10,7 +10,7 @@ after the header (``wire``), never inside it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from .errors import (
@@ -111,10 +111,13 @@ class TimedOut(Frame):
 @dataclass(frozen=True, slots=True)
 class Bye(Frame):
     """The sender left (destroyed its process group, or its process ended); ``failed`` are the
-    ranks it saw die (itself last if it ended by an exception or a signal)."""
+    ranks it saw die (itself last if it ended by an exception or a signal); ``started``, by
+    group id, how many collectives it had started (those before it has done its part of: a
+    receiver's copy of one of them needs nothing more from it)."""
 
     KIND: ClassVar[Kind] = Kind.BYE
     failed: dict[int, str]
+    started: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +239,10 @@ def _check_map(value: Any) -> bool:
     )
 
 
+def _check_counts(value: Any) -> bool:
+    return isinstance(value, dict) and all(type(k) is int and type(v) is int for k, v in value.items())
+
+
 def _check_ints(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
@@ -248,6 +255,8 @@ def _checker(annotation: str) -> Any:
         return lambda v: isinstance(v, types)
     if annotation == "dict[int, str]":
         return _check_map
+    if annotation == "dict[int, int]":
+        return _check_counts
     if annotation == "list[int]":
         return _check_ints
     raise TypeError(f"frame field type {annotation!r} has no wire check")

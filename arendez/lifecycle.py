@@ -404,7 +404,7 @@ def _on_server_event(world: World, event: dict[str, Any]) -> None:
         # it failed by its own word as it left: a connected rank says so on its connection too,
         # after its last frame (this news may overtake them); another sent us nothing
         if rank not in _connected(world):
-            world.peer_lost(rank, f"{event.get('reason')} (the server says)", ordered=True)
+            world.peer_lost(rank, f"{event.get('reason')} (the server says)")
     elif kind == "rank_failed" and isinstance(rank, int):
         world.peer_lost(rank, f"declared failed by the server ({event.get('reason')})")
     elif kind == "self_failed":

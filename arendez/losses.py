@@ -175,11 +175,14 @@ class PeerLosses:
             exc.add(rank, why)
         return exc
 
-    def peer_lost(self, peer: int, reason: str, *, left: bool = False, ordered: bool = False) -> None:
+    def peer_lost(
+        self, peer: int, reason: str, *, left: bool = False, done: dict[int, int] | None = None
+    ) -> None:
         """``peer`` died, left or was declared failed: fail everything that depends on it.
-        ``left``: in good order, not a failure; ``ordered``: a failure, but it said goodbye
-        after its last frame (a rank ending by an exception or a signal): as after a leave, only
-        what we still expect from it is lost."""
+        ``left``: in good order, not a failure. ``done``: a failure, but it said goodbye after
+        its last frame (a rank ending by an exception or a signal), having done its part of
+        every collective of group ``gid`` before number ``done[gid]``: our copy of one of those
+        loses only what it still expects from it; every later one fails."""
         if peer in self.dead or peer == self.rank:
             return
         self.dead[peer] = reason
@@ -209,14 +212,15 @@ class PeerLosses:
         # in the size of the world here made a job's tail quadratic)
         for group in list(self.groups.values()):
             if group.active and peer in group.members:
+                finished = -1 if done is None else done.get(group.gid, 0)
                 for op in list(group.active.values()):
                     # A rank that left said goodbye after its last frame: only what we still
                     # expect from it is lost. A rank that died may hold up anyone: fail all.
-                    expects = self.mail.expects(op.keys, peer) if left or ordered else True
+                    lost = self.mail.expects(op.keys, peer) if left or op.seq < finished else True
                     if isinstance(op.error, RankFailedError):
-                        if expects or ordered:  # name every failure, the first one first
+                        if lost or not left:  # name every failure, the first one first
                             op.error.add(peer, reason)
-                    elif expects:
+                    elif lost:
                         op.fail(self._failure(group, op.name, peer, reason))
         # a receive from any rank fails with a failure in its group (as MPI's ULFM has it), or
         # once no other member is left to send; a peer that left in good order sent its last

@@ -68,6 +68,7 @@ async def _close_world(world: World, deadline: float, drain_by: float | None = N
     def left() -> float:
         return max(0.0, deadline - loop.time())
 
+    done = world.finished()  # (a goodbye that names this rank's failure says how far it got)
     groups = sorted(world.groups.values(), key=lambda g: -g.gid)  # subgroups first
     for g in groups:
         g.closing = True  # new collectives now raise GroupDestroyedError
@@ -81,7 +82,7 @@ async def _close_world(world: World, deadline: float, drain_by: float | None = N
     if world.store is not None and not hosting:  # before the goodbye: it means "done with the store"
         await world.store.leave(left(), failed=world.ending)
     await farewell.forget(world)
-    world.say_goodbye()
+    world.say_goodbye(done)
     if hosting:  # the others still need the store until they have left
         # (a member still, it hears the server declare a stopped peer failed: no full linger)
         await world.peers_gone(min(deadline, loop.time() + LINGER_SECONDS))

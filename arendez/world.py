@@ -267,15 +267,21 @@ class World(PeerLosses):
                     self.pool.give(pooled)
         return peers
 
-    def say_goodbye(self) -> None:
+    def say_goodbye(self, done: dict[int, int] | None = None) -> None:
         """Tell every peer this rank leaves, and which ranks it saw fail (itself last, if its
-        process is ending by a failure: ``ending``)."""
+        process is ending by a failure: ``ending``; then ``done``, by group, the first
+        collective it had not done its part of: ``finished``)."""
         if self.mesh is not None:
             failed = dict(self.failed)
             if self.ending is not None:
                 failed[self.rank] = self.ending
             for peer in list(self.mesh.conns):
-                self.send_control(peer, frames.Bye(failed))
+                self.send_control(peer, frames.Bye(failed, done or {}))
+
+    def finished(self) -> dict[int, int]:
+        """By group id, the first collective this rank has not done its part of (those before
+        it are done here: a peer's copy of one of them needs nothing more from this rank)."""
+        return {gid: min(g.active, default=g.next_seq) for gid, g in self.groups.items()}
 
     async def open_shm(self, timeout: float) -> None:
         """Wait (at most ``timeout``) until the shared-memory links with the peers connected
@@ -330,7 +336,7 @@ class World(PeerLosses):
             # (it names itself when its process ended without destroy_process_group)
             for rank, reason in frame.failed.items():
                 if rank == peer:  # it ends by a failure, saying so after its last frame
-                    self.peer_lost(rank, reason, ordered=True)
+                    self.peer_lost(rank, reason, done=frame.started)
                 elif rank == self.rank:  # it went on without us: say so, do not blame it
                     self.expelled(f"rank {peer} saw this rank fail: {reason}")
                 else:

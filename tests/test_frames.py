@@ -16,6 +16,7 @@ EXAMPLES: list[frames.Frame] = [
     frames.TimedOut(0, 7, "all_reduce", 3000),
     frames.Bye({2: "connection lost", 3: "declared failed"}),
     frames.Bye({}),
+    frames.Bye({1: "its process ended with an uncaught ValueError"}, {0: 5, 3: 2}),
     frames.Query(0, 11),
     frames.Answer(11, -1),
     frames.P2P(0, 9, "send|<f4|3"),
@@ -46,7 +47,8 @@ def test_every_kind_has_an_example():
         ([int(frames.Kind.DATA), 0, 1, 2, 3, "fp", 99, 100], "Data frame has 7 fields"),  # not ShmData
         ([int(frames.Kind.DATA), 0, "1", 2, 3, "fp"], "Data frame: bad seq"),
         ([int(frames.Kind.QUERY), True, 1], "Query frame: bad gid"),  # a bool is not an int
-        ([int(frames.Kind.BYE), {"2": "x"}], "Bye frame: bad failed"),
+        ([int(frames.Kind.BYE), {"2": "x"}, {}], "Bye frame: bad failed"),
+        ([int(frames.Kind.BYE), {2: "x"}, {0: "3"}], "Bye frame: bad started"),
         ([int(frames.Kind.SHM_FREE), [1, "2"]], "ShmFree frame: bad offsets"),
         ([99, 1], "unknown peer frame kind 99"),
         ({"kind": 0}, "must be \\[kind, \\*fields\\]"),
