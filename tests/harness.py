@@ -305,3 +305,23 @@ def run_function(
 ) -> list[Any]:
     """``run_ranks(..., join=True)``: rank code that expects the default group joined."""
     return run_ranks(fn, world_size, url, *args, join=True, **kw)
+
+
+@contextmanager
+def emulated_hosts(prefix: str, count: int) -> Iterator[Any]:
+    """``count`` emulated hosts (network namespaces on one bridge, ``benchmarks/netns.py``),
+    deleted after, none left behind; skips the test without root."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CI runs as root)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from netns import Hosts
+
+    topo = Hosts(f"{prefix}{os.getpid()}", count)
+    try:
+        yield topo
+    finally:
+        topo.close()
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert topo.prefix not in left, f"namespaces left behind: {left}"

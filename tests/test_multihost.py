@@ -8,14 +8,12 @@ veth counters show it) and must not use shared memory (the hosts share none).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import ROOT
+from tests.harness import ROOT, emulated_hosts
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from netns import Hosts
@@ -25,15 +23,8 @@ NBYTES = 4 << 20
 
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CI runs as root)")
-    topo = Hosts(f"mt{os.getpid()}", 2)
-    try:
+    with emulated_hosts("mt", 2) as topo:
         yield topo
-    finally:
-        topo.close()
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert topo.prefix not in left, f"namespaces left behind: {left}"
 
 
 @pytest.mark.timeout(60)

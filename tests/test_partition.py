@@ -9,8 +9,6 @@ hears them again, restarts every lease, and the job ends cleanly, store calls in
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -19,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT
+from tests.harness import ROOT, emulated_hosts
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from netns import Hosts, ip
@@ -54,15 +52,8 @@ class Lines:
 
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CI runs as root)")
-    topo = Hosts(f"pt{os.getpid()}", 3)
-    try:
+    with emulated_hosts("pt", 3) as topo:
         yield topo
-    finally:
-        topo.close()
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert topo.prefix not in left, f"namespaces left behind: {left}"
 
 
 @pytest.mark.timeout(90)
