@@ -206,7 +206,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._drop_lowat()
         if self.error is None:
-            self.error = _detached(exc) or ConnectionResetError("connection closed by peer")
+            self.error = detached(exc) or ConnectionResetError("connection closed by peer")
         self._transport = None
         self._wake_drainers()
         if self._queue_waiter is not None and not self._queue_waiter.done():
@@ -355,7 +355,7 @@ class Connection(asyncio.BufferedProtocol):
         connection in a reference cycle) and drops the frames it had queued.
         """
         if self.error is None:
-            self.error = _detached(exc)
+            self.error = detached(exc)
         self._queue.clear()
         self._drop_lowat()
         transport = self._transport
@@ -412,7 +412,7 @@ def describe_peer(peer: Any) -> str:
     return str(peer) if peer != "" else "a local socket"
 
 
-def _detached(exc: E | None) -> E | None:
+def detached(exc: E | None) -> E | None:
     """``exc`` with its traceback (and those of its causes) dropped, so that keeping it does
     not keep the frames that raised it, and what they referenced, alive."""
     seen: set[int] = set()

@@ -273,8 +273,9 @@ class Server:
             if not isinstance(job, str) or len(job) > 256:
                 raise ProtocolError("job name must be a string of at most 256 characters")
         except (ProtocolError, AuthenticationError) as exc:
-            note_closing(conn, conn.host, "closing", exc)
-            conn.fail(exc, tell_peer=True)
+            # (told, and what it still sends read and dropped for a moment before the close: a
+            # client that sent its first request behind its hello reads why, not a reset)
+            conn.refuse(exc)
             return
         if hello.get("early") is not True or cfg.token:  # (a client that took the early one: none)
             conn.send(welcome)

@@ -57,7 +57,7 @@ FLUSH_AT = 64 << 10
 DROP_DELAY = 0.2
 #: Frames a client may queue before its hello is checked.
 HELLO_FRAMES = 2
-#: Where the bytes a refused client still sends are read to, and dropped (``_refuse``).
+#: Where the bytes a refused client still sends are read to, and dropped (``refuse``).
 _DISCARD = memoryview(bytearray(64 << 10))
 
 
@@ -255,12 +255,12 @@ class ServerConnection(transport.Connection):
             self._count_held(reader)
         return view
 
-    def _refuse(self, exc: ArendezError) -> None:
+    def refuse(self, exc: ArendezError) -> None:
         """Tell the client why at once, let go of its request, read and drop what it still
         sends for ``DROP_DELAY`` (so that it can finish sending and read why), then close."""
         note_closing(self, self.host, "refusing", exc)
         if self.over is None:
-            self.over = exc
+            self.over = transport.detached(exc)  # (its traceback's frames would keep us alive)
         self.reader = None
         self.server.unfinished -= self.held
         self.held = 0
@@ -280,7 +280,7 @@ class ServerConnection(transport.Connection):
     def buffer_updated(self, nbytes: int) -> None:
         if self.over is not None:  # (its request passed the server's budget: refused)
             if self.reader is not None:
-                self._refuse(self.over)
+                self.refuse(self.over)
             return
         session, reader = self.session, self.reader
         if session is None or reader is None:
@@ -295,7 +295,7 @@ class ServerConnection(transport.Connection):
         try:
             requests = reader.feed(nbytes)
         except ProtocolError as exc:
-            self._refuse(_named(exc))
+            self.refuse(_named(exc))
             return
         if reader.held() != self.held:  # (a large request done: its buffer let go)
             self._count_held(reader)

@@ -50,6 +50,18 @@ def test_without_token_nothing_but_the_handshake_is_answered(token_server):
     assert b"AuthenticationError" in rest and b'"ok"' not in rest and b"\xa2ok" not in rest
 
 
+@pytest.mark.timeout(30)
+def test_a_client_refused_at_the_handshake_reads_why_though_it_sent_on(token_server):
+    """What it sent behind its hello is read and dropped before the close, so the client reads
+    the AuthenticationError, not a connection reset (bytes left unread at a close make the
+    kernel answer with a reset, which drops the answer and fails the client's send)."""
+    with socket.create_connection(("127.0.0.1", token_server.port)) as sock:
+        sock.recv(65536)
+        hello = raw_frame({"job": "x", "nonce": b"0" * 16, "proof": b"forged" * 5})
+        sock.sendall(hello + bytes(4 << 20))  # (more than the socket buffers hold)
+        assert b"AuthenticationError" in read_until_closed(sock)
+
+
 @pytest.mark.timeout(60)
 def test_token_job_and_stranger_cannot_join_the_mesh(token_server, tmp_path):
     url = f"arendez://{TOKEN}@127.0.0.1:{token_server.port}/guarded"
