@@ -22,7 +22,7 @@ from tests.harness import ROOT, emulated_hosts
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from netns import Hosts, ip
 
-LEASE = 2.0
+LEASE = 1.5
 PORT = 29471
 HTTP_PORT = 29472  # (on the server's own loopback: reachable from its namespace while cut off)
 
