@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -139,6 +139,16 @@ class RankFailedError(NetworkError):
         self.also: list[tuple[int, str]] = []  # later failures seen before this was raised
         self._named: set[int] = set()
         super().__init__(f"rank {rank} failed during {collective}: {reason}")
+
+    @classmethod
+    def naming(cls, collective: str, failures: Sequence[tuple[int, str]]) -> RankFailedError:
+        """The error of ``collective`` naming ``failures`` (rank, reason; at least one), the
+        first failure first."""
+        (rank, reason), *later = failures
+        exc = cls(rank, collective, reason)
+        for other, why in later:
+            exc.add(other, why)
+        return exc
 
     @property
     def ranks(self) -> list[int]:

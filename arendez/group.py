@@ -128,10 +128,7 @@ class ProcessGroup:
             members = self.members if among is None else among
             mine = [(r, why) for r, why in failed.items() if r in members]  # first failure first
             if mine:
-                exc = RankFailedError(mine[0][0], name, mine[0][1])
-                for rank, why in mine[1:]:
-                    exc.add(rank, why)
-                raise exc
+                raise RankFailedError.naming(name, mine)
 
     async def run(
         self, name: str, fp: str, body: Callable[[Any], Awaitable[T]], timeout: float | None = None

@@ -168,12 +168,7 @@ class PeerLosses:
         """The error of a call of ``group`` that ``peer``'s loss ends: naming first the members
         seen to fail before (a peer that left because of them is their messenger, not the cause)."""
         earlier = [(r, why) for r, why in self.failed.items() if r != peer and r in group.members]
-        if not earlier:
-            return RankFailedError(peer, name, reason)
-        exc = RankFailedError(earlier[0][0], name, earlier[0][1])
-        for rank, why in [*earlier[1:], (peer, reason)]:
-            exc.add(rank, why)
-        return exc
+        return RankFailedError.naming(name, [*earlier, (peer, reason)])
 
     def peer_lost(
         self, peer: int, reason: str, *, left: bool = False, done: dict[int, int] | None = None

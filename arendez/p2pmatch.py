@@ -154,13 +154,7 @@ class P2PMatcher:
         ``any_source_groups``; their errors name the ``earlier`` failures (rank, reason) first."""
 
         def error() -> RankFailedError:
-            if not earlier:
-                return RankFailedError(peer, "recv", reason)
-            (first, why), *rest = earlier
-            exc = RankFailedError(first, "recv", why)
-            for rank, later in (*rest, (peer, reason)):
-                exc.add(rank, later)
-            return exc
+            return RankFailedError.naming("recv", [*(earlier or ()), (peer, reason)])
 
         for posted in self._posted:
             if posted.src == peer or (posted.src is None and posted.gid in any_source_groups):
