@@ -51,10 +51,11 @@ from .handlers import (
     start_join,
 )
 from .hooks import ServerHooks
+from .keepers import Keepers
 from .lifetimes import JobLifetimes
 from .limits import StateLimits
 from .members import Members
-from .rounds import Departure, Hearing, Lease
+from .rounds import Departure
 from .state import ServerState
 from .waits import KeyWaits
 
@@ -122,10 +123,7 @@ class Server:
     def __init__(self, config: ServerConfig | None = None) -> None:
         self.config = cfg = config or ServerConfig()
         self.state = ServerState(cfg.limits)
-        self.hearing = Hearing(time.monotonic(), cfg.lease)
-        #: Failure declarations are being held: no client heard (``Hearing``, ``Member.spared``).
-        self._held = False
-        self._keepers = 0  # open keeper connections (``keep``), of every lease
+        self.keepers = Keepers(cfg.lease)
         self.admission = Admission(cfg.max_connections, cfg.max_connections_per_host, cfg.hooks)
         #: Connections whose replies wait to be read (``Session.check_unread``).
         self.backlogged: set[Backlogged] = set()
@@ -291,7 +289,7 @@ class Server:
             return
         session, conn.session = conn.session, None  # the session keeps its connection, not both ways
         if session is not None:
-            self.let_go(session)
+            self.keepers.let_go(session)
             self._session_gone(session)
 
     def _session_gone(self, session: Session) -> None:
@@ -458,49 +456,13 @@ class Server:
                 # the server itself stalled: heartbeats may be waiting in its sockets, unread.
                 # Read them (next turn) before judging anyone.
                 continue
-            # (one keeper connection alone that went silent is a process as likely stopped)
-            since, deaf = self.hearing.since, self.hearing.deaf(now) and self._keepers >= 2
-            if deaf and not self._held and self.state.spared(now, cfg.lease, cfg.lease_arm_grace, since):
-                self._held = True
-                log.warning(
-                    "heard no client for %.1fs, and leases ran out: holding failure declarations "
-                    "until clients are heard again (is this server cut off from the network?)",
-                    now - self.hearing.last,
-                )
+            since, deaf = self.keepers.judge(self.state, now, cfg.lease, cfg.lease_arm_grace)
             self.depart(self.state.expire(now, cfg.lease, cfg.lease_arm_grace, since, deaf))
 
     @property
     def holding_declarations(self) -> bool:
         """No client heard for a while and leases ran out: nobody is declared failed now."""
-        return self._held
-
-    def keep(self, session: Session, lease: Lease, now: float) -> None:
-        """``session`` keeps ``lease`` from now on, and renews it."""
-        if session.lease is not lease:
-            self.let_go(session)
-            if not self._keepers:  # a silence with nobody to hear is no silence (``Hearing``)
-                self.hearing.last = now
-            session.lease, self._keepers = lease, self._keepers + 1
-            lease.keepers += 1
-        lease.renew(now)
-        self.heard(now)
-
-    def let_go(self, session: Session) -> Lease | None:
-        """``session`` no longer keeps its lease (which is returned)."""
-        lease, session.lease = session.lease, None
-        if lease is not None:
-            lease.keepers -= 1
-            self._keepers -= 1
-            self._held = self._held and self._keepers > 0
-        return lease
-
-    def heard(self, now: float) -> None:
-        """A client's heartbeat arrived (``Hearing``): after a silence, every lease restarts."""
-        silence = self.hearing.hear(now)
-        if silence is not None and self._held:
-            self._held = False
-            restart = ": leases restart in one lease" if self.hearing.since > now else ""
-            log.warning("heard clients again after %.1fs of silence%s", silence, restart)
+        return self.keepers.held
 
 
 transport.register_remote_errors(StoreError, StoreTimeoutError, RendezvousError, ProtocolError)

@@ -154,12 +154,12 @@ def start_barrier(server: Server, s: Session, job: Job, rid: Any, h: dict[str, A
 def _lease(server: Server, s: Session, job: Job | None, h: dict[str, Any]) -> None:
     """Make this connection the keeper of the client process's lease ``key``."""
     now = time.monotonic()
-    server.keep(s, server.state.lease(h.get("key"), now), now)
+    server.keepers.keep(s, server.state.lease(h.get("key"), now), now)
 
 
 def _heartbeat(server: Server, s: Session, job: Job | None, h: dict[str, Any]) -> None:
     now = time.monotonic()
-    server.heard(now)
+    server.keepers.heard(now)
     if s.lease is not None:
         s.lease.renew(now)
     if s.round is not None and s.rank is not None and job is not None:
@@ -169,7 +169,7 @@ def _heartbeat(server: Server, s: Session, job: Job | None, h: dict[str, Any]) -
 def _lease_end(server: Server, s: Session, job: Job | None, h: dict[str, Any]) -> None:
     """The client process ended its lease in order (every rank of it released it after its
     leave): its members still active here left, even if their leaves never arrived."""
-    lease = server.let_go(s)
+    lease = server.keepers.let_go(s)
     if lease is not None:
         server.depart(server.state.end_lease(lease))
 

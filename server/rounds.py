@@ -74,6 +74,10 @@ class Member:
             and now - self.seen() <= lease + HOLD_MAX
         )
 
+    def overdue(self, now: float, lease: float, arm_grace: float, since: float = -math.inf) -> bool:
+        """Active, and ``expired``: what the lease check declares failed, unless ``spared``."""
+        return self.state is MemberState.ACTIVE and self.expired(now, lease, arm_grace, since)
+
     def expired(self, now: float, lease: float, arm_grace: float, since: float = -math.inf) -> bool:
         """Silent for longer than ``lease`` (its own heartbeats, or its process's lease), counted
         from ``since`` at the earliest (``Hearing.since``), but never longer than ``HOLD_MAX``

@@ -290,11 +290,7 @@ class Job(KeyValueStore):
         gone = []
         for round_ in list(self.rounds.values()):
             for member in round_.members.values():
-                if (
-                    member.state is MemberState.ACTIVE
-                    and member.expired(now, lease, arm_grace, since)
-                    and not member.spared(deaf, now, lease)
-                ):
+                if member.overdue(now, lease, arm_grace, since) and not member.spared(deaf, now, lease):
                     round_.end(member, MemberState.FAILED)
                     gone.append(
                         Departure(self.name, round_.nonce, member.rank, True, f"no heartbeat for {lease:g}s")
@@ -359,9 +355,7 @@ class ServerState:
     def spared(self, now: float, lease: float, arm_grace: float = 0.0, since: float = -math.inf) -> bool:
         """Whether some active member silent for over ``lease`` s is spared by deafness."""
         return any(
-            member.state is MemberState.ACTIVE
-            and member.expired(now, lease, arm_grace, since)
-            and member.spared(True, now, lease)
+            member.overdue(now, lease, arm_grace, since) and member.spared(True, now, lease)
             for job in self.jobs.values()
             for round_ in job.rounds.values()
             for member in round_.members.values()
