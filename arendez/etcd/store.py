@@ -303,17 +303,14 @@ class EtcdStore(EtcdKV):
                         left[r] = unb64(ev["kv"].get("value", "")).decode(errors="replace")
                     elif kind == "rank" and ev.get("type") == "DELETE" and r != me:
                         why = left.get(r)
-                        event = (
-                            {"event": "rank_left", "rank": r, "reason": "left the job"}
-                            if why == ""
-                            else {"event": "rank_failed", "rank": r, "reason": why, "said": True}
-                            if why is not None
-                            else {
-                                "event": "rank_failed",
-                                "rank": r,
-                                "reason": f"its etcd lease expired (no keepalive for {self.lease_ttl}s)",
-                            }
-                        )
+                        event: dict[str, Any]
+                        if why == "":
+                            event = {"event": "rank_left", "rank": r, "reason": "left the job"}
+                        elif why is not None:  # it said why it failed as it left
+                            event = {"event": "rank_failed", "rank": r, "reason": why, "said": True}
+                        else:
+                            expired = f"its etcd lease expired (no keepalive for {self.lease_ttl}s)"
+                            event = {"event": "rank_failed", "rank": r, "reason": expired}
                         (log.info if why == "" else log.warning)(
                             "job %r rank %d %s", self.job, r, event["reason"]
                         )
