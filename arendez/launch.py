@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import sys
@@ -31,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from . import blame, children, errorfile, validate
+from . import blame, children, errorfile, jobnames, validate
 
 T = TypeVar("T")
 
@@ -103,7 +102,7 @@ def job_url(server: str, job: str | None) -> str:
     path = parts.path.strip("/")
     if path and job and path != job:
         raise ValueError(f"--server names job {path!r} but --job says {job!r}")
-    name = job or path or f"run-{os.getpid()}-{secrets.token_hex(3)}"
+    name = job or path or jobnames.for_launch(os.getpid())
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
 
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 import arendez
 
-from . import embedded, farewell
+from . import embedded, farewell, jobnames
 from .errors import RendezvousError
 from .loop import shared
 from .torchgroup import BACKEND, ProcessGroupArendez
@@ -131,7 +131,7 @@ async def _host(host: str) -> str:
         entry = _hosted[host] = (server, token)
     server, token = entry
     where = f"[{host}]" if ":" in host else host
-    return f"arendez://{token}@{where}:{server.port}/torch-{secrets.token_hex(6)}"
+    return f"arendez://{token}@{where}:{server.port}/{jobnames.for_torch()}"
 
 
 os.register_at_fork(after_in_child=_hosted.clear)  # (a forked child hosts none of them)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import arendez as dist
+from arendez import flightrec, jobnames
 from arendez.flightrec import analyze
 from arendez.testing import run_ranks
 from tests.harness import ROOT, collect, spawn_rank, wait_for_files
@@ -342,3 +343,37 @@ def test_the_blocking_facade_reads_and_dumps_on_its_loop_thread(tmp_path):
         sdist.destroy_process_group()
     assert [(e["seq"], e["state"], e["count"]) for e in entries] == [(i, "completed", 4) for i in range(3)]
     assert path == str(tmp_path / "mine.json") and json.loads(Path(path).read_text())["entries"] == entries
+
+
+def test_made_up_job_names_share_one_dump_file_per_rank(monkeypatch, tmp_path):
+    """A job named by the torch backend or ``arendez-run`` dumps under its kind, so every run
+    overwrites the last one's file (as torch's dumps do) rather than adding a new set."""
+    monkeypatch.setenv("ARENDEZ_FLIGHT_RECORDER_DIR", str(tmp_path))
+    first, second = jobnames.for_torch(), jobnames.for_torch()
+    assert first != second and jobnames.label(first) == jobnames.label(second) == "torch"
+    assert jobnames.label(jobnames.for_launch(4242)) == "run"
+    for named in ("torch", "torch-run-7", "run-12-abc", "exp-1f2e3d4c5b6a", "torch-1F2E3D4C5B6A"):
+        assert jobnames.label(named) == named  # (a name the user chose is kept, whatever it looks like)
+    recorder = flightrec.Recorder.__new__(flightrec.Recorder)
+    recorder.rank = 3
+    assert (
+        recorder.default_path(first)
+        == recorder.default_path(second)
+        == str(tmp_path / "arendez-flightrec-torch-rank3.json")
+    )
+    assert recorder.default_path("exp-1f2e3d4c5b6a").endswith("arendez-flightrec-exp-1f2e3d4c5b6a-rank3.json")
+
+
+def test_analyzer_reads_the_newest_job_and_says_which_older_dumps_it_left_out():
+    def dump(job: str, rank: int, world_size: int, when: int) -> dict[str, Any]:
+        entry = {"group": 0, "seq": 2, "op": "all_reduce", "state": "started", "peers_pending": [1]}
+        groups = {"0": {"ranks": list(range(world_size)), "last_completed_seq": 1, "next_seq": 3}}
+        return {"rank": rank, "world_size": world_size, "job": job, "time_ns": when, "groups": groups,
+                "entries": [entry]}  # fmt: skip
+
+    old = [dump("torch-aaaaaaaaaaaa", r, 4, 10 + r) for r in range(4)]
+    new = [dump("torch-bbbbbbbbbbbb", 0, 2, 100)]
+    lines = analyze.analyze(old + new)
+    assert lines[0] == "job torch-bbbbbbbbbbbb: dumps from rank 0 of world size 2", lines
+    assert "left out 4 dump(s) of other job(s), older: torch-aaaaaaaaaaaa" in lines, lines
+    assert lines[2] == "no dump from rank 1", lines

@@ -9,9 +9,10 @@ when a dump is taken, from what the op and the mailbox hold; the hot path is one
 (five fields set), three clock reads and a dict store per collective.
 
 A rank dumps (one JSON file per rank, ``arendez-flightrec-<job>-rank<R>.json`` in
-``ARENDEZ_FLIGHT_RECORDER_DIR``, default the temp dir; the path is logged at WARNING) when a
-collective raises ``CollectiveTimeoutError`` or ``RankFailedError``, on ``SIGUSR1`` (the handler
-is installed only over the default action, and dumps from the event loop), and on demand
+``ARENDEZ_FLIGHT_RECORDER_DIR``, default the temp dir; a job name arendez made up is replaced by
+its kind, ``jobnames.label``; the path is logged at WARNING) when a collective raises
+``CollectiveTimeoutError`` or ``RankFailedError``, on ``SIGUSR1`` (the handler is installed only
+over the default action, and dumps from the event loop), and on demand
 (``dump_flight_recorder``). A dump never masks the error that caused it: its own failure is
 logged and dropped. ``python -m arendez.flightrec FILES...`` merges the dumps of a job and says
 which collective each rank is stuck on, and whom it waits for.
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import burstlog
+from .. import burstlog, jobnames
 from ..errors import CollectiveCancelledError, CollectiveTimeoutError, RankFailedError
 from ..settings import env_int
 
@@ -382,7 +383,7 @@ class Recorder:
 
     def default_path(self, job: str) -> str:
         folder = os.environ.get(ENV_DIR) or tempfile.gettempdir()
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job)[:64] or "local"
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", jobnames.label(job))[:64] or "local"
         return os.path.join(folder, f"arendez-flightrec-{safe}-rank{self.rank}.json")
 
 

@@ -105,10 +105,15 @@ def analyze(dumps: list[Dump]) -> list[str]:
     """The report, line by line."""
     if not dumps:
         return ["no flight recorder dumps"]
-    by_rank = _newest_per_rank(dumps)
+    newest = max(dumps, key=lambda d: d.get("time_ns", 0))
+    job = str(newest.get("job"))
+    others = [d for d in dumps if str(d.get("job")) != job]
+    by_rank = _newest_per_rank([d for d in dumps if str(d.get("job")) == job])
     size = max(int(d.get("world_size", 0)) for d in by_rank.values())
-    jobs = sorted({str(d.get("job")) for d in by_rank.values()})
-    lines = [f"job {', '.join(jobs)}: dumps from {ranks_text(by_rank)} of world size {size}"]
+    lines = [f"job {job}: dumps from {ranks_text(by_rank)} of world size {size}"]
+    if others:  # (files of an earlier run left in the same directory under the same name)
+        names = ", ".join(sorted({str(d.get("job")) for d in others}))
+        lines.append(f"left out {len(others)} dump(s) of other job(s), older: {names}")
     absent = [r for r in range(size) if r not in by_rank]
     if absent:
         lines.append(f"no dump from {ranks_text(absent)}")
