@@ -42,6 +42,10 @@ class P2PMatcher:
         self._receiving: dict[int, collections.deque[Posted | None]] = {}
         self._stash: collections.deque[tuple[int, int, int, memoryview | None, str]] = collections.deque()
 
+    def waiting(self) -> bool:
+        """Whether a posted receive waits for its message."""
+        return any(not posted.fut.done() for posted in self._posted)
+
     def _claim(self, peer: int, gid: int, tag: int, nbytes: int, fp: str) -> Posted | None:
         """Take the oldest posted recv that a message from ``peer`` satisfies."""
         for i, posted in enumerate(self._posted):

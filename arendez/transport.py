@@ -366,6 +366,21 @@ class Connection(asyncio.BufferedProtocol):
                 transport.writelines(wire.encode(self._error_header(exc)))
         transport.close()
 
+    def cut(self, exc: BaseException) -> None:
+        """Close at once because of ``exc`` (what is queued is dropped: the peer cannot be
+        reached to take it); the close handler gets ``exc``."""
+        if self.error is None:
+            self.error = detached(exc)
+        self._queue.clear()
+        self._drop_lowat()
+        if self._transport is not None:
+            self._transport.abort()
+
+    @property
+    def socket(self) -> Any:
+        """The connection's socket (for ``getsockopt``), or None once it is closed."""
+        return self._transport.get_extra_info("socket") if self._transport is not None else None
+
     def close(self) -> None:
         """Flush what is queued, then close."""
         if self._transport is not None:

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, cast
 
-from . import frames, shm, stall, wire
+from . import frames, linkwatch, shm, stall, wire
 from .algorithms import Chooser
 from .errors import (
     ArendezError,
@@ -104,6 +104,7 @@ class World(PeerLosses):
         try:
             self.stall: stall.StallWatch | None = stall.watch_for(asyncio.get_running_loop())
             self.stall.watch(self)
+            linkwatch.watch(self, asyncio.get_running_loop())
         except RuntimeError:  # (built outside a loop: tests)
             self.stall = None
         self.groups[0] = ProcessGroup(self, 0, range(world_size), timeout)
@@ -277,6 +278,10 @@ class World(PeerLosses):
                 failed[self.rank] = self.ending
             for peer in list(self.mesh.conns):
                 self.send_control(peer, frames.Bye(failed, done or {}))
+
+    def busy(self) -> bool:
+        """Whether a collective or a point-to-point call is in progress here."""
+        return bool(self._draining) or self.p2p.waiting() or any(g.active for g in self.groups.values())
 
     def finished(self) -> dict[int, int]:
         """By group id, the first collective this rank has not done its part of (those before

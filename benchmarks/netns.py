@@ -84,6 +84,23 @@ class Hosts:
             tc(self.switch, "qdisc", "replace", "dev", f"p{host}", *spec)
         self.rate_bits = rate_bits
 
+    def cut(self, a: int, b: int) -> None:
+        """Drop every packet the switch would forward between hosts ``a`` and ``b`` (both ways),
+        as a partition between them would; their links to the other hosts stay up."""
+
+        def nft(*args: str) -> None:
+            done = subprocess.run(
+                ["ip", "netns", "exec", self.switch, "nft", *args], capture_output=True, text=True, timeout=10
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"nft {' '.join(args)} in {self.switch}: {done.stderr.strip()}")
+
+        nft("add", "table", "bridge", "cuts")
+        nft("add", "chain", "bridge", "cuts", "forward", "{ type filter hook forward priority 0; }")
+        for src, dst in ((a, b), (b, a)):
+            nft("add", "rule", "bridge", "cuts", "forward", "ip", "saddr", self.address(src),
+                "ip", "daddr", self.address(dst), "drop")  # fmt: skip
+
     def tc_show(self, host: int) -> str:
         """``tc qdisc show dev eth0`` on ``host``."""
         done = subprocess.run(

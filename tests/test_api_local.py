@@ -9,7 +9,7 @@ import pytest
 
 import arendez as dist
 import arendez.sync as sdist
-from arendez.settings import env_int
+from arendez.settings import env_int, env_seconds
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +78,14 @@ async def test_bad_tuning_variables_are_named(monkeypatch):
         env_int("ARENDEZ_LANES_IN_FLIGHT", 4)
     monkeypatch.setenv("ARENDEZ_LANES_IN_FLIGHT", "")
     assert env_int("ARENDEZ_LANES_IN_FLIGHT", 4) == 4
+    for bad in ("soon", "-1", "nan", "inf"):
+        monkeypatch.setenv("ARENDEZ_LINK_TIMEOUT", bad)
+        with pytest.raises(
+            ValueError, match=f"ARENDEZ_LINK_TIMEOUT must be a .*number of seconds.*got '{bad}'"
+        ):
+            env_seconds("ARENDEZ_LINK_TIMEOUT", 20.0)
+    monkeypatch.setenv("ARENDEZ_LINK_TIMEOUT", "2.5")
+    assert env_seconds("ARENDEZ_LINK_TIMEOUT", 20.0) == 2.5
 
 
 @pytest.mark.timeout(10)

@@ -1,10 +1,17 @@
-"""A server cut off from the network: it holds its failure declarations, and the job goes on.
+"""Network cuts between emulated hosts: what each side sees, and how soon.
 
-The server (host 0) and two ranks (hosts 1 and 2) live in network namespaces on one bridge
-(``benchmarks/netns.py``). The server's link goes down for three leases: it hears no heartbeat
-from anyone, which is its own isolation as likely as every rank's death, so it must not declare
-the ranks failed. The ranks keep reducing between themselves; once the link is back the server
-hears them again, restarts every lease, and the job ends cleanly, store calls included.
+The server (host 0) and the ranks (hosts 1, 2, ...) live in network namespaces on one bridge
+(``benchmarks/netns.py``).
+
+- The server's link goes down for three leases: it hears no heartbeat from anyone, which is its
+  own isolation as likely as every rank's death, so it must not declare the ranks failed. The
+  ranks keep reducing between themselves; once the link is back the server hears them again,
+  restarts every lease, and the job ends cleanly, store calls included.
+- A rank's host is cut off for good: the server declares it failed to the others within a lease,
+  and the rank itself, which hears neither, raises once its peer links go unacknowledged for
+  ``ARENDEZ_LINK_TIMEOUT`` (``arendez/linkwatch.py``), not at its collective's timeout.
+- The link between two ranks' hosts is cut while the server hears both: no lease runs out, and
+  both raise, naming the cut, after ``ARENDEZ_LINK_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from netns import Hosts, ip
 
 LEASE = 1.5
+LINK_TIMEOUT = 3.0
 PORT = 29471
 HTTP_PORT = 29472  # (on the server's own loopback: reachable from its namespace while cut off)
 
@@ -113,3 +122,63 @@ def _status_and_metrics(hosts: Hosts) -> str:
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     return out
+
+
+def _start(hosts: Hosts, ranks: int, job: str) -> tuple[Lines, list[Any], list[Lines], list[Lines]]:
+    """The server on host 0 and ``ranks`` cut_rank processes on hosts 1..ranks, all READY."""
+    argv = ["-m", "arendez_server", "--host", "0.0.0.0", "--port", str(PORT), "--lease", str(LEASE)]
+    server = hosts.run(0, [sys.executable, *argv])
+    server_log, server_out = Lines(server.stderr), Lines(server.stdout)
+    assert server_out.wait_for("listening on", 20), server_log
+    url = f"arendez://{hosts.address(0)}:{PORT}/{job}"
+    env = {"PYTHONPATH": str(ROOT), "ARENDEZ_LINK_TIMEOUT": str(LINK_TIMEOUT)}
+    procs = [
+        hosts.run(host, [sys.executable, "-m", "tests.cut_rank", url, str(ranks), str(host - 1)], env)
+        for host in range(1, ranks + 1)
+    ]
+    outs, errs = [Lines(p.stdout) for p in procs], [Lines(p.stderr) for p in procs]
+    for rank, out in enumerate(outs):
+        assert out.wait_for("READY", 30), f"rank {rank} never joined:\n{errs[rank]}"
+    time.sleep(0.5)  # (collectives running)
+    return server_log, procs, outs, errs
+
+
+def _failure(out: Lines, err: Lines, cut_at: float, within: float) -> tuple[float, str]:
+    """Seconds from the cut to the rank's ``FAILED`` line, and its error."""
+    assert out.wait_for("FAILED", within), f"no error {within}s after the cut:\n{out}\n{err}"
+    line = next(line for line in str(out).splitlines() if line.startswith("FAILED"))
+    _, when, error = line.split(" ", 2)
+    return float(when) - cut_at, error
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_whose_host_is_cut_off_raises_after_the_link_timeout_and_the_other_at_the_lease(
+    hosts: Hosts,
+) -> None:
+    _, procs, outs, errs = _start(hosts, 2, "hostcut")
+    cut_at = time.time()
+    ip("-n", hosts.switch, "link", "set", "p2", "down")  # (rank 1's cable, pulled at the switch)
+
+    _, error = _failure(outs[0], errs[0], cut_at, 5 * LEASE)
+    assert error.startswith("RankFailedError: rank 1 failed during all_reduce: declared failed by the"), error
+    # the cut-off rank hears neither the server nor rank 0: its link to rank 0 goes unanswered
+    _, error = _failure(outs[1], errs[1], cut_at, 4 * LINK_TIMEOUT + 10)
+    assert error.startswith("RankFailedError: rank 0 failed during all_reduce: connection lost (its"), error
+    assert "stopped acknowledging what it was sent" in error and "the network to it is cut" in error, error
+    for proc in procs:
+        assert proc.wait(timeout=20) == 3
+
+
+@pytest.mark.timeout(90)
+def test_a_cut_between_two_ranks_the_server_hears_ends_both_collectives_naming_the_cut(hosts: Hosts) -> None:
+    server_log, procs, outs, errs = _start(hosts, 2, "paircut")
+    cut_at = time.time()
+    hosts.cut(1, 2)
+
+    for rank, other in ((0, 1), (1, 0)):
+        _, error = _failure(outs[rank], errs[rank], cut_at, 4 * LINK_TIMEOUT + 10)
+        expected = f"RankFailedError: rank {other} failed during all_reduce: connection lost (its host"
+        assert error.startswith(expected) and "stopped acknowledging" in error, error
+    for proc in procs:
+        assert proc.wait(timeout=20) == 3
+    assert "declared failed" not in str(server_log), server_log  # (it heard both all along)

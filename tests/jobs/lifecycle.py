@@ -177,6 +177,19 @@ async def busy_loop(rank: int, ws: int, url: str, seconds: float) -> float:
     return float(x[0])
 
 
+async def reads_nothing_for_a_while(rank: int, ws: int, url: str, seconds: float) -> float:
+    """The last rank blocks its event loop for ``seconds`` while the others all_reduce 32 MiB
+    with it: its receive window closes and stays closed, but its host answers every probe."""
+    await join(url, ws, rank)
+    await dist.barrier()
+    if rank == ws - 1:
+        time.sleep(seconds)  # deliberately blocks the loop: no await for ``seconds``
+    x = np.ones(8 << 20, np.float32)
+    await dist.all_reduce(x)
+    await dist.destroy_process_group()
+    return float(x[0]) if bool((x == x[0]).all()) else -1.0
+
+
 async def store_while_host_is_busy(rank: int, ws: int, url: str, seconds: float) -> float:
     """Rank 0 (the server's host under tcp://) blocks its event loop for ``seconds``; meanwhile
     rank 1 uses the store. Returns how long rank 1's set + get took (0 on rank 0)."""

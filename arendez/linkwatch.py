@@ -1,0 +1,139 @@
+"""Peer links whose far host stopped answering: the network cuts the server cannot see.
+
+The server declares a rank failed when its process stops heartbeating. Two cuts escape it: a
+link between two ranks it hears both of (a partition between hosts), and the view from a rank
+whose own host was cut off, which waits on peers that went on without it (until its
+collective's timeout: 5 minutes by default, 30 under torch). TCP tells both apart from a slow
+peer: the peer's kernel acknowledges every segment, whatever its process is doing (stopped,
+busy, or not reading: a full receive window answers its probes too). Only a cut, or a host that
+is gone, leaves data unacknowledged while TCP retransmits it.
+
+So while a world has collectives or point-to-point calls in progress, the watch of its event
+loop reads ``TCP_INFO`` of each of its TCP peer links every quarter ``LINK_TIMEOUT``. A link on
+which data (or window probes) have gone unacknowledged for ``LINK_TIMEOUT`` is cut: its peer is
+lost, with the reason, as when its connection closes. A link that has carried nothing either way
+for half of it gets a progress query its peer answers (no answer is needed, only the
+acknowledgement), so a rank that only receives notices a cut too (``LINK_TIMEOUT`` after the
+nudge). Nothing runs for a world at rest, and a nudge is two small frames. Linux only (elsewhere the
+watch does nothing, and a cut ends a collective at its timeout).
+
+``LINK_TIMEOUT`` is not ``TCP_USER_TIMEOUT``: that also cuts a healthy connection whose peer has
+not read for as long (a long step of user code on its event loop), since Linux 5.11 counts a
+closed receive window as unanswered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import weakref
+from typing import Any
+
+from . import frames
+from .settings import env_seconds
+
+#: Seconds a peer's host may leave what this rank sent unacknowledged before the link counts as
+#: cut (``ARENDEZ_LINK_TIMEOUT``; 0 turns the watch off). TCP's retransmissions back off to
+#: 6.4 s apart by then, so a cut of up to about 10 s heals without notice.
+LINK_TIMEOUT = env_seconds("ARENDEZ_LINK_TIMEOUT", 20.0)
+#: The query that nudges an idle link: its answer is ignored (no query has this id).
+NUDGE = frames.Query(0, -1)
+
+#: ``struct tcp_info`` up to ``tcpi_last_ack_recv``: state, ca_state, retransmits, probes,
+#: backoff, options, wscales, flags; rto, ato, snd_mss, rcv_mss, unacked, sacked, lost, retrans,
+#: fackets, last_data_sent, last_ack_sent, last_data_recv, last_ack_recv (ms).
+_TCP_INFO = struct.Struct("8B13I")
+_TCP_INFO_OPT = getattr(socket, "TCP_INFO", None)
+
+
+class LinkState:
+    """What ``TCP_INFO`` says of one link."""
+
+    __slots__ = ("idle", "silent", "unanswered")
+
+    def __init__(self, raw: bytes) -> None:
+        fields = _TCP_INFO.unpack_from(raw)
+        retransmits, probes, unacked = fields[2], fields[3], fields[12]
+        last_data_sent, last_data_recv, last_ack_recv = fields[17], fields[19], fields[20]
+        #: whether something this side sent waits for an acknowledgement TCP keeps asking for
+        self.unanswered = (unacked > 0 and retransmits > 0) or probes >= 2
+        #: seconds since the far host last acknowledged anything
+        self.silent = last_ack_recv / 1000
+        #: seconds since data last went either way (0 while some is unacknowledged)
+        self.idle = 0.0 if unacked else min(last_data_sent, last_data_recv) / 1000
+
+
+def state(sock: Any) -> LinkState | None:
+    """The state of TCP socket ``sock``, or None (not TCP over IP, or no ``TCP_INFO`` here)."""
+    if _TCP_INFO_OPT is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO_OPT, _TCP_INFO.size)
+    except OSError:
+        return None
+    return LinkState(raw) if len(raw) >= _TCP_INFO.size else None
+
+
+class LinkWatch:
+    """Checks the TCP peer links of the busy worlds of one event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        self.loop = loop
+        self.limit = timeout
+        self.period = max(0.5, timeout / 4)
+        self.worlds: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: when the watch first saw each link's data go unanswered (loop time)
+        self._unanswered: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        self._handle: asyncio.TimerHandle | None = None
+
+    def watch(self, world: Any) -> None:
+        """Check ``world``'s links (``world.mesh.conns``) while it is open and ``world.busy()``."""
+        self.worlds.add(world)
+        if self._handle is None:
+            self._handle = self.loop.call_later(self.period, self._check)
+
+    def _check(self) -> None:
+        self._handle = None
+        live = [w for w in self.worlds if not w.closed]
+        for world in live:
+            if world.mesh is not None and world.busy():
+                self.check(world)
+        if live:
+            self._handle = self.loop.call_later(self.period, self._check)
+
+    def check(self, world: Any) -> None:
+        """Cut ``world``'s links whose far host stopped answering; nudge its idle ones."""
+        now = self.loop.time()
+        for peer, conn in list(world.mesh.conns.items()):
+            found = state(getattr(conn, "socket", None))
+            if found is None or not conn.is_open:
+                continue
+            if not found.unanswered:
+                self._unanswered.pop(conn, None)
+            # unanswered for as long as the watch has seen it (plus the period it may have missed),
+            # and at most since the last acknowledgement (a nudged idle link's came long before)
+            elif min(found.silent, now - self._unanswered.setdefault(conn, now) + self.period) >= self.limit:
+                conn.cut(
+                    ConnectionAbortedError(
+                        f"its host stopped acknowledging what it was sent: nothing for {found.silent:.0f}s,"
+                        f" past ARENDEZ_LINK_TIMEOUT={self.limit:g}s; the network to it is cut, or its host"
+                        " is down"
+                    )
+                )
+                continue
+            if found.idle >= self.limit / 2:
+                world.send_control(peer, NUDGE)
+
+
+_watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LinkWatch] = weakref.WeakKeyDictionary()
+
+
+def watch(world: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Watch ``world``'s links on ``loop`` (one watch per loop; none with ``LINK_TIMEOUT`` 0)."""
+    if not LINK_TIMEOUT:
+        return
+    found = _watches.get(loop)
+    if found is None:
+        found = _watches[loop] = LinkWatch(loop, LINK_TIMEOUT)
+    found.watch(world)
