@@ -95,7 +95,11 @@ class TorchStoreConnection(asyncio.Protocol):
     def __init__(self, server: Server) -> None:
         self.server = server
         limits = server.config.limits
-        self.reader = tw.RequestReader(request_limit(limits.max_value, limits.max_key), MAX_KEYS)
+        # (torch's client cannot split a key list: a rank 0 that waits on every rank's key names
+        # as many as the world has ranks; the request's size bound holds them all the same)
+        self.reader = tw.RequestReader(
+            request_limit(limits.max_value, limits.max_key), max(MAX_KEYS, limits.max_world_size)
+        )
         self.transport: asyncio.Transport | None = None
         self.host = ""
         self.peer = ""

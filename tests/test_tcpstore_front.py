@@ -189,6 +189,22 @@ def test_barrier_goes_as_on_torch_server(tcpstore_server: tuple[ServerProcess, i
 
 
 @pytest.mark.timeout(60)
+def test_torch_client_names_a_key_per_rank_of_a_large_world_in_one_request(
+    tcpstore_server: tuple[ServerProcess, int],
+) -> None:
+    """More keys in one request than arendez's own clients send (they split at 10,000): torch's
+    client cannot split, and a rank 0 of a 20,000-rank job waits on every rank's key."""
+    _, port = tcpstore_server
+    store, n = _client(port), 20_000
+    keys = [f"wide/rank{r}" for r in range(n)]
+    store.multi_set(keys, [str(r).encode() for r in range(n)])
+    store.wait(keys, timedelta(seconds=10))
+    assert store.check(keys)
+    assert store.multi_get(keys) == [str(r).encode() for r in range(n)]
+    assert store.get("wide/rank19999") == b"19999"  # (the connection is still up)
+
+
+@pytest.mark.timeout(60)
 def test_torch_and_arendez_clients_meet_in_one_barrier(tcpstore_server: tuple[ServerProcess, int]) -> None:
     """A barrier of four: two torch clients and two ``arendez.sync.TCPStore`` ones; none goes
     on before the last arrives, and the key's counter is torch's (4)."""
@@ -321,7 +337,7 @@ def test_bad_clients_are_closed_and_named_in_the_log(tcpstore_server: tuple[Serv
         "unknown query": (VALIDATE + bytes([200]), "unknown TCPStore query type 200"),
         # a value of 1 TiB announced: refused at its length, nothing of it buffered
         "huge value": (set_k + struct.pack("<Q", 1 << 40), "limit"),
-        "too many keys": (wait + struct.pack("<Q", 10**9), "10000 keys per request"),
+        "too many keys": (wait + struct.pack("<Q", 10**9), "65536 keys per request"),
         "non-integer add": (
             VALIDATE
             + bytes([tw.Query.SET])
