@@ -68,6 +68,11 @@ class HostingError(RendezvousError, NetworkError):
     host): a ``NetworkError`` as torch's ``DistNetworkError`` for a master ``TCPStore``."""
 
 
+class ListenSocketError(StoreError, ValueError):
+    """A master ``TCPStore``'s ``master_listen_fd`` is no listening TCP socket on its port: a
+    ``StoreError`` as torch's ``DistStoreError`` for it, and a ``ValueError``."""
+
+
 class AlreadyInitializedError(RendezvousError, ValueError):
     """``init_process_group`` while the default group is up, or forming (a ``ValueError``, as
     torch's)."""
@@ -255,6 +260,7 @@ __all__ = [
     "HostingError",
     "InvalidArgumentError",
     "LimitError",
+    "ListenSocketError",
     "NetworkError",
     "NotInitializedError",
     "ObjectSerializationError",

@@ -23,7 +23,7 @@ from typing import Any
 
 from . import embedded, serverproc
 from .blocking_store import BlockingStore
-from .errors import LimitError, StoreConnectTimeoutError, StoreError, StoreTimeoutError
+from .errors import LimitError, ListenSocketError, StoreConnectTimeoutError, StoreError, StoreTimeoutError
 from .loop import shared
 from .registry import seconds
 from .settings import env_int
@@ -45,19 +45,19 @@ def _listening(fd: int | None, port: int) -> socket.socket | None:
     try:
         copy = os.dup(fd)
     except OSError as exc:
-        raise ValueError(f"TCPStore master_listen_fd={fd} is not open: {exc}") from None
+        raise ListenSocketError(f"TCPStore master_listen_fd={fd} is not open: {exc}") from None
     try:
         sock = socket.socket(fileno=copy)
     except OSError as exc:
         os.close(copy)
-        raise ValueError(f"TCPStore master_listen_fd={fd} is not a socket: {exc}") from None
+        raise ListenSocketError(f"TCPStore master_listen_fd={fd} is not a socket: {exc}") from None
     try:
         listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
         if sock.family not in (socket.AF_INET, socket.AF_INET6) or not listening:
-            raise ValueError(f"TCPStore master_listen_fd={fd} is not a listening TCP socket")
+            raise ListenSocketError(f"TCPStore master_listen_fd={fd} is not a listening TCP socket")
         bound = sock.getsockname()[1]
         if port and bound != port:
-            raise ValueError(f"TCPStore master_listen_fd={fd} listens on port {bound}, not {port}")
+            raise ListenSocketError(f"TCPStore master_listen_fd={fd} listens on port {bound}, not {port}")
     except BaseException:
         sock.close()
         raise

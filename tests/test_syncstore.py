@@ -522,6 +522,9 @@ def test_a_master_serves_the_listening_socket_it_is_given_as_torchs_master_liste
         master.close()
         with pytest.raises(ValueError, match="not a listening TCP socket"), socket.socket() as idle:
             TCPStore("127.0.0.1", 0, None, True, SHORT, master_listen_fd=idle.fileno())
+        # another port than the one named: torch's DistStoreError (a ported except catches it)
+        with pytest.raises(sync.DistStoreError, match=f"listens on port {port}, not {port + 1}"):
+            TCPStore("127.0.0.1", port + 1, None, True, SHORT, master_listen_fd=listener.fileno())
         read, write = os.pipe()
         try:
 
