@@ -54,8 +54,9 @@ class Work(_TorchWork):  # type: ignore[misc]
 
     def _outcome(self, _: Any) -> Any:
         assert self._done is not None
-        if self._done.error is not None:
-            raise self._done.error
+        error = self._done.error
+        if error is not None:  # (torch's message quotes its traceback: arendez's frames are not news)
+            raise error.with_traceback(None)
         return self._value
 
     def get_future(self) -> torch.futures.Future[Any]:
