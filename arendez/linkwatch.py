@@ -33,10 +33,20 @@ from typing import Any
 from . import frames
 from .settings import env_seconds
 
+
+def link_timeout() -> float:
+    """``ARENDEZ_LINK_TIMEOUT``: 0 (off), or at least a second (a few checks, a quarter timeout
+    apart, must see a link unanswered before it is cut)."""
+    seconds = env_seconds("ARENDEZ_LINK_TIMEOUT", 20.0)
+    if 0 < seconds < 1:
+        raise ValueError(f"ARENDEZ_LINK_TIMEOUT must be 0 (off) or at least 1 second, got {seconds:g}")
+    return seconds
+
+
 #: Seconds a peer's host may leave what this rank sent unacknowledged before the link counts as
 #: cut (``ARENDEZ_LINK_TIMEOUT``; 0 turns the watch off). TCP's retransmissions back off to
 #: 6.4 s apart by then, so a cut of up to about 10 s heals without notice.
-LINK_TIMEOUT = env_seconds("ARENDEZ_LINK_TIMEOUT", 20.0)
+LINK_TIMEOUT = link_timeout()
 #: The query that nudges an idle link: its answer is ignored (no query has this id).
 NUDGE = frames.Query(0, -1)
 
@@ -79,13 +89,19 @@ class LinkWatch:
     """Checks the TCP peer links of the busy worlds of one event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-        self.loop = loop
+        self._loop = weakref.ref(loop)  # (the watches are kept by loop, weakly: not the loop by its watch)
         self.limit = timeout
-        self.period = max(0.5, timeout / 4)
+        self.period = timeout / 4
         self.worlds: weakref.WeakSet[Any] = weakref.WeakSet()
-        #: when the watch first saw each link's data go unanswered (loop time)
-        self._unanswered: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        #: when the watch first and last saw each link's data go unanswered (loop time)
+        self._unanswered: weakref.WeakKeyDictionary[Any, tuple[float, float]] = weakref.WeakKeyDictionary()
         self._handle: asyncio.TimerHandle | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop()
+        assert loop is not None, "a link watch outlived its event loop"
+        return loop
 
     def watch(self, world: Any) -> None:
         """Check ``world``'s links (``world.mesh.conns``) while it is open and ``world.busy()``."""
@@ -98,22 +114,22 @@ class LinkWatch:
         live = [w for w in self.worlds if not w.closed]
         for world in live:
             if world.mesh is not None and world.busy():
-                self.check(world)
+                self.check(world, self.loop.time())
         if live:
             self._handle = self.loop.call_later(self.period, self._check)
 
-    def check(self, world: Any) -> None:
-        """Cut ``world``'s links whose far host stopped answering; nudge its idle ones."""
-        now = self.loop.time()
+    def check(self, world: Any, now: float) -> None:
+        """Cut ``world``'s links whose far host stopped answering; nudge its idle ones (``now``:
+        the loop's time)."""
         for peer, conn in list(world.mesh.conns.items()):
             found = state(getattr(conn, "socket", None))
             if found is None or not conn.is_open:
                 continue
             if not found.unanswered:
                 self._unanswered.pop(conn, None)
-            # unanswered for as long as the watch has seen it (plus the period it may have missed),
-            # and at most since the last acknowledgement (a nudged idle link's came long before)
-            elif min(found.silent, now - self._unanswered.setdefault(conn, now) + self.period) >= self.limit:
+            elif min(found.silent, now - self._seen_unanswered(conn, now) + self.period) >= self.limit:
+                # (unanswered for as long as the watch has seen, plus the period it may have missed;
+                # and at most since the last acknowledgement: a nudged idle link's came long before)
                 conn.cut(
                     ConnectionAbortedError(
                         f"its host stopped acknowledging what it was sent: nothing for {found.silent:.0f}s,"
@@ -124,6 +140,15 @@ class LinkWatch:
                 continue
             if found.idle >= self.limit / 2:
                 world.send_control(peer, NUDGE)
+
+    def _seen_unanswered(self, conn: Any, now: float) -> float:
+        """Since when the watch has seen ``conn``'s data unanswered in checks in a row (a
+        sighting in an earlier busy spell, with checks missed since, does not count)."""
+        first, last = self._unanswered.get(conn, (now, now))
+        if now - last > 1.5 * self.period:
+            first = now
+        self._unanswered[conn] = (first, now)
+        return first
 
 
 _watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LinkWatch] = weakref.WeakKeyDictionary()

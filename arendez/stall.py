@@ -38,11 +38,17 @@ class StallWatch:
     """Ticks on one event loop while any of its ``users`` is alive and open."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self._loop = weakref.ref(loop)  # (the watches are kept by loop, weakly: not the loop by its watch)
         self.users: weakref.WeakSet[Any] = weakref.WeakSet()
         self.due = math.inf  # when the next tick is due (loop time)
         self.resumed_until = -math.inf
         self._handle: asyncio.TimerHandle | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop()
+        assert loop is not None, "a stall watch outlived its event loop"
+        return loop
 
     def watch(self, user: Any) -> None:
         """Keep ticking while ``user`` lives and its ``closed`` is false."""

@@ -212,6 +212,8 @@ class World(PeerLosses):
             finally:
                 with contextlib.suppress(ValueError):
                     waiting.remove(drained)
+                if not waiting and self._draining.get(dst) is waiting:
+                    del self._draining[dst]
             if not conn.is_open:
                 raise ConnectionResetError(f"connection to rank {dst} is closed") from conn.error
         except ConnectionError as exc:
@@ -281,7 +283,9 @@ class World(PeerLosses):
 
     def busy(self) -> bool:
         """Whether a collective or a point-to-point call is in progress here."""
-        return bool(self._draining) or self.p2p.waiting() or any(g.active for g in self.groups.values())
+        return (
+            any(self._draining.values()) or self.p2p.waiting() or any(g.active for g in self.groups.values())
+        )
 
     def finished(self) -> dict[int, int]:
         """By group id, the first collective this rank has not done its part of (those before

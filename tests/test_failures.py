@@ -299,10 +299,19 @@ def test_a_rank_busy_longer_than_the_lease_is_not_declared_failed(arendez_server
 @pytest.mark.timeout(60)
 def test_a_peer_that_reads_nothing_for_longer_than_the_link_timeout_keeps_its_links(arendez_server):
     """A closed receive window is answered, not a cut (``arendez/linkwatch.py``): the link watch
-    checks every half second here while the sender waits four seconds for the window."""
+    checks every quarter second here while the sender waits four seconds for the window."""
     env = {"ARENDEZ_LINK_TIMEOUT": "1", "ARENDEZ_SHM": "0", "ARENDEZ_LOCAL_SOCKETS": "0"}
     url = f"{arendez_server.url}/unread"
     assert run_ranks(lifecycle_jobs.reads_nothing_for_a_while, 2, url, 4.0, env=env) == [2.0] * 2
+
+
+@pytest.mark.timeout(60)
+def test_a_world_is_busy_only_while_a_call_is_in_progress(arendez_server):
+    """The link watch checks busy worlds only: a send that waited for room must not leave its
+    world busy for good (it did: an empty list of waiters stayed behind)."""
+    env = {"ARENDEZ_SHM": "0", "ARENDEZ_LOCAL_SOCKETS": "0"}
+    url = f"{arendez_server.url}/busy-send"
+    assert run_ranks(lifecycle_jobs.busy_only_while_calling, 2, url, env=env) == [[False, True, False]] * 2
 
 
 @pytest.mark.timeout(60)

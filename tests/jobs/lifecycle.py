@@ -190,6 +190,28 @@ async def reads_nothing_for_a_while(rank: int, ws: int, url: str, seconds: float
     return float(x[0]) if bool((x == x[0]).all()) else -1.0
 
 
+async def busy_only_while_calling(rank: int, ws: int, url: str) -> list[bool]:
+    """Rank 0 sends 32 MiB to rank 1, whose event loop is blocked for half a second (the send
+    waits for room meanwhile); ``World.busy`` before, during and after, on each rank."""
+    await join(url, ws, rank)
+    world = dist.current_world()
+    seen = [world.busy()]
+    x = np.ones(8 << 20, np.float32)
+    if rank == 0:
+        sending = asyncio.ensure_future(dist.send(x, 1))
+        await asyncio.sleep(0.2)
+        seen.append(world.busy())
+        await sending
+    else:
+        time.sleep(0.5)  # deliberately blocks the loop: nothing is read meanwhile
+        await dist.recv(x, 0)
+        seen.append(True)
+    await dist.barrier()
+    seen.append(world.busy())
+    await dist.destroy_process_group()
+    return seen
+
+
 async def store_while_host_is_busy(rank: int, ws: int, url: str, seconds: float) -> float:
     """Rank 0 (the server's host under tcp://) blocks its event loop for ``seconds``; meanwhile
     rank 1 uses the store. Returns how long rank 1's set + get took (0 on rank 0)."""
