@@ -25,13 +25,17 @@ closed receive window as unanswered.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
+import sys
 import weakref
 from typing import Any
 
 from . import frames
 from .settings import env_seconds
+
+log = logging.getLogger("arendez.linkwatch")
 
 
 def link_timeout() -> float:
@@ -54,7 +58,7 @@ NUDGE = frames.Query(0, -1)
 #: backoff, options, wscales, flags; rto, ato, snd_mss, rcv_mss, unacked, sacked, lost, retrans,
 #: fackets, last_data_sent, last_ack_sent, last_data_recv, last_ack_recv (ms).
 _TCP_INFO = struct.Struct("8B13I")
-_TCP_INFO_OPT = getattr(socket, "TCP_INFO", None)
+_TCP_INFO_OPT = getattr(socket, "TCP_INFO", None) if sys.platform.startswith("linux") else None
 
 
 class LinkState:
@@ -95,7 +99,8 @@ class LinkWatch:
         self.worlds: weakref.WeakSet[Any] = weakref.WeakSet()
         #: when the watch first and last saw each link's data go unanswered (loop time)
         self._unanswered: weakref.WeakKeyDictionary[Any, tuple[float, float]] = weakref.WeakKeyDictionary()
-        self._handle: asyncio.TimerHandle | None = None
+        #: whether a timer is due (not the handle: it holds the loop, which would keep it alive)
+        self._armed = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -106,17 +111,23 @@ class LinkWatch:
     def watch(self, world: Any) -> None:
         """Check ``world``'s links (``world.mesh.conns``) while it is open and ``world.busy()``."""
         self.worlds.add(world)
-        if self._handle is None:
-            self._handle = self.loop.call_later(self.period, self._check)
+        if not self._armed:
+            self._armed = True
+            self.loop.call_later(self.period, self._check)
 
     def _check(self) -> None:
-        self._handle = None
+        self._armed = False
         live = [w for w in self.worlds if not w.closed]
-        for world in live:
-            if world.mesh is not None and world.busy():
-                self.check(world, self.loop.time())
-        if live:
-            self._handle = self.loop.call_later(self.period, self._check)
+        try:
+            for world in live:
+                if world.mesh is not None and world.busy():
+                    self.check(world, self.loop.time())
+        except Exception:  # (a bug here must not end the watch of every world of the loop)
+            log.exception("the link watch failed; it goes on")
+        finally:
+            if live:
+                self._armed = True
+                self.loop.call_later(self.period, self._check)
 
     def check(self, world: Any, now: float) -> None:
         """Cut ``world``'s links whose far host stopped answering; nudge its idle ones (``now``:

@@ -42,7 +42,8 @@ class StallWatch:
         self.users: weakref.WeakSet[Any] = weakref.WeakSet()
         self.due = math.inf  # when the next tick is due (loop time)
         self.resumed_until = -math.inf
-        self._handle: asyncio.TimerHandle | None = None
+        #: whether a timer is due (not the handle: it holds the loop, which would keep it alive)
+        self._armed = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -53,19 +54,20 @@ class StallWatch:
     def watch(self, user: Any) -> None:
         """Keep ticking while ``user`` lives and its ``closed`` is false."""
         self.users.add(user)
-        if self._handle is None:
+        if not self._armed:
+            self._armed = True
             self.due = self.loop.time() + TICK
-            self._handle = self.loop.call_at(self.due, self._tick)
+            self.loop.call_at(self.due, self._tick)
 
     def _tick(self) -> None:
         now = self.loop.time()
         if now > self.due + STALL:
             self.resumed_until = now + GRACE
         if not any(not getattr(user, "closed", True) for user in self.users):
-            self._handle, self.due = None, math.inf
+            self._armed, self.due = False, math.inf
             return
         self.due = now + TICK
-        self._handle = self.loop.call_at(self.due, self._tick)
+        self.loop.call_at(self.due, self._tick)
 
     def just_resumed(self) -> bool:
         """Whether the loop stood still just now (a tick overdue, or late only moments ago)."""

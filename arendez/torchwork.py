@@ -7,6 +7,7 @@ may make blocking arendez calls, as on gloo's worker threads.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -56,7 +57,7 @@ class Work(_TorchWork):  # type: ignore[misc]
         assert self._done is not None
         error = self._done.error
         if error is not None:  # (torch's message quotes its traceback: arendez's frames are not news)
-            raise error.with_traceback(None)
+            raise _bare(error)
         return self._value
 
     def get_future(self) -> torch.futures.Future[Any]:
@@ -115,6 +116,16 @@ class Work(_TorchWork):  # type: ignore[misc]
         """The public name of ``_source_rank`` (``dist.recv`` calls the private one; without
         this, torch's C++ ``sourceRank`` answered and refused)."""
         return self._source_rank()
+
+
+def _bare(error: BaseException) -> BaseException:
+    """A copy of ``error`` without its traceback (the original, which ``wait()`` raises and
+    ``exception()`` returns, keeps its own)."""
+    try:
+        bare = copy.copy(error)
+    except Exception:  # (an exception class whose arguments do not rebuild it)
+        bare = RuntimeError(f"{type(error).__name__}: {error}")
+    return bare.with_traceback(None)
 
 
 def start(value: Any, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Work:

@@ -29,20 +29,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from netns import ip  # noqa: E402
 
-import tests.test_partition as partition  # noqa: E402
-from tests.harness import emulated_hosts  # noqa: E402
+from tests.harness import emulated_hosts, failed_after, start_cut_job  # noqa: E402
+
+PORT = 29481
 
 
 def trial(kind: str, link_timeout: float, lease: float) -> list[tuple[float, str]]:
-    partition.LINK_TIMEOUT, partition.LEASE = link_timeout, lease
     with emulated_hosts("cl", 3) as hosts:
-        _, _, outs, errs = partition._start(hosts, 2, f"cut-{kind}")
+        _, _, outs, errs = start_cut_job(hosts, 2, f"cut-{kind}", PORT, lease, link_timeout)
         cut = time.time()
         if kind == "host":
             ip("-n", hosts.switch, "link", "set", "p2", "down")
         else:
             hosts.cut(1, 2)
-        return [partition._failure(outs[r], errs[r], cut, 4 * link_timeout + 30) for r in range(2)]
+        return [failed_after(outs[r], errs[r], cut, 4 * link_timeout + 30) for r in range(2)]
 
 
 def main() -> int:

@@ -84,6 +84,11 @@ def store_key(raw: bytes) -> str:
     raise ProtocolError(f"TCPStore key {key!r:.80} lacks the '/' torch's client puts before every key")
 
 
+#: The average key length a request naming a key per rank of the largest world may have
+#: (``default_pg/0//rank_65535`` is 24 bytes): 65,536 such keys make a request of up to 9 MiB.
+LIST_KEY_BYTES = 136
+
+
 def client_key(key: str) -> str:
     """``store_key`` undone: the key torch's client expects in ``list_keys``."""
     return TORCH_WORKERS_KEY if key == TCPSTORE_WORKERS_KEY else "/" + key
@@ -96,9 +101,10 @@ class TorchStoreConnection(asyncio.Protocol):
         self.server = server
         limits = server.config.limits
         # (torch's client cannot split a key list: a rank 0 that waits on every rank's key names
-        # as many as the world has ranks; the request's size bound holds them all the same)
+        # as many as the world has ranks, each key within LIST_KEY_BYTES on average)
+        keys = max(MAX_KEYS, limits.max_world_size)
         self.reader = tw.RequestReader(
-            request_limit(limits.max_value, limits.max_key), max(MAX_KEYS, limits.max_world_size)
+            request_limit(limits.max_value, limits.max_key), keys, keys * (8 + LIST_KEY_BYTES)
         )
         self.transport: asyncio.Transport | None = None
         self.host = ""

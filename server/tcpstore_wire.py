@@ -117,9 +117,12 @@ class _Partial:
 class RequestReader:
     """Requests out of the bytes a client sent, one at a time, each ``(Query, *fields)``."""
 
-    def __init__(self, max_request: int, max_keys: int) -> None:
+    def __init__(self, max_request: int, max_keys: int, max_list_request: int | None = None) -> None:
         self.max_request = max_request
         self.max_keys = max_keys
+        #: the bound of a request naming keys (``wait``, ``check``, ``multi_get``, ``multi_set``)
+        self.max_list_request = max(max_request, max_list_request or 0)
+        self._limit = max_request  # (the bound of the request being parsed)
         self._buf = bytearray()
         self._need = 1  # bytes the next request needs at least (no parse before they are here)
         self._partial: _Partial | None = None
@@ -172,10 +175,13 @@ class RequestReader:
         return request
 
     def _check_size(self, need: int) -> None:
-        if need > self.max_request:
+        if need > self._limit:
+            if self._limit == self.max_request:
+                why = "its largest value and key, plus 4096"
+            else:
+                why = f"{self.max_keys} keys of {self.max_list_request // self.max_keys - 8} bytes or less"
             raise LimitError(
-                f"a TCPStore request of more than {self.max_request} bytes (the server's limit: its "
-                "largest value and key, plus 4096)"
+                f"a TCPStore request of more than {self._limit} bytes (the server's limit: {why})"
             )
 
     def _parse(self, buf: bytearray) -> tuple[tuple[Any, ...], int]:
@@ -184,6 +190,8 @@ class RequestReader:
             if buf[0] not in _FIELDS:
                 raise ProtocolError(f"unknown TCPStore query type {buf[0]}")
             p = self._partial = _Partial(buf[0])
+            lists = "K" in _FIELDS[buf[0]] or "P" in _FIELDS[buf[0]]
+            self._limit = self.max_list_request if lists else self.max_request
         fields = _FIELDS[p.out[0]]
         while p.field < len(fields):  # (each step takes effect only once its bytes are all here)
             field = fields[p.field]
@@ -229,7 +237,7 @@ class RequestReader:
     def _bytes(self, buf: bytearray, pos: int) -> tuple[bytes, int]:
         size = self._fixed(buf, pos, _U64)
         start, end = pos + 8, pos + 8 + size
-        if end > self.max_request:
+        if end > self._limit:
             self._check_size(end)
         if len(buf) < end:
             raise _Short(end)

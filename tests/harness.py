@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -325,3 +326,57 @@ def emulated_hosts(prefix: str, count: int) -> Iterator[Any]:
         topo.close()
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert topo.prefix not in left, f"namespaces left behind: {left}"
+
+
+class Lines:
+    """Every line a process writes to ``stream``, read by a thread, waited for by substring."""
+
+    def __init__(self, stream: object) -> None:
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: object) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: any(text in line for line in self.lines), timeout)
+
+    def __str__(self) -> str:
+        with self._changed:
+            return "".join(self.lines)[-4000:]
+
+
+def start_cut_job(
+    hosts: Any, ranks: int, job: str, port: int, lease: float, link_timeout: float
+) -> tuple[Lines, list[subprocess.Popen[str]], list[Lines], list[Lines]]:
+    """On emulated ``hosts``: the server on host 0 (``--lease``) and ``ranks`` ranks of
+    ``tests/cut_rank.py`` on hosts 1..ranks (``ARENDEZ_LINK_TIMEOUT``), all reducing; the
+    server's log and the ranks' processes, outputs and errors."""
+    argv = ["-m", "arendez_server", "--host", "0.0.0.0", "--port", str(port), "--lease", str(lease)]
+    server = hosts.run(0, [PY, *argv])
+    server_log, server_out = Lines(server.stderr), Lines(server.stdout)
+    assert server_out.wait_for("listening on", 20), server_log
+    url = f"arendez://{hosts.address(0)}:{port}/{job}"
+    env = {"PYTHONPATH": str(ROOT), "ARENDEZ_LINK_TIMEOUT": str(link_timeout)}
+    procs = [
+        hosts.run(host, [PY, "-m", "tests.cut_rank", url, str(ranks), str(host - 1)], env)
+        for host in range(1, ranks + 1)
+    ]
+    outs, errs = [Lines(p.stdout) for p in procs], [Lines(p.stderr) for p in procs]
+    for rank, out in enumerate(outs):
+        assert out.wait_for("READY", 30), f"rank {rank} never joined:\n{errs[rank]}"
+    time.sleep(0.5)  # (collectives running)
+    return server_log, procs, outs, errs
+
+
+def failed_after(out: Lines, err: Lines, cut_at: float, within: float) -> tuple[float, str]:
+    """Seconds from ``cut_at`` (wall time) to a cut_rank's ``FAILED`` line, and its error."""
+    assert out.wait_for("FAILED", within), f"no error {within}s after the cut:\n{out}\n{err}"
+    line = next(line for line in str(out).splitlines() if line.startswith("FAILED"))
+    _, when, error = line.split(" ", 2)
+    return float(when) - cut_at, error

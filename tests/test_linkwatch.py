@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from arendez import frames, linkwatch
+from arendez import frames, linkwatch, stall
 
 
 def info(
@@ -103,16 +103,16 @@ async def test_a_closed_window_is_never_cut_and_an_idle_link_is_nudged() -> None
     assert all(frame == linkwatch.NUDGE for _, frame in world.sent)
 
 
-def test_a_watch_does_not_keep_its_event_loop_alive() -> None:
+def test_the_watches_do_not_keep_their_event_loop_alive() -> None:
     loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
 
     async def one() -> None:
         loop = asyncio.get_running_loop()
         loops.append(weakref.ref(loop))
-        world = World({})
-        world.closed = True
-        linkwatch.LinkWatch(loop, 20.0).watch(world)
-        linkwatch._watches[loop] = linkwatch.LinkWatch(loop, 20.0)
+        world = World({})  # (open: both watches are armed when the loop closes)
+        linkwatch.watch(world, loop)
+        stall.watch_for(loop).watch(world)
+        assert loop in linkwatch._watches and loop in stall._watches
 
     for _ in range(3):
         asyncio.run(one())

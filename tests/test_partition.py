@@ -17,15 +17,13 @@ The server (host 0) and the ranks (hosts 1, 2, ...) live in network namespaces o
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.harness import ROOT, emulated_hosts
+from tests.harness import ROOT, Lines, emulated_hosts, failed_after, start_cut_job
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from netns import Hosts, ip
@@ -34,29 +32,6 @@ LEASE = 1.5
 LINK_TIMEOUT = 3.0
 PORT = 29471
 HTTP_PORT = 29472  # (on the server's own loopback: reachable from its namespace while cut off)
-
-
-class Lines:
-    """Every line a process writes to ``stream``, read by a thread, waited for by substring."""
-
-    def __init__(self, stream: object) -> None:
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream: object) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            with self._changed:
-                self.lines.append(line)
-                self._changed.notify_all()
-
-    def wait_for(self, text: str, timeout: float) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: any(text in line for line in self.lines), timeout)
-
-    def __str__(self) -> str:
-        with self._changed:
-            return "".join(self.lines)[-4000:]
 
 
 @pytest.fixture
@@ -124,45 +99,18 @@ def _status_and_metrics(hosts: Hosts) -> str:
     return out
 
 
-def _start(hosts: Hosts, ranks: int, job: str) -> tuple[Lines, list[Any], list[Lines], list[Lines]]:
-    """The server on host 0 and ``ranks`` cut_rank processes on hosts 1..ranks, all READY."""
-    argv = ["-m", "arendez_server", "--host", "0.0.0.0", "--port", str(PORT), "--lease", str(LEASE)]
-    server = hosts.run(0, [sys.executable, *argv])
-    server_log, server_out = Lines(server.stderr), Lines(server.stdout)
-    assert server_out.wait_for("listening on", 20), server_log
-    url = f"arendez://{hosts.address(0)}:{PORT}/{job}"
-    env = {"PYTHONPATH": str(ROOT), "ARENDEZ_LINK_TIMEOUT": str(LINK_TIMEOUT)}
-    procs = [
-        hosts.run(host, [sys.executable, "-m", "tests.cut_rank", url, str(ranks), str(host - 1)], env)
-        for host in range(1, ranks + 1)
-    ]
-    outs, errs = [Lines(p.stdout) for p in procs], [Lines(p.stderr) for p in procs]
-    for rank, out in enumerate(outs):
-        assert out.wait_for("READY", 30), f"rank {rank} never joined:\n{errs[rank]}"
-    time.sleep(0.5)  # (collectives running)
-    return server_log, procs, outs, errs
-
-
-def _failure(out: Lines, err: Lines, cut_at: float, within: float) -> tuple[float, str]:
-    """Seconds from the cut to the rank's ``FAILED`` line, and its error."""
-    assert out.wait_for("FAILED", within), f"no error {within}s after the cut:\n{out}\n{err}"
-    line = next(line for line in str(out).splitlines() if line.startswith("FAILED"))
-    _, when, error = line.split(" ", 2)
-    return float(when) - cut_at, error
-
-
 @pytest.mark.timeout(90)
 def test_a_rank_whose_host_is_cut_off_raises_after_the_link_timeout_and_the_other_at_the_lease(
     hosts: Hosts,
 ) -> None:
-    _, procs, outs, errs = _start(hosts, 2, "hostcut")
+    _, procs, outs, errs = start_cut_job(hosts, 2, "hostcut", PORT, LEASE, LINK_TIMEOUT)
     cut_at = time.time()
     ip("-n", hosts.switch, "link", "set", "p2", "down")  # (rank 1's cable, pulled at the switch)
 
-    _, error = _failure(outs[0], errs[0], cut_at, 5 * LEASE)
+    _, error = failed_after(outs[0], errs[0], cut_at, 5 * LEASE)
     assert error.startswith("RankFailedError: rank 1 failed during all_reduce: declared failed by the"), error
     # the cut-off rank hears neither the server nor rank 0: its link to rank 0 goes unanswered
-    _, error = _failure(outs[1], errs[1], cut_at, 4 * LINK_TIMEOUT + 10)
+    _, error = failed_after(outs[1], errs[1], cut_at, 4 * LINK_TIMEOUT + 10)
     assert error.startswith("RankFailedError: rank 0 failed during all_reduce: connection lost (its"), error
     assert "stopped acknowledging what it was sent" in error and "the network to it is cut" in error, error
     for proc in procs:
@@ -171,12 +119,12 @@ def test_a_rank_whose_host_is_cut_off_raises_after_the_link_timeout_and_the_othe
 
 @pytest.mark.timeout(90)
 def test_a_cut_between_two_ranks_the_server_hears_ends_both_collectives_naming_the_cut(hosts: Hosts) -> None:
-    server_log, procs, outs, errs = _start(hosts, 2, "paircut")
+    server_log, procs, outs, errs = start_cut_job(hosts, 2, "paircut", PORT, LEASE, LINK_TIMEOUT)
     cut_at = time.time()
     hosts.cut(1, 2)
 
     for rank, other in ((0, 1), (1, 0)):
-        _, error = _failure(outs[rank], errs[rank], cut_at, 4 * LINK_TIMEOUT + 10)
+        _, error = failed_after(outs[rank], errs[rank], cut_at, 4 * LINK_TIMEOUT + 10)
         expected = f"RankFailedError: rank {other} failed during all_reduce: connection lost (its host"
         assert error.startswith(expected) and "stopped acknowledging" in error, error
     for proc in procs:

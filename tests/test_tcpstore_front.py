@@ -26,7 +26,7 @@ from arendez_server.tcpstore_front import client_key, store_key  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
 
 import arendez.sync  # noqa: E402
-from arendez.errors import ProtocolError, StoreTimeoutError  # noqa: E402
+from arendez.errors import LimitError, ProtocolError, StoreTimeoutError  # noqa: E402
 from tests.harness import PY, ServerProcess, start_server  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -193,15 +193,16 @@ def test_torch_client_names_a_key_per_rank_of_a_large_world_in_one_request(
     tcpstore_server: tuple[ServerProcess, int],
 ) -> None:
     """More keys in one request than arendez's own clients send (they split at 10,000): torch's
-    client cannot split, and a rank 0 of a 20,000-rank job waits on every rank's key."""
+    client cannot split, and a rank 0 of a job of the server's largest world (65,536 ranks)
+    waits on every rank's key, named as torch names them."""
     _, port = tcpstore_server
-    store, n = _client(port), 20_000
-    keys = [f"wide/rank{r}" for r in range(n)]
+    store, n = _client(port), 65_536
+    keys = [f"default_pg/0//rank_{r}" for r in range(n)]
     store.multi_set(keys, [str(r).encode() for r in range(n)])
-    store.wait(keys, timedelta(seconds=10))
+    store.wait(keys, timedelta(seconds=20))
     assert store.check(keys)
     assert store.multi_get(keys) == [str(r).encode() for r in range(n)]
-    assert store.get("wide/rank19999") == b"19999"  # (the connection is still up)
+    assert store.get("default_pg/0//rank_65535") == b"65535"  # (the connection is still up)
 
 
 @pytest.mark.timeout(60)
@@ -285,6 +286,26 @@ def test_key_mapping() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_key_list_has_a_bound_of_its_own() -> None:
+    """A request naming keys may be longer than one with a value (``max_list_request``), and
+    past its own bound it is refused by its length, naming the bound."""
+    reader = tw.RequestReader(100, 10, 500)
+    keys = [b"/" + bytes([97 + i]) * 30 for i in range(8)]  # 8 keys, 8 x 39 bytes with lengths
+    reader.feed(bytes([tw.Query.WAIT]) + struct.pack("<Q", 8) + b"".join(tw.blob(k) for k in keys))
+    assert reader.next() == (tw.Query.WAIT, keys)  # (over 100 bytes, within 500)
+    reader.feed(bytes([tw.Query.SET]) + tw.blob(b"/k") + tw.blob(b"v" * 200))
+    with pytest.raises(
+        LimitError, match=r"more than 100 bytes \(the server's limit: its largest value and key"
+    ):
+        reader.next()
+    reader = tw.RequestReader(100, 10, 500)
+    reader.feed(bytes([tw.Query.WAIT]) + struct.pack("<Q", 2) + tw.blob(b"/a") + struct.pack("<Q", 600))
+    with pytest.raises(
+        LimitError, match=r"more than 500 bytes \(the server's limit: 10 keys of 42 bytes or less"
+    ):
+        reader.next()
+
+
 def test_reader_takes_requests_split_anywhere() -> None:
     """Requests that arrive a byte at a time, and several in one read, parse the same."""
     wire = bytes([tw.Query.VALIDATE]) + struct.pack("<I", tw.VALIDATION_MAGIC)

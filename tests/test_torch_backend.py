@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -452,3 +453,26 @@ def test_torch_features_beyond_the_collectives_as_on_gloo() -> None:
         assert got["resize/arendez"] == [64, 0]
         assert got["inference/arendez"] == [[3.0, 3.0], [3.0, 3.0]]
         assert got["inference/gloo"][0] == [3.0, 3.0]
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_works_future_quotes_no_inner_frames_and_its_error_keeps_them() -> None:
+    """torch quotes the traceback of what a future's callback raises (DDP's message shows it):
+    the future gets the error without arendez's frames, while ``wait()`` and ``exception()``
+    keep the original, traceback and all."""
+    from arendez.errors import RankFailedError
+    from arendez.torchwork import start
+
+    async def deep_inside() -> None:
+        raise RankFailedError(1, "all_reduce", "connection lost (closed)")
+
+    work = start(None, deep_inside)
+    with pytest.raises(RuntimeError) as quoted:
+        work.get_future().wait()
+    message = str(quoted.value)
+    assert "RankFailedError: rank 1 failed during all_reduce: connection lost (closed)" in message
+    assert "deep_inside" not in message, message
+    with pytest.raises(RankFailedError) as kept:
+        work.wait()
+    assert kept.value is work.exception() and kept.value.rank == 1
+    assert "deep_inside" in "".join(traceback.format_tb(kept.value.__traceback__))

@@ -191,21 +191,25 @@ async def reads_nothing_for_a_while(rank: int, ws: int, url: str, seconds: float
 
 
 async def busy_only_while_calling(rank: int, ws: int, url: str) -> list[bool]:
-    """Rank 0 sends 32 MiB to rank 1, whose event loop is blocked for half a second (the send
-    waits for room meanwhile); ``World.busy`` before, during and after, on each rank."""
+    """``World.busy`` on each rank: at rest; while a posted receive waits (rank 1) or a send waits
+    for room (rank 0: rank 1's event loop is blocked for 2 s meanwhile); at rest again."""
     await join(url, ws, rank)
     world = dist.current_world()
+    await dist.barrier()
     seen = [world.busy()]
     x = np.ones(8 << 20, np.float32)
     if rank == 0:
+        await asyncio.sleep(0.5)  # (rank 1 has posted its receive, and blocks from 0.2 s to 2.2 s)
         sending = asyncio.ensure_future(dist.send(x, 1))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.3)
         seen.append(world.busy())
         await sending
     else:
-        time.sleep(0.5)  # deliberately blocks the loop: nothing is read meanwhile
-        await dist.recv(x, 0)
-        seen.append(True)
+        receiving = asyncio.ensure_future(dist.recv(x, 0))
+        await asyncio.sleep(0.2)
+        seen.append(world.busy())
+        time.sleep(2.0)  # deliberately blocks the loop: nothing is read meanwhile
+        await receiving
     await dist.barrier()
     seen.append(world.busy())
     await dist.destroy_process_group()
