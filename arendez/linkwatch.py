@@ -33,6 +33,7 @@ import weakref
 from typing import Any
 
 from . import frames
+from .perloop import LoopWatch, of_loop
 from .settings import env_seconds
 
 log = logging.getLogger("arendez.linkwatch")
@@ -89,24 +90,16 @@ def state(sock: Any) -> LinkState | None:
     return LinkState(raw) if len(raw) >= _TCP_INFO.size else None
 
 
-class LinkWatch:
+class LinkWatch(LoopWatch):
     """Checks the TCP peer links of the busy worlds of one event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-        self._loop = weakref.ref(loop)  # (the watches are kept by loop, weakly: not the loop by its watch)
+        super().__init__(loop)
         self.limit = timeout
         self.period = timeout / 4
         self.worlds: weakref.WeakSet[Any] = weakref.WeakSet()
         #: when the watch first and last saw each link's data go unanswered (loop time)
         self._unanswered: weakref.WeakKeyDictionary[Any, tuple[float, float]] = weakref.WeakKeyDictionary()
-        #: whether a timer is due (not the handle: it holds the loop, which would keep it alive)
-        self._armed = False
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        loop = self._loop()
-        assert loop is not None, "a link watch outlived its event loop"
-        return loop
 
     def watch(self, world: Any) -> None:
         """Check ``world``'s links (``world.mesh.conns``) while it is open and ``world.busy()``."""
@@ -141,12 +134,13 @@ class LinkWatch:
             elif min(found.silent, now - self._seen_unanswered(conn, now) + self.period) >= self.limit:
                 # (unanswered for as long as the watch has seen, plus the period it may have missed;
                 # and at most since the last acknowledgement: a nudged idle link's came long before)
-                conn.cut(
+                conn.fail(
                     ConnectionAbortedError(
                         f"its host stopped acknowledging what it was sent: nothing for {found.silent:.0f}s,"
                         f" past ARENDEZ_LINK_TIMEOUT={self.limit:g}s; the network to it is cut, or its host"
                         " is down"
-                    )
+                    ),
+                    at_once=True,
                 )
                 continue
             if found.idle >= self.limit / 2:
@@ -167,9 +161,5 @@ _watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LinkWatch] = weak
 
 def watch(world: Any, loop: asyncio.AbstractEventLoop) -> None:
     """Watch ``world``'s links on ``loop`` (one watch per loop; none with ``LINK_TIMEOUT`` 0)."""
-    if not LINK_TIMEOUT:
-        return
-    found = _watches.get(loop)
-    if found is None:
-        found = _watches[loop] = LinkWatch(loop, LINK_TIMEOUT)
-    found.watch(world)
+    if LINK_TIMEOUT:
+        of_loop(_watches, loop, lambda loop: LinkWatch(loop, LINK_TIMEOUT)).watch(world)

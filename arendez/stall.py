@@ -26,6 +26,8 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
+from .perloop import LoopWatch, of_loop
+
 #: Seconds between ticks.
 TICK = 0.25
 #: Seconds a tick may be late before the loop counts as having stood still.
@@ -34,22 +36,14 @@ STALL = 1.0
 GRACE = 2.0
 
 
-class StallWatch:
+class StallWatch(LoopWatch):
     """Ticks on one event loop while any of its ``users`` is alive and open."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = weakref.ref(loop)  # (the watches are kept by loop, weakly: not the loop by its watch)
+        super().__init__(loop)
         self.users: weakref.WeakSet[Any] = weakref.WeakSet()
         self.due = math.inf  # when the next tick is due (loop time)
         self.resumed_until = -math.inf
-        #: whether a timer is due (not the handle: it holds the loop, which would keep it alive)
-        self._armed = False
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        loop = self._loop()
-        assert loop is not None, "a stall watch outlived its event loop"
-        return loop
 
     def watch(self, user: Any) -> None:
         """Keep ticking while ``user`` lives and its ``closed`` is false."""
@@ -80,10 +74,7 @@ _watches: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, StallWatch] = wea
 
 def watch_for(loop: asyncio.AbstractEventLoop) -> StallWatch:
     """The stall watch of ``loop`` (one per loop)."""
-    found = _watches.get(loop)
-    if found is None:
-        found = _watches[loop] = StallWatch(loop)
-    return found
+    return of_loop(_watches, loop, StallWatch)
 
 
 #: How many times its length a ``patient_timeout`` may last while the loop is overloaded.

@@ -348,11 +348,14 @@ class Connection(asyncio.BufferedProtocol):
                 await self._queue_waiter
             return self._queue.popleft()
 
-    def fail(self, exc: BaseException, *, tell_peer: bool = False) -> None:
-        """Close because of ``exc``; with ``tell_peer`` first send it as an error frame.
+    def fail(self, exc: BaseException, *, tell_peer: bool = False, at_once: bool = False) -> None:
+        """Close because of ``exc``; with ``tell_peer`` first send it as an error frame; with
+        ``at_once`` abort, dropping what the kernel has not sent yet (a peer that cannot be
+        reached would never take it, and a close would wait for it).
 
         The connection keeps ``exc`` without its traceback (whose frames would hold the
-        connection in a reference cycle) and drops the frames it had queued.
+        connection in a reference cycle) and drops the frames it had queued; the close handler
+        gets ``exc``.
         """
         if self.error is None:
             self.error = detached(exc)
@@ -361,20 +364,13 @@ class Connection(asyncio.BufferedProtocol):
         transport = self._transport
         if transport is None:
             return
+        if at_once:
+            transport.abort()
+            return
         if tell_peer and not transport.is_closing():
             with contextlib.suppress(Exception):  # best effort on a broken stream
                 transport.writelines(wire.encode(self._error_header(exc)))
         transport.close()
-
-    def cut(self, exc: BaseException) -> None:
-        """Close at once because of ``exc`` (what is queued is dropped: the peer cannot be
-        reached to take it); the close handler gets ``exc``."""
-        if self.error is None:
-            self.error = detached(exc)
-        self._queue.clear()
-        self._drop_lowat()
-        if self._transport is not None:
-            self._transport.abort()
 
     @property
     def socket(self) -> Any:

@@ -283,9 +283,8 @@ class World(PeerLosses):
 
     def busy(self) -> bool:
         """Whether a collective or a point-to-point call is in progress here."""
-        return (
-            any(self._draining.values()) or self.p2p.waiting() or any(g.active for g in self.groups.values())
-        )
+        # (``_draining`` holds a peer's entry only while one of its sends waits)
+        return bool(self._draining) or self.p2p.waiting() or any(g.active for g in self.groups.values())
 
     def finished(self) -> dict[int, int]:
         """By group id, the first collective this rank has not done its part of (those before

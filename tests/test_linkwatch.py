@@ -38,7 +38,8 @@ class Conn:
     def getsockopt(self, *_: Any) -> bytes:
         return self.raw
 
-    def cut(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException, *, at_once: bool = False) -> None:
+        assert at_once  # (a cut link is aborted: a close would wait for bytes it cannot send)
         self.cut_with, self.is_open = exc, False
 
 
